@@ -1,0 +1,94 @@
+"""The pool lease: engines hold a shared ``flock`` on ``<pool_dir>/lease`` while attached.
+
+The kernel drops an flock when its holder dies, so a crashed engine can never leave the pool
+"held". The node side takes the lock exclusively (non-blocking) before it destroys, shrinks or
+re-populates a region; failing to get it means an engine is attached and the region stays.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from offloadpool.region.manifest import LEASE_NAME
+
+
+class LeaseHeld(RuntimeError):
+    """An engine holds the pool; the node side must not touch its memory."""
+
+
+def lease_path(pool_dir: str | os.PathLike[str]) -> Path:
+    return Path(pool_dir) / LEASE_NAME
+
+
+class Lease:
+    """A held flock on a pool's lease file. ``close()`` (or process death) releases it."""
+
+    def __init__(self, fd: int, path: Path, exclusive: bool) -> None:
+        self.fd = fd
+        self.path = path
+        self.exclusive = exclusive
+
+    @classmethod
+    def shared(cls, pool_dir: str | os.PathLike[str], blocking: bool = True) -> "Lease":
+        """What an engine takes on attach. Blocks only while the node side holds it exclusively."""
+        return cls._take(pool_dir, fcntl.LOCK_SH, blocking)
+
+    @classmethod
+    def exclusive(cls, pool_dir: str | os.PathLike[str]) -> "Lease":
+        """What the node side takes before changing memory; raises LeaseHeld if any engine holds it."""
+        return cls._take(pool_dir, fcntl.LOCK_EX, blocking=False)
+
+    @classmethod
+    def _take(cls, pool_dir: str | os.PathLike[str], op: int, blocking: bool) -> "Lease":
+        path = lease_path(pool_dir)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, op | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            holders = count_holders(path)
+            raise LeaseHeld(
+                f"pool lease {path} is held by {holders or 'an'} attached engine"
+                f"{'s' if holders != 1 else ''}"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, path, op == fcntl.LOCK_EX)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the last fd of the open file drops the flock
+            self.fd = -1
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def count_holders(path: str | os.PathLike[str]) -> int:
+    """Number of distinct processes holding a shared flock on ``path`` (from /proc/locks).
+
+    This is how the node reports "engines attached" without any cooperation from engines.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return 0
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = set()
+    try:
+        with open("/proc/locks") as fh:
+            for line in fh:
+                parts = line.split()
+                # "1: FLOCK  ADVISORY  READ 1234 00:1a:5678 0 EOF"; blocked waiters have "->"
+                if len(parts) >= 6 and parts[1] == "FLOCK" and "->" not in parts[1:2]:
+                    if parts[3] == "READ" and parts[5] == dev:
+                        pids.add(parts[4])
+    except OSError:
+        return 0
+    return len(pids)

@@ -1,0 +1,40 @@
+"""Test session wiring.
+
+Fixture plugins live in ``tests/fixtures/`` (one concept per module). GPU tests (marked
+``gpu``) are the only tests that may not run: they are deselected on machines without an
+NVIDIA GPU, and run everywhere one exists. Nothing else skips: a test that cannot run here
+(no root, no huge pages, no control plane) fails.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+pytest_plugins = [
+    "fixtures.controlplane",
+    "fixtures.crds",
+    "fixtures.host",
+]
+
+
+def _gpu_present() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _gpu_present():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        config.hook.pytest_deselected(items=gpu)
