@@ -1,0 +1,90 @@
+"""Mounting a pool's own tmpfs/hugetlbfs, through mount(2)/umount2(2) via ctypes.
+
+A dedicated mount per pool gives the pool its own size limit (tmpfs ``size=``), its own huge
+page reservation (hugetlbfs ``min_size=``), and makes release a single unmount that frees
+every page, whatever files an engine may have left behind. The mount is made a shared peer
+so that pods which see the host root with ``mountPropagation: HostToContainer`` see it too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+
+from offloadpool.region.errors import RegionError
+
+MS_REC = 0x4000
+MS_SHARED = 1 << 20
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MNT_DETACH = 0x2
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    target: str
+    fstype: str
+    source: str
+    options: str  # per-superblock options (size=, pagesize=, huge=, ...)
+    propagation: str  # e.g. "shared:42" or ""
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal."""
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def mounts() -> list[MountInfo]:
+    out = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            lf, rf = left.split(), right.split()
+            if len(lf) < 5 or len(rf) < 3:
+                continue
+            out.append(MountInfo(_unescape(lf[4]), rf[0], _unescape(rf[1]), rf[2], " ".join(lf[6:])))
+    return out
+
+
+def mount_at(path: str | os.PathLike[str]) -> MountInfo | None:
+    """The topmost mount whose target is exactly ``path`` (None if it is not a mount point)."""
+    target = os.path.realpath(path)
+    found = None
+    for m in mounts():
+        if m.target == target:
+            found = m
+    return found
+
+
+def mounts_under(path: str | os.PathLike[str]) -> list[MountInfo]:
+    root = os.path.realpath(path).rstrip("/") + "/"
+    return [m for m in mounts() if (m.target + "/").startswith(root)]
+
+
+def mount(fstype: str, target: str | os.PathLike[str], options: str, source: str = "offloadpool") -> None:
+    """mount(2) ``fstype`` at ``target`` with ``options``, then make it a shared peer."""
+    rc = _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), MS_NOSUID | MS_NODEV,
+                     options.encode())
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise RegionError(f"mount -t {fstype} -o {options} {target} failed: {os.strerror(err)} (errno {err})")
+    if _libc.mount(None, os.fsencode(target), None, MS_SHARED, None) != 0:
+        err = ctypes.get_errno()
+        umount(target)
+        raise RegionError(f"making {target} a shared mount failed: {os.strerror(err)}")
+
+
+def umount(target: str | os.PathLike[str], *, lazy: bool = False) -> None:
+    """umount2(2); EINVAL (not mounted) is fine, anything else is an error naming the cause."""
+    if _libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
+        err = ctypes.get_errno()
+        if err == 22:  # EINVAL: not a mount point (already gone)
+            return
+        hint = " (a process still has files of this pool mapped or open)" if err == 16 else ""
+        raise RegionError(f"umount {target} failed: {os.strerror(err)}{hint}")

@@ -1,0 +1,129 @@
+"""Segment plan: from a PoolRequest to regions and the segment files that back them.
+
+Rules (DESIGN "Node side in detail"), and why:
+
+* Layouts: ``Replicated`` = one region of S shared by every rank; ``PerRank`` = r regions of S/r,
+  one per rank, so no rank maps memory it never uses; ``Interleaved`` = one region whose rows
+  hold r slots of ``slot_bytes`` each.
+* A region of R bytes is split into k = min(max_files, floor(R / min_segment)) files (at least
+  one). One file serialises parallel population on the file's page cache lock, many files let
+  workers populate side by side; tiny files only add mappings. With the default 1 GiB minimum
+  this yields "one file below 2 GiB".
+* Boundaries fall on the granule g = lcm(page size, row size): every file is a whole number of
+  pages (hugetlbfs refuses anything else) and no row straddles two files (so an engine's copy
+  unit never spans a file boundary). k is lowered, if needed, so that every file holds at least
+  ``min_segment`` bytes; when g divides both R and ``min_segment`` (the usual case) this is
+  exactly the formula above. With a stock-vLLM compat file the region is one file (vLLM adopts
+  exactly one). Sizes differ by at most one granule, the larger ones first; a
+  remainder smaller than g (R not a multiple of the lcm) goes to the last file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from offloadpool.region.errors import RequestError, fmt_bytes
+from offloadpool.region.manifest import MOUNT_NAME, Layout, Region, Segment
+from offloadpool.region.media import Medium, medium
+from offloadpool.region.request import PoolRequest
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The regions of a pool and their segment files (paths relative to the pool directory)."""
+
+    medium: Medium
+    layout: Layout
+    regions: tuple[Region, ...]
+
+    @property
+    def page_size(self) -> int:
+        return self.medium.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.regions)
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Every segment file in logical order (region 0's files first)."""
+        return [s for r in self.regions for s in r.segments]
+
+
+def segment_sizes(region_bytes: int, page_size: int, row_bytes: int | None, max_files: int,
+                  min_segment: int) -> list[int]:
+    """Split ``region_bytes`` into file sizes by the rules in the module docstring."""
+    if region_bytes <= 0 or region_bytes % page_size:
+        raise RequestError(
+            f"region size {fmt_bytes(region_bytes)} is not a positive multiple of the page size "
+            f"{fmt_bytes(page_size)}"
+        )
+    if row_bytes is not None and region_bytes % row_bytes:
+        raise RequestError(
+            f"region size {fmt_bytes(region_bytes)} is not a whole number of "
+            f"{fmt_bytes(row_bytes)} rows"
+        )
+    granule = math.lcm(page_size, row_bytes) if row_bytes else page_size
+    units = region_bytes // granule
+    per_file_units = -(-min_segment // granule)  # ceil: every file >= min_segment
+    k = max(1, min(max_files, units // per_file_units))
+    if units == 0:  # region smaller than one granule (page * row lcm): one file
+        return [region_bytes]
+    base, extra = divmod(units, k)
+    sizes = [(base + (1 if i < extra else 0)) * granule for i in range(k)]
+    sizes[-1] += region_bytes - units * granule
+    return sizes
+
+
+def row_bytes_of(req: PoolRequest) -> int | None:
+    """Row size implied by the request: Interleaved rows hold every rank's slot."""
+    if req.slot_bytes is None:
+        return None
+    return req.slot_bytes * req.ranks if req.layout_type == "Interleaved" else req.slot_bytes
+
+
+def plan(req: PoolRequest) -> Plan:
+    """Validate ``req`` and lay out its regions and segment files; touches nothing."""
+    req.validate()
+    med = medium(req.medium)
+    rows = row_bytes_of(req)
+    if req.capacity % med.page_size:
+        raise RequestError(
+            f"capacity {fmt_bytes(req.capacity)} is not a multiple of the {fmt_bytes(med.page_size)} "
+            f"page size of {med.name}"
+        )
+    if req.layout_type == "PerRank":
+        if req.capacity % (req.ranks * med.page_size):
+            raise RequestError(
+                f"PerRank capacity {fmt_bytes(req.capacity)} does not divide into {req.ranks} "
+                f"regions of whole {fmt_bytes(med.page_size)} pages"
+            )
+        region_sizes = [req.capacity // req.ranks] * req.ranks
+    else:
+        region_sizes = [req.capacity]
+    max_files = req.max_files
+    if req.compat_engine_id is not None:
+        # Stock vLLM adopts exactly one file; the compat name is a hard link to it.
+        if req.layout_type == "PerRank":
+            raise RequestError(
+                "compat.vllm exposes one file that every rank of an unmodified vLLM maps; it "
+                "cannot be combined with the PerRank layout (one region per rank)"
+            )
+        max_files = 1
+    regions = []
+    for index, size in enumerate(region_sizes):
+        offset, segs = 0, []
+        sizes = segment_sizes(size, med.page_size, rows, max_files, req.min_segment)
+        for s, nbytes in enumerate(sizes):
+            segs.append(Segment(file=f"{MOUNT_NAME}/r{index}-s{s:03d}", offset=offset, bytes=nbytes))
+            offset += nbytes
+        regions.append(Region(index=index, bytes=size, segments=tuple(segs),
+                              rank=index if req.layout_type == "PerRank" else None))
+    layout = Layout(
+        type=req.layout_type,
+        ranks=req.ranks,
+        row_bytes=rows,
+        slot_bytes=req.slot_bytes if req.layout_type == "Interleaved" else None,
+    )
+    return Plan(medium=med, layout=layout, regions=tuple(regions))

@@ -1,0 +1,205 @@
+"""Parallel, resumable pre-fault of a pool's segment files.
+
+W worker threads each take a contiguous share of the logical region (all segments of all
+regions back to back), so with k >= W equal files every worker starts in a different file and
+no two workers contend for one file's page-cache lock. Each worker walks its share in chunks of
+at most ``chunk_bytes`` within one file, calls ``madvise(MADV_POPULATE_WRITE)`` through ctypes
+(the GIL is released for the call, so workers run on separate cores), then records the chunk in
+the journal and reports progress. Shares are cut on journal units (max(page, 2 MiB)), so they
+are page aligned for every medium.
+
+Population writes no data: present pages keep their contents. That is what makes a resumed
+provision safe for memory that may already hold an engine's data.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from offloadpool.region import numa, vm
+from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
+from offloadpool.region.journal import Journal, Unit, units
+from offloadpool.region.planner import Plan
+
+Progress = Callable[[int, int], None]
+DEFAULT_CHUNK = 64 << 20
+MODES = ("auto", "madvise", "touch")
+
+
+@dataclass(frozen=True)
+class PopulateStats:
+    total_bytes: int
+    populated_bytes: int  # newly populated by this call
+    skipped_bytes: int  # already recorded as populated by an earlier run
+    seconds: float
+    workers: int
+    mode: str  # "madvise" or "touch"
+    thp_bytes: int  # bytes mapped with PMD-sized pages at the end (tmpfs THP coverage)
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.populated_bytes / (1 << 30) / self.seconds if self.seconds > 0 else 0.0
+
+
+def default_workers(plan: Plan) -> int:
+    """The cores this process may run on, at most four per file, at least one."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, 4 * len(plan.segments)))
+
+
+def shares(all_units: list[Unit], workers: int) -> list[list[Unit]]:
+    """Cut the unit list into ``workers`` contiguous runs of nearly equal bytes."""
+    total = sum(u.bytes for u in all_units)
+    out: list[list[Unit]] = [[] for _ in range(workers)]
+    acc = 0
+    for u in all_units:
+        w = min(workers - 1, acc * workers // total) if total else 0
+        out[w].append(u)
+        acc += u.bytes
+    return out
+
+
+def _chunks(share: list[Unit], done: bytearray, chunk_bytes: int) -> list[list[Unit]]:
+    """Group the not-yet-populated units of a share into runs within one file."""
+    runs: list[list[Unit]] = []
+    cur: list[Unit] = []
+    size = 0
+    for u in share:
+        contiguous = cur and cur[-1].segment == u.segment and cur[-1].offset + cur[-1].bytes == u.offset
+        if done[u.index] or not contiguous or size + u.bytes > chunk_bytes:
+            if cur:
+                runs.append(cur)
+            cur, size = [], 0
+        if not done[u.index]:
+            cur.append(u)
+            size += u.bytes
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+def _thp_bytes(addrs: list[tuple[int, int]]) -> int:
+    """Sum of ShmemPmdMapped/FilePmdMapped over our mappings (huge-page-backed tmpfs bytes)."""
+    starts = {a for a, _ in addrs}
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as fh:
+            for line in fh:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    inside = int(head.split("-")[0], 16) in starts
+                elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def populate(pool_dir: str | os.PathLike[str], plan: Plan, *, workers: int = 0,
+             progress: Progress | None = None, numa_policy: str = "None", mode: str = "auto",
+             chunk_bytes: int = DEFAULT_CHUNK, rate_limit: float | None = None) -> PopulateStats:
+    """Pre-fault every segment of ``plan`` under ``pool_dir`` that the journal lacks.
+
+    ``rate_limit`` (bytes/s, all workers together) keeps a pre-fault from saturating the
+    memory bandwidth of a busy node. ``mode``: ``auto`` uses MADV_POPULATE_WRITE and falls
+    back to touching pages when the kernel lacks it (also ``OFFLOADPOOL_POPULATE_MODE``).
+    """
+    mode = os.environ.get("OFFLOADPOOL_POPULATE_MODE", mode)
+    if mode not in MODES:
+        raise RegionError(f"populate mode {mode!r} is not one of {MODES}")
+    pool_dir = Path(pool_dir)
+    segments = plan.segments
+    region_of = [r.index for r in plan.regions for _ in r.segments]
+    all_units = units(segments, plan.page_size)
+    total = sum(u.bytes for u in all_units)
+    workers = workers or default_workers(plan)
+    workers = max(1, min(workers, len(all_units)))
+    policy = numa.parse_policy(numa_policy)
+    journal = Journal(pool_dir, len(all_units))
+    fds: list[int] = []
+    maps: list[tuple[int, int]] = []
+    try:
+        for i, seg in enumerate(segments):
+            fd = os.open(pool_dir / seg.file, os.O_RDWR | os.O_CLOEXEC)
+            fds.append(fd)
+            addr = vm.map_shared(fd, seg.bytes)
+            maps.append((addr, seg.bytes))
+            nmode, nodes = numa.placement(policy, region_of[i])
+            numa.mbind(addr, seg.bytes, nmode, nodes)
+        done = journal.done()
+        skipped = sum(u.bytes for u in all_units if done[u.index])
+        if rate_limit:
+            chunk_bytes = max(1, min(chunk_bytes, int(rate_limit / 8)))
+        lock = threading.Lock()
+        state = {"done": skipped, "new": 0, "mode": "madvise" if mode != "touch" else "touch"}
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        t0 = time.perf_counter()
+
+        def report(n: int) -> None:
+            with lock:
+                state["done"] += n
+                state["new"] += n
+                now_done = state["done"]
+            if progress is not None:
+                progress(now_done, total)
+
+        def work(share: list[Unit]) -> None:
+            try:
+                for run in _chunks(share, done, chunk_bytes):
+                    if stop.is_set():
+                        return
+                    first = run[0]
+                    addr = maps[first.segment][0] + first.offset
+                    length = sum(u.bytes for u in run)
+                    _fault(addr, length)
+                    journal.mark(first.index, len(run))
+                    report(length)
+                    if rate_limit:
+                        ahead = state["new"] / rate_limit - (time.perf_counter() - t0)
+                        if ahead > 0:
+                            time.sleep(ahead)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                errors.append(exc)
+                stop.set()
+
+        def _fault(addr: int, length: int) -> None:
+            if state["mode"] == "madvise":
+                try:
+                    vm.populate_write(addr, length)
+                    return
+                except vm.VMError as exc:
+                    if exc.errno == errno.EINVAL and mode == "auto":
+                        state["mode"] = "touch"  # kernel < 5.14: no MADV_POPULATE_WRITE
+                    elif exc.errno in (errno.ENOMEM, errno.EFAULT):
+                        raise CapacityError(
+                            f"pre-fault ran out of memory at {fmt_bytes(length)} chunk of "
+                            f"{plan.medium.name} pool: {exc.strerror}"
+                        ) from exc
+                    else:
+                        raise
+            vm.touch_pages(addr, length, plan.page_size)
+
+        threads = [threading.Thread(target=work, args=(s,), name=f"populate-{i}", daemon=True)
+                   for i, s in enumerate(shares(all_units, workers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        thp = _thp_bytes(maps) if not plan.medium.hugetlb else 0
+        return PopulateStats(total, state["new"], skipped, seconds, workers, state["mode"], thp)
+    finally:
+        for addr, length in maps:
+            vm.unmap(addr, length)
+        for fd in fds:
+            os.close(fd)
+        journal.close()

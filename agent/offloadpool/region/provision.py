@@ -1,0 +1,249 @@
+"""Provision: make a pool's memory exist on this node, populated, and keep it.
+
+One call does whichever of these the pool needs, judged from what is on disk:
+
+* **Ready with the same shape** → validate mount, files and manifest; apply ownership, mode,
+  compat link and generation in place; return ``reused=True`` without touching the memory.
+* **Absent** → capacity check (before anything is created), reserve huge pages, mount, create
+  files, pre-fault, write the manifest last.
+* **Interrupted** (same shape, not Ready: a provision was killed) → finish what is missing;
+  the journal says which parts are populated and the pre-fault never rewrites present pages.
+* **Different shape** → only if the exclusive lease can be taken (no engine attached): tear down
+  and rebuild; otherwise raise LeaseHeld, the change stays pending and the memory is untouched.
+
+A fresh build that fails (capacity, mount) is torn down, so nothing half-built is left; an
+interrupted one (signal, kill) is left for the next run to finish.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from offloadpool.region import capacity, hugepages, layout_files, mounts, numa
+from offloadpool.region import record as records
+from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
+from offloadpool.region.lease import Lease
+from offloadpool.region.manifest import MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.planner import Plan, plan as make_plan
+from offloadpool.region.populate import DEFAULT_CHUNK, Progress, populate
+from offloadpool.region.request import PoolRequest
+from offloadpool.region.teardown import teardown
+
+PhaseCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ProvisionResult:
+    pool_dir: Path
+    manifest: Manifest
+    populated_bytes: int  # populated by this call
+    seconds: float  # wall time of this call
+    gib_per_s: float  # populate rate of this call (0 when reused)
+    reused: bool
+    skipped_bytes: int = 0  # already populated by an interrupted earlier run
+    workers: int = 0
+    hugepages_added: int = 0
+    hugepage_coverage_percent: float = 0.0
+    rebuilt: bool = False  # an older, different-shaped region was torn down first
+
+
+@contextmanager
+def pool_lock(pool_dir: Path) -> Iterator[None]:
+    """Serialise provision/release of one pool (flock on its directory)."""
+    fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def mount_options(plan: Plan, req: PoolRequest) -> str:
+    total = plan.total_bytes
+    if plan.medium.hugetlb:
+        # min_size reserves every page at mount time: the pool can never SIGBUS for lack of pages.
+        return f"pagesize={plan.page_size},size={total},min_size={total},mode=0755"
+    return f"size={total},huge={plan.medium.huge},mode=0755"
+
+
+def _manifest(req: PoolRequest, plan: Plan, compat: str | None, rec: records.Record) -> Manifest:
+    return Manifest(
+        pool=req.name, generation=req.generation, medium=plan.medium.name,
+        page_size=plan.page_size, layout=plan.layout, regions=plan.regions,
+        total_bytes=plan.total_bytes, alignment=plan.page_size, uid=req.uid, gid=req.gid,
+        mode=req.mode, compat_file=compat,
+        extra={"fingerprint": req.fingerprint(), "numa_nodes": rec.numa_nodes,
+               "hugepage_coverage_percent": rec.hugepage_coverage_percent},
+    )
+
+
+def _validate_ready(pool_dir: Path, plan: Plan) -> str | None:
+    """None if the Ready pool on disk matches ``plan``; otherwise why not."""
+    m = mounts.mount_at(pool_dir / MOUNT_NAME)
+    if m is None or m.fstype != plan.medium.fstype:
+        return "its mount is gone (node rebooted or unmounted by hand)"
+    try:
+        manifest = load_manifest(pool_dir)
+    except ManifestError as exc:
+        return str(exc)
+    if manifest.regions != plan.regions or manifest.page_size != plan.page_size:
+        return "its manifest describes other segments"
+    return layout_files.check_segments(pool_dir, plan)
+
+
+def _reserve_hugepages(plan: Plan, rec: records.Record) -> int:
+    """Grow the kernel pool so a min_size mount of this plan succeeds; return pages added."""
+    page = plan.page_size
+    pages = plan.total_bytes // page
+    with hugepages.pool_lock():
+        c = hugepages.counters(page)
+        missing = max(0, pages - c.available)
+        added = hugepages.grow(page, missing)
+        if added < missing:
+            hugepages.shrink(page, added)
+            raise CapacityError(
+                f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
+                f"{c.available} were free and unreserved and the kernel could add only {added} "
+                f"of the {missing} missing (memory too fragmented or taken): short by "
+                f"{missing - added} pages ({fmt_bytes((missing - added) * page)})"
+            )
+    return added
+
+
+def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progress | None = None,
+              workers: int | None = None, rate_limit: float | None = None,
+              chunk_bytes: int = DEFAULT_CHUNK, on_phase: PhaseCallback | None = None) -> ProvisionResult:
+    """Make pool ``req`` Ready under ``root`` (see the module docstring for what that takes)."""
+    t0 = time.perf_counter()
+    plan = make_plan(req)  # validates the request: bad input fails before anything is touched
+    policy = numa.parse_policy(req.numa)
+    numa_nodes = numa.describe(policy, len(plan.regions))  # offline nodes fail here
+    root = Path(root)
+    pool_dir = root / req.name
+    say = on_phase or (lambda phase: None)
+
+    rec = records.load(pool_dir) if pool_dir.is_dir() else None
+    if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == "Ready":
+        with pool_lock(pool_dir):
+            reused = _reuse(pool_dir, plan, req, t0)
+        if reused is not None:
+            say("Ready")
+            return reused
+
+    credit = old_pages = 0
+    if rec is not None and mounts.mount_at(pool_dir / MOUNT_NAME) is not None:
+        # Memory this pool already holds (a shape being replaced, or an interrupted build
+        # being finished) is about to be freed or reused: count it as available.
+        old = rec.pool_request()
+        credit = old.capacity
+        if old.medium == req.medium and plan.medium.hugetlb:
+            old_pages = old.capacity // plan.page_size
+    capacity.check(plan, credit_bytes=credit, credit_pages=old_pages)
+
+    fresh = not pool_dir.is_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    pool_dir.mkdir(mode=0o755, exist_ok=True)
+    try:
+        with pool_lock(pool_dir):
+            lease = Lease.exclusive(pool_dir)  # never build or populate under an attached engine
+            try:
+                return _build(req, plan, pool_dir, numa_nodes, progress, workers, rate_limit,
+                              chunk_bytes, say, t0)
+            finally:
+                lease.close()
+    except (RegionError, OSError) as exc:
+        if fresh and pool_dir.is_dir():
+            teardown(pool_dir)  # nothing half-built is left behind
+        elif pool_dir.is_dir():
+            failed = records.load(pool_dir)
+            if failed is not None:
+                failed.phase, failed.message = "Failed", str(exc)
+                records.save(pool_dir, failed)
+        raise
+
+
+def _reuse(pool_dir: Path, plan: Plan, req: PoolRequest, t0: float) -> ProvisionResult | None:
+    rec = records.load(pool_dir)
+    if rec is None or rec.phase != "Ready" or _validate_ready(pool_dir, plan) is not None:
+        return None
+    for seg in plan.segments:
+        layout_files.own(pool_dir / seg.file, req)
+    layout_files.ensure_lease_file(pool_dir, req)
+    compat = layout_files.sync_compat(pool_dir, plan, req)
+    manifest = load_manifest(pool_dir)
+    wanted = _manifest(req, plan, compat, rec)
+    if manifest != wanted:
+        wanted.write(pool_dir)
+        manifest = wanted
+    rec.request = records.Record.new(req).request
+    records.save(pool_dir, rec)
+    return ProvisionResult(pool_dir, manifest, 0, time.perf_counter() - t0, 0.0, True,
+                           skipped_bytes=plan.total_bytes,
+                           hugepage_coverage_percent=rec.hugepage_coverage_percent)
+
+
+def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[int]],
+           progress: Progress | None, workers: int | None, rate_limit: float | None,
+           chunk_bytes: int, say: PhaseCallback, t0: float) -> ProvisionResult:
+    rec = records.load(pool_dir)
+    rebuilt = False
+    if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == "Ready":
+        if _validate_ready(pool_dir, plan) is None:  # another provisioner finished meanwhile
+            reused = _reuse(pool_dir, plan, req, t0)
+            if reused is not None:
+                return reused
+    if rec is not None and (rec.fingerprint != req.fingerprint() or rec.phase in ("Ready", "Draining", "Failed")):
+        # Different shape, or a Ready pool that no longer validates: rebuild from scratch.
+        teardown(pool_dir, keep_dir=True)  # the caller holds the lock and the exclusive lease
+        rec, rebuilt = None, True
+    if rec is None:
+        rec = records.Record.new(req)
+    else:
+        rec.request = records.Record.new(req).request
+    rec.phase, rec.message, rec.numa_nodes = "Provisioning", "", numa_nodes
+    records.save(pool_dir, rec)
+    say("Provisioning")
+
+    mnt = pool_dir / MOUNT_NAME
+    mnt.mkdir(mode=0o755, exist_ok=True)
+    if mounts.mount_at(mnt) is None:
+        if plan.medium.hugetlb:
+            rec.hugepage_size = plan.page_size
+            rec.hugepages_added += _reserve_hugepages(plan, rec)
+            records.save(pool_dir, rec)
+        mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
+        rec.mounted = True
+        records.save(pool_dir, rec)
+    layout_files.create_segments(pool_dir, plan, req)
+    layout_files.ensure_lease_file(pool_dir, req)
+
+    rec.phase = "Populating"
+    records.save(pool_dir, rec)
+    say("Populating")
+    stats = populate(pool_dir, plan, workers=workers or req.workers, progress=progress,
+                     numa_policy=req.numa, chunk_bytes=chunk_bytes, rate_limit=rate_limit)
+    if plan.medium.hugetlb:
+        coverage = 100.0
+    else:
+        coverage = round(100.0 * stats.thp_bytes / plan.total_bytes, 1) if plan.total_bytes else 0.0
+    rec.hugepage_coverage_percent = coverage
+    rec.populate = {"seconds": stats.seconds, "gib_per_s": stats.gib_per_s, "workers": stats.workers,
+                    "mode": stats.mode, "populated_bytes": stats.populated_bytes,
+                    "skipped_bytes": stats.skipped_bytes}
+    compat = layout_files.sync_compat(pool_dir, plan, req)
+    manifest = _manifest(req, plan, compat, rec)
+    manifest.write(pool_dir)  # last: from here on engines may attach
+    rec.phase = "Ready"
+    records.save(pool_dir, rec)
+    say("Ready")
+    return ProvisionResult(pool_dir, manifest, stats.populated_bytes, time.perf_counter() - t0,
+                           stats.gib_per_s, False, stats.skipped_bytes, stats.workers,
+                           rec.hugepages_added, coverage, rebuilt)
+

@@ -1,0 +1,99 @@
+"""PoolRequest: what one node must provision for one pool, in plain numbers.
+
+The region engine takes only this (never the Kubernetes objects), so it stays stdlib-only and
+runs the same under the agent, the CLI and tests. Converting an OffloadPool spec into a
+PoolRequest is the caller's job (``offloadpool.cli.pool_file``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+
+from offloadpool.region.errors import RequestError
+from offloadpool.region.media import MEDIA
+
+LAYOUTS = ("Replicated", "PerRank", "Interleaved")
+# DNS-1123 subdomain, like a Kubernetes object name; it becomes a directory name.
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+MAX_FILES_LIMIT = 1024
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """One node's share of a pool.
+
+    ``capacity`` is per node, in bytes. ``slot_bytes`` (Interleaved: one rank's slot in a row;
+    PerRank/Replicated: the row/block size) makes segment boundaries fall on rows. ``workers``
+    0 means "decide" (cores available, at most files x 4). ``numa`` is ``"None"`` (no binding),
+    ``"Interleave"`` (pages spread across all nodes), ``"Spread"`` (region i on node i mod N),
+    or a node list such as ``"0"`` or ``"0,1"`` / ``"0-1"`` (bind there).
+    """
+
+    name: str
+    capacity: int
+    medium: str = "HugePages-2Mi"
+    layout_type: str = "Replicated"
+    ranks: int = 1
+    slot_bytes: int | None = None
+    max_files: int = 32
+    min_segment: int = 1 << 30
+    workers: int = 0
+    numa: str = "None"
+    uid: int = 0
+    gid: int = 0
+    mode: int = 0o660
+    compat_engine_id: str | None = None
+    generation: int = 1
+
+    def validate(self) -> None:
+        """Raise RequestError naming the field for anything that cannot be planned."""
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise RequestError(
+                f"name {self.name!r} must be a lowercase DNS-1123 name (a-z, 0-9, '-', '.'), "
+                f"at most 253 characters"
+            )
+        if self.medium not in MEDIA:
+            raise RequestError(f"medium {self.medium!r} is unknown; known: {', '.join(MEDIA)}")
+        if self.layout_type not in LAYOUTS:
+            raise RequestError(f"layout.type {self.layout_type!r} is unknown; known: {', '.join(LAYOUTS)}")
+        for field in ("capacity", "ranks", "max_files", "min_segment", "generation"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RequestError(f"{field} must be a positive integer, got {value!r}")
+        if self.max_files > MAX_FILES_LIMIT:
+            raise RequestError(f"max_files {self.max_files} exceeds the limit of {MAX_FILES_LIMIT}")
+        if self.slot_bytes is not None and (not isinstance(self.slot_bytes, int) or self.slot_bytes < 1):
+            raise RequestError(f"slot_bytes must be a positive integer, got {self.slot_bytes!r}")
+        if not isinstance(self.workers, int) or self.workers < 0:
+            raise RequestError(f"workers must be >= 0 (0 = automatic), got {self.workers!r}")
+        for field in ("uid", "gid"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or not 0 <= value < 2**32 - 1:
+                raise RequestError(f"{field} must be a valid id, got {value!r}")
+        if not isinstance(self.mode, int) or not 0 <= self.mode <= 0o7777:
+            raise RequestError(f"mode must be a permission mode like 0o660, got {self.mode!r}")
+        if self.compat_engine_id is not None and not _ENGINE_ID.match(self.compat_engine_id):
+            raise RequestError(
+                f"compat engine id {self.compat_engine_id!r} must be 1-128 characters of "
+                f"[A-Za-z0-9_.-] (it becomes part of a file name)"
+            )
+        from offloadpool.region.numa import parse_policy  # local: numa imports ctypes lazily
+
+        parse_policy(self.numa)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that shapes the memory; equal fingerprints mean "same region".
+
+        Ownership, mode, the compat file name, the worker count and the generation are left
+        out: they can change on a live region (applied in place) without rebuilding it.
+        """
+        shape = {k: getattr(self, k) for k in SHAPE_FIELDS}
+        shape["single_file"] = self.compat_engine_id is not None  # compat forces one file
+        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+SHAPE_FIELDS = ("capacity", "medium", "layout_type", "ranks", "slot_bytes", "max_files", "min_segment", "numa")

@@ -1,0 +1,116 @@
+"""What a pool looks like on this node right now, read from disk and the kernel.
+
+Used by the CLI's ``status`` and by the agent for its OffloadPoolNode status; it never changes
+anything, so it can run while a provision is populating (progress comes from the journal).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from offloadpool.region import mounts
+from offloadpool.region import record as records
+from offloadpool.region.errors import RegionError
+from offloadpool.region.journal import populated_bytes, units
+from offloadpool.region.lease import count_holders, lease_path
+from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.planner import plan as make_plan
+
+PHASES = ("Absent", "Provisioning", "Populating", "Ready", "Failed")
+
+
+@dataclass(frozen=True)
+class PoolState:
+    name: str
+    phase: str
+    total_bytes: int = 0
+    populated_bytes: int = 0
+    medium: str = ""
+    hugepage_coverage_percent: float = 0.0
+    numa_nodes: tuple[tuple[int, ...], ...] = ()
+    engines_attached: int = 0
+    manifest: Manifest | None = None
+    message: str = ""
+    populate_gib_per_s: float = 0.0
+    in_progress: bool = False  # a provision is working on it right now
+
+    @property
+    def progress(self) -> float:
+        return self.populated_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["manifest"] = self.manifest.to_dict() if self.manifest else None
+        d["progress"] = round(self.progress, 4)
+        return d
+
+
+def _busy(pool_dir: Path) -> bool:
+    """True while a provision/release holds the pool's directory lock."""
+    try:
+        fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
+    pool_dir = Path(root) / name
+    rec = records.load(pool_dir) if pool_dir.is_dir() else None
+    if rec is None:
+        if pool_dir.is_dir() and (pool_dir / MANIFEST_NAME).exists():
+            return PoolState(name, "Failed", message="pool has a manifest but no provisioning record")
+        return PoolState(name, "Absent")
+    try:
+        req = rec.pool_request()
+        plan = make_plan(req)
+    except (RegionError, TypeError, ValueError) as exc:
+        return PoolState(name, "Failed", message=f"unreadable provisioning record: {exc}")
+    busy = _busy(pool_dir)
+    engines = count_holders(lease_path(pool_dir))
+    common = dict(
+        total_bytes=plan.total_bytes, medium=req.medium,
+        hugepage_coverage_percent=rec.hugepage_coverage_percent,
+        numa_nodes=tuple(tuple(n) for n in rec.numa_nodes), engines_attached=engines,
+        populate_gib_per_s=float(rec.populate.get("gib_per_s", 0.0)), in_progress=busy,
+    )
+    if rec.phase == "Ready":
+        message = ""
+        manifest = None
+        try:
+            manifest = load_manifest(pool_dir)
+        except ManifestError as exc:
+            message = str(exc)
+        m = mounts.mount_at(pool_dir / MOUNT_NAME)
+        if m is None:
+            message = "the pool's mount is gone; provision again to rebuild it"
+        if message:
+            return PoolState(name, "Failed", populated_bytes=0, manifest=manifest, message=message, **common)
+        return PoolState(name, "Ready", populated_bytes=plan.total_bytes, manifest=manifest, **common)
+    done = populated_bytes(pool_dir, units(plan.segments, plan.page_size))
+    phase = rec.phase if rec.phase in PHASES else "Provisioning"  # Draining shows as in progress
+    message = rec.message
+    if phase in ("Provisioning", "Populating") and not busy:
+        message = message or "interrupted: provision again to finish (populated parts are kept)"
+    return PoolState(name, phase, populated_bytes=done, message=message, **common)
+
+
+def list_pools(root: str | os.PathLike[str]) -> list[PoolState]:
+    """Every pool under ``root`` (directories holding a record or a manifest), by name."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    names = sorted(p.name for p in root.iterdir()
+                   if p.is_dir() and ((p / records.RECORD_NAME).exists() or (p / MANIFEST_NAME).exists()))
+    return [pool_state(root, n) for n in names]

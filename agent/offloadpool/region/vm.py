@@ -1,0 +1,77 @@
+"""Raw mmap/munmap/madvise through ctypes.
+
+Why not the ``mmap`` module: CPython's ``mmap.madvise`` holds the GIL (so threads cannot
+populate in parallel) and Python 3.11 lacks ``MADV_POPULATE_WRITE``; a ctypes call releases
+the GIL for its whole duration, so W threads fault pages on W cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+PROT_READ, PROT_WRITE = 0x1, 0x2
+MAP_SHARED = 0x01
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.memset.restype = ctypes.c_void_p
+_libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+
+class VMError(OSError):
+    pass
+
+
+def map_shared(fd: int, length: int, offset: int = 0) -> int:
+    """Map ``length`` bytes of ``fd`` read-write and shared; return the address."""
+    addr = _libc.mmap(None, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset)
+    if addr in (None, MAP_FAILED):
+        err = ctypes.get_errno()
+        raise VMError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
+    return addr
+
+
+def unmap(addr: int, length: int) -> None:
+    if _libc.munmap(addr, length) != 0:
+        err = ctypes.get_errno()
+        raise VMError(err, f"munmap failed: {os.strerror(err)}")
+
+
+def populate_write(addr: int, length: int) -> None:
+    """Fault [addr, addr+length) in writable, allocating missing pages, without writing data.
+
+    Pages already present keep their contents: this is why a resumed pre-fault can run over
+    memory an engine may already have written.
+    """
+    if _libc.madvise(addr, length, MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise VMError(err, f"madvise(MADV_POPULATE_WRITE) failed: {os.strerror(err)}")
+
+
+def touch_pages(addr: int, length: int, page: int) -> None:
+    """Fallback for kernels without MADV_POPULATE_WRITE: write-fault every page by writing
+    back the byte just read from it (one strided copy per call, in C).
+
+    Rewriting the value read keeps whatever the page holds, so this too never zeroes data;
+    it is only safe while nobody else writes the region, which the exclusive lease held by
+    the pre-fault guarantees.
+    """
+    view = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+    view[::page] = view[::page].tobytes()
+
+
+def memset(addr: int, value: int, length: int) -> None:
+    """libc memset (releases the GIL); the benchmark's zeroing limit."""
+    _libc.memset(addr, value, length)
+
+
+def view(addr: int, length: int) -> memoryview:
+    """A writable memoryview over raw mapped memory (valid until it is unmapped)."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
