@@ -17,6 +17,7 @@ pytest_plugins = [
     "fixtures.controlplane",
     "fixtures.crds",
     "fixtures.host",
+    "fixtures.cluster",
 ]
 
 
