@@ -1,0 +1,109 @@
+"""Kubernetes access for the agent: the API client and the names of the objects it touches.
+
+The agent talks to exactly three things: its OffloadPool (read/watch, by name), its own
+OffloadPoolNode (read/watch by name, write status), and Events in its namespace (create).
+Keeping the calls here keeps RBAC easy to audit against what the code does.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+GROUP = "offloadpool.io"
+VERSION = "v1alpha1"
+POOLS = "offloadpools"
+POOL_NODES = "offloadpoolnodes"
+
+log = logging.getLogger(__name__)
+
+
+def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster configuration when running in a pod, else the given (or default) kubeconfig."""
+    if kubeconfig is None:
+        try:
+            config.load_incluster_config()
+            return client.ApiClient()
+        except config.ConfigException:
+            pass
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    return client.ApiClient(cfg)
+
+
+def now() -> str:
+    """RFC 3339 UTC timestamp with seconds precision, as Kubernetes writes them."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class KubeAccess:
+    """The agent's handful of API calls, with 404 turned into None."""
+
+    def __init__(self, api: client.ApiClient, pool: str, node_object: str, namespace: str) -> None:
+        self.api = api
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.pool = pool
+        self.node_object = node_object
+        self.namespace = namespace
+
+    def get_pool(self) -> dict[str, Any] | None:
+        return self._get(POOLS, self.pool)
+
+    def get_pool_node(self) -> dict[str, Any] | None:
+        return self._get(POOL_NODES, self.node_object)
+
+    def _get(self, plural: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_cluster_custom_object(GROUP, VERSION, plural, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_status(self, status: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch our OffloadPoolNode's status subresource; None if the object is gone."""
+        try:
+            return self.custom.patch_cluster_custom_object_status(
+                GROUP, VERSION, POOL_NODES, self.node_object, {"status": status}
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def event(self, obj: dict[str, Any], kind: str, reason: str, note: str, type_: str = "Normal") -> None:
+        """Record a core/v1 Event about ``obj`` (our OffloadPoolNode); failures are logged, never fatal.
+
+        core/v1 (not events.k8s.io) because that is what kopf and kubectl describe use, so the
+        operator's and the agent's events read as one story.
+        """
+        meta = obj.get("metadata", {})
+        stamp = _dt.datetime.now(_dt.timezone.utc)
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{meta.get('name', 'offloadpool')}.", namespace=self.namespace),
+            involved_object=client.V1ObjectReference(
+                api_version=f"{GROUP}/{VERSION}",
+                kind=kind,
+                name=meta.get("name"),
+                uid=meta.get("uid"),
+                resource_version=meta.get("resourceVersion"),
+            ),
+            reason=reason,
+            message=note[:1024],
+            type=type_,
+            first_timestamp=stamp,
+            last_timestamp=stamp,
+            count=1,
+            source=client.V1EventSource(component="offloadpool-agent", host=self.node_object.split(".", 1)[-1]),
+            reporting_component="offloadpool.io/agent",
+            reporting_instance=self.node_object[:128],
+        )
+        try:
+            self.core.create_namespaced_event(self.namespace, body)
+        except ApiException as exc:
+            log.warning("could not record event %s: %s %s", reason, exc.status, exc.reason)

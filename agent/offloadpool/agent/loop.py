@@ -1,0 +1,299 @@
+"""The agent's control loop: observe, decide (reconcile.py), act on the node, report.
+
+One thread runs the loop; two watch threads (the pool by name, our OffloadPoolNode by name —
+never anything cluster-wide) only wake it up early. The loop also wakes every heartbeat period,
+so a missed watch event costs at most one heartbeat, and after a failure every retry period.
+Provisioning runs inside the loop; its progress callback (from populate workers) goes straight
+to the throttled status writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from kubernetes import watch
+from kubernetes.client.rest import ApiException
+
+from offloadpool.agent import kube
+from offloadpool.agent.metrics import AgentMetrics
+from offloadpool.agent.reconcile import Action, Decision, SpecError, decide
+from offloadpool.agent.status_writer import StatusWriter
+from offloadpool.region import manifest as manifest_mod
+from offloadpool.region.errors import CapacityError, RegionError
+from offloadpool.region.lease import LeaseHeld, count_holders, lease_path
+from offloadpool.region.provision import provision
+from offloadpool.region.release import release
+from offloadpool.region.request import PoolRequest
+
+log = logging.getLogger(__name__)
+
+HUGE_MEDIA = {"HugePages-2Mi", "HugePages-1Gi"}
+
+
+@dataclass
+class Applied:
+    """What this process last made true on the node (so a heartbeat does not re-provision)."""
+
+    request: PoolRequest
+    total_bytes: int
+
+
+class Agent:
+    def __init__(
+        self,
+        access: kube.KubeAccess,
+        root: Path,
+        *,
+        metrics: AgentMetrics,
+        heartbeat_seconds: float = 10.0,
+        retry_seconds: float = 5.0,
+        workers: int = 0,
+        watches: bool = True,
+    ) -> None:
+        self.access = access
+        self.root = Path(root)
+        self.pool_name = access.pool
+        self.metrics = metrics
+        self.heartbeat_seconds = heartbeat_seconds
+        self.retry_seconds = retry_seconds
+        self.workers = workers
+        self.watches = watches
+        self.status = StatusWriter(access.patch_status, kube.now)
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        self.applied: Applied | None = None
+        self.released = False
+        self.last_tick = time.monotonic()
+        self._pool_node: dict[str, Any] | None = None
+        self._last_event: tuple[str, str] | None = None
+        self.thread: threading.Thread | None = None
+
+    # -- pool directory ----------------------------------------------------------------------
+    @property
+    def pool_dir(self) -> Path:
+        return self.root / self.pool_name
+
+    def local_generation(self) -> int | None:
+        """Generation of the complete region on this node (None if there is none)."""
+        try:
+            return manifest_mod.load(self.pool_dir).generation
+        except manifest_mod.ManifestError:
+            return None
+
+    def engines_attached(self) -> int:
+        return count_holders(lease_path(self.pool_dir))
+
+    # -- health ------------------------------------------------------------------------------
+    def live(self) -> tuple[bool, str]:
+        alive = self.thread is None or self.thread.is_alive()
+        return alive, "ok" if alive else "agent loop has stopped"
+
+    def ready(self) -> tuple[bool, str]:
+        phase = self.status.phase
+        return phase == "Ready", f"phase {phase}"
+
+    # -- running -----------------------------------------------------------------------------
+    def start(self) -> "Agent":
+        self.thread = threading.Thread(target=self.run, name=f"agent-{self.access.node_object}", daemon=True)
+        self.thread.start()
+        if self.watches:
+            for plural, name in ((kube.POOLS, self.access.pool), (kube.POOL_NODES, self.access.node_object)):
+                threading.Thread(target=self._watch, args=(plural, name), name=f"watch-{plural}", daemon=True).start()
+        return self
+
+    def _watch(self, plural: str, name: str) -> None:
+        """Wake the loop on any change of one named object. Errors: back off and re-watch."""
+        while not self.stop.is_set():
+            w = watch.Watch()
+            try:
+                for _ in w.stream(self.access.custom.list_cluster_custom_object, kube.GROUP, kube.VERSION,
+                                  plural, field_selector=f"metadata.name={name}", timeout_seconds=120):
+                    self.wake.set()
+                    if self.stop.is_set():
+                        break
+            except Exception as exc:  # API restarts, expired resourceVersion, RBAC: re-list later
+                log.debug("watch %s/%s ended: %s", plural, name, exc)
+                self.stop.wait(self.retry_seconds)
+            finally:
+                w.stop()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.last_tick = time.monotonic()
+            try:
+                delay = self.step()
+            except Exception as exc:  # never let one bad step kill the agent; report and retry
+                log.exception("agent step failed")
+                self.metrics.error("Internal")
+                self.status.set(reason="AgentError", message=f"{type(exc).__name__}: {exc}"[:1024])
+                delay = self.retry_seconds
+            self.wake.wait(delay)
+            self.wake.clear()
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self) -> float:
+        """Observe, decide, act; return seconds until the next step unless woken earlier."""
+        try:
+            pool = self.access.get_pool()
+            pool_node = self.access.get_pool_node()
+        except ApiException as exc:
+            log.warning("cannot read pool/OffloadPoolNode: %s %s", exc.status, exc.reason)
+            self.metrics.error("ApiRead")
+            return self.retry_seconds
+        self._pool_node = pool_node
+        try:
+            decision = decide(pool, pool_node, self.local_generation(), self.workers)
+        except SpecError as exc:
+            self._fail("InvalidSpec", str(exc))
+            return self.retry_seconds
+        act = {
+            Action.IDLE: self._idle,
+            Action.WAIT: self._idle,
+            Action.PROVISION: self._provision,
+            Action.KEEP: self._keep,
+            Action.RELEASE: self._release,
+            Action.RETAIN: self._retain,
+        }[decision.action]
+        return act(decision)
+
+    def _idle(self, d: Decision) -> float:
+        log.debug("%s: %s", d.reason, d.message)
+        return self.retry_seconds
+
+    def _beat(self, **fields: Any) -> None:
+        n = self.engines_attached()
+        self.metrics.engines(n)
+        self.status.heartbeat(enginesAttached=n, **fields)
+
+    def _provision(self, d: Decision) -> float:
+        req = d.request
+        assert req is not None
+        if self.applied and self.applied.request == req and self.status.phase == "Ready" and self.status.exists:
+            self._beat()
+            return self.heartbeat_seconds
+        self.released = False
+        self._phase("Provisioning", reason=None, message=None, observedGeneration=self._observed(),
+                    bytesTotal=req.capacity, bytesPopulated=0, progress=0)
+        try:
+            result = provision(req, self.root, progress=self._progress, workers=req.workers or None,
+                               on_phase=self._on_phase)
+        except LeaseHeld as exc:
+            # a newer spec cannot replace a region an engine holds: keep the old one, say why
+            self.metrics.error("LeaseHeld")
+            old = self.local_generation()
+            self._phase("Ready" if old is not None else "Pending", reason="LeaseHeld",
+                        message=f"generation {req.generation} pending: {exc}",
+                        pendingGeneration=req.generation, observedGeneration=old,
+                        enginesAttached=self.engines_attached())
+            self._event("Normal", "LeaseHeld", f"generation {req.generation} waits: {exc}")
+            return self.retry_seconds
+        except CapacityError as exc:
+            self._fail("InsufficientHugePages" if req.medium in HUGE_MEDIA else "InsufficientMemory", str(exc))
+            return self.retry_seconds
+        except RegionError as exc:
+            self._fail("ProvisionFailed", str(exc))
+            return self.retry_seconds
+        m = result.manifest
+        total = int(m.total_bytes)
+        self.metrics.provisioned(total, int(result.populated_bytes), float(result.seconds), float(result.gib_per_s))
+        self.applied = Applied(req, total)
+        if result.reused:
+            message = f"validated the existing region ({total} bytes); nothing re-populated"
+        else:
+            message = (f"populated {result.populated_bytes} bytes in {result.seconds:.2f} s "
+                       f"({result.gib_per_s:.2f} GiB/s)")
+            if result.skipped_bytes:
+                message += f"; {result.skipped_bytes} bytes were already populated by an interrupted run"
+            if result.rebuilt:
+                message += "; the previous region was torn down first"
+        numa_nodes = sorted({n for region in (m.extra or {}).get("numa_nodes") or [] for n in region})
+        self._phase(
+            "Ready", reason="Reused" if result.reused else ("Resumed" if result.skipped_bytes else "Populated"),
+            message=message, observedGeneration=req.generation, pendingGeneration=None,
+            bytesTotal=total, bytesPopulated=total, progress=100,
+            populateGiBPerSecond=round(float(result.gib_per_s), 3) if not result.reused else
+            self.status.current.get("populateGiBPerSecond"),
+            hugePageCoverage=float(result.hugepage_coverage_percent),
+            numaNodes=numa_nodes or None, enginesAttached=self.engines_attached(),
+        )
+        self._event("Normal", "Ready", self.status.current.get("message", "region Ready"))
+        return self.heartbeat_seconds
+
+    def _keep(self, d: Decision) -> float:
+        self._beat(reason=d.reason, message=d.message, pendingGeneration=d.pending_generation,
+                   observedGeneration=self.local_generation())
+        return self.heartbeat_seconds
+
+    def _release(self, d: Decision) -> float:
+        if self.released and self.status.phase == "Released":
+            self._beat()
+            return self.heartbeat_seconds
+        if self.status.phase != "Draining":
+            self._phase("Draining", reason=d.reason, message=d.message)
+        try:
+            release(self.root, self.pool_name)  # idempotent: a pool never built is "released"
+        except LeaseHeld as exc:
+            self.metrics.error("LeaseHeld")
+            n = self.engines_attached()
+            self._phase("Draining", reason="LeaseHeld",
+                        message=f"pool deleted but {n} engine(s) still attached; release waits: {exc}",
+                        enginesAttached=n)
+            self._event("Warning", "LeaseHeld", f"release waits for {n} attached engine(s)")
+            return self.retry_seconds
+        except RegionError as exc:
+            self._fail("ReleaseFailed", str(exc))
+            return self.retry_seconds
+        self.released = True
+        self.applied = None
+        self.metrics.released()
+        self._phase("Released", reason="Released", message="region released, memory returned to the node",
+                    bytesPopulated=0, progress=0, enginesAttached=0, pendingGeneration=None)
+        self._event("Normal", "Released", "region released")
+        return self.heartbeat_seconds
+
+    def _retain(self, d: Decision) -> float:
+        if self.status.phase != "Released":
+            self._phase("Released", reason=d.reason, message=d.message)
+            self._event("Normal", "Retained", d.message)
+        else:
+            self._beat()
+        return self.heartbeat_seconds
+
+    # -- reporting helpers -------------------------------------------------------------------
+    def _observed(self) -> int | None:
+        return self.local_generation()
+
+    def _phase(self, phase: str, **fields: Any) -> None:
+        self.metrics.phase(phase)
+        self.status.set(phase=phase, **fields)
+
+    def _on_phase(self, phase: str) -> None:
+        """The engine's own phase changes (Provisioning, Populating, Ready) as they happen."""
+        if phase in ("Provisioning", "Populating") and phase != self.status.phase:
+            self._phase(phase)
+
+    def _progress(self, done: int, total: int) -> None:
+        self.last_tick = time.monotonic()
+        self.metrics.progress(done, total)
+        if self.status.phase != "Populating":
+            self.metrics.phase("Populating")
+        self.status.progress(done, total)
+
+    def _fail(self, reason: str, message: str) -> None:
+        log.error("%s: %s", reason, message)
+        self.metrics.error(reason)
+        self.applied = None
+        self._phase("Failed", reason=reason, message=message[:1024])
+        self._event("Warning", reason, message)
+
+    def _event(self, type_: str, reason: str, note: str) -> None:
+        """One event per distinct (reason, note): a retry loop must not flood the namespace."""
+        if self._pool_node is None or self._last_event == (reason, note):
+            return
+        self._last_event = (reason, note)
+        self.access.event(self._pool_node, "OffloadPoolNode", reason, note, type_)

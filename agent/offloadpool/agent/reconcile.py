@@ -1,0 +1,133 @@
+"""What the agent should do on its node, decided from what it observes — no side effects here.
+
+Inputs: the OffloadPool (spec, generation, deletion), this node's OffloadPoolNode (whether it
+exists, which generation the operator lets this node apply now) and the generation of the
+region already on the node (from its manifest). Output: one Decision. Keeping this pure makes
+every lifecycle rule of DESIGN.md ("Lifecycles that must be right") a unit test.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+from offloadpool.region.request import PoolRequest
+
+
+class Action(enum.Enum):
+    WAIT = "wait"            # nothing to act on yet (no OffloadPoolNode): check again later
+    PROVISION = "provision"  # make the region match this request (a no-op when it already does)
+    KEEP = "keep"            # leave the region as it is; a newer generation waits for the operator
+    RELEASE = "release"      # pool deleted, reclaimPolicy Delete: give the memory back
+    RETAIN = "retain"        # pool deleted, reclaimPolicy Retain: leave memory, report Released
+    IDLE = "idle"            # the pool is gone: nothing to report to
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    request: PoolRequest | None = None
+    reason: str = ""
+    message: str = ""
+    #: a generation the node should apply but may not yet (operator rollout order)
+    pending_generation: int | None = None
+
+
+class SpecError(ValueError):
+    """The pool's spec cannot be turned into a request (the CRD's validation should prevent it)."""
+
+
+def _get(d: dict[str, Any] | None, *path: str, default: Any = None) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or key not in d or d[key] is None:
+            return default
+        d = d[key]
+    return d
+
+
+def pool_request(pool: dict[str, Any], workers_override: int = 0) -> PoolRequest:
+    """The node-side engine's request for this pool, at the pool's current generation.
+
+    Defaults come from the CRD (the API server applies them), so an absent field here means an
+    old object; the fallbacks equal PoolRequest's own defaults.
+    """
+    spec = pool.get("spec") or {}
+    name = _get(pool, "metadata", "name")
+    try:
+        capacity = int(parse_quantity(str(spec["capacity"])))
+    except (KeyError, ValueError) as exc:
+        raise SpecError(f"pool {name}: capacity {spec.get('capacity')!r} is not a quantity: {exc}") from None
+    if capacity <= 0:
+        raise SpecError(f"pool {name}: capacity must be positive, got {capacity}")
+    layout = spec.get("layout") or {}
+    segments = spec.get("segments") or {}
+    prefault = spec.get("prefault") or {}
+    consumers = spec.get("consumers") or {}
+    slot = layout.get("slotSize", layout.get("slotBytes"))
+    min_size = segments.get("minSize")
+    mode = consumers.get("mode", 0o660)
+    if isinstance(mode, str):
+        mode = int(mode, 8)
+    kwargs: dict[str, Any] = dict(
+        name=name,
+        capacity=capacity,
+        medium=spec.get("medium", "HugePages-2Mi"),
+        layout_type=layout.get("type", "Replicated"),
+        ranks=int(layout.get("ranks", 1) or 1),
+        slot_bytes=None if slot is None else int(parse_quantity(str(slot))),
+        max_files=int(segments.get("maxFiles", 32)),
+        min_segment=(1 << 30) if min_size is None else int(parse_quantity(str(min_size))),
+        workers=workers_override or int(prefault.get("workers", 0) or 0),
+        numa=str(prefault.get("numa", "None")),
+        uid=int(consumers.get("uid", 0)),
+        gid=int(consumers.get("gid", 0)),
+        mode=int(mode),
+        compat_engine_id=_get(spec, "compat", "vllm", "engineId"),
+        generation=int(_get(pool, "metadata", "generation", default=1)),
+    )
+    return PoolRequest(**kwargs)
+
+
+def decide(
+    pool: dict[str, Any] | None,
+    pool_node: dict[str, Any] | None,
+    local_generation: int | None,
+    workers_override: int = 0,
+) -> Decision:
+    """One step of the agent's control loop.
+
+    ``local_generation`` is the generation recorded in the region manifest on this node (None
+    when no complete region exists). Rules:
+    - no pool: IDLE (the operator's finalizer normally keeps the pool until we report Released);
+    - pool being deleted: RELEASE (Delete) or RETAIN (Retain) — the lease is checked when acting;
+    - no OffloadPoolNode: WAIT; the operator creates it for every matching node;
+    - nothing on the node yet, or the region is at the pool's generation: PROVISION (validates
+      and reuses a region that matches, so a restarted agent does not re-populate);
+    - region at an older generation: PROVISION when the operator's ``targetGeneration`` allows
+      (the lease is checked when acting: held means pending), else KEEP and report pending.
+    """
+    if pool is None:
+        return Decision(Action.IDLE, reason="PoolGone", message="the OffloadPool no longer exists")
+    meta = pool.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        policy = _get(pool, "spec", "reclaimPolicy", default="Delete")
+        if policy == "Retain":
+            return Decision(Action.RETAIN, reason="Retained",
+                            message="pool deleted with reclaimPolicy Retain: memory left on the node for inspection")
+        return Decision(Action.RELEASE, reason="PoolDeleted", message="pool deleted: releasing the region")
+    if pool_node is None:
+        return Decision(Action.WAIT, reason="NoPoolNode",
+                        message="waiting for the operator to create this node's OffloadPoolNode")
+    request = pool_request(pool, workers_override)
+    desired = request.generation
+    target = _get(pool_node, "spec", "targetGeneration")
+    if local_generation is None or local_generation == desired:
+        return Decision(Action.PROVISION, request)
+    if target is None or int(target) >= desired:
+        return Decision(Action.PROVISION, request, pending_generation=desired)
+    return Decision(Action.KEEP, request, reason="RolloutPending",
+                    message=f"generation {desired} waits for the operator's rollout (this node may apply {target})",
+                    pending_generation=desired)
