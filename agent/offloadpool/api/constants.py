@@ -1,0 +1,76 @@
+"""Names of the offloadpool API: group, version, kinds, plurals, and the names derived from a
+pool's name (label key, extended resource, OffloadPoolNode name).
+
+Kept free of pydantic so the operator, the agent and the CLI agree on every derived name by
+importing one function instead of formatting strings in three places.
+"""
+
+from __future__ import annotations
+
+import re
+
+GROUP = "offloadpool.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+POOL_KIND = "OffloadPool"
+NODE_KIND = "OffloadPoolNode"
+POOL_PLURAL = "offloadpools"
+NODE_PLURAL = "offloadpoolnodes"
+PLURALS = {POOL_KIND: POOL_PLURAL, NODE_KIND: NODE_PLURAL}
+SHORT_NAMES = {POOL_KIND: ("op", "opool"), NODE_KIND: ("opn",)}
+CATEGORY = "offloadpool"
+CRD_NAMES = {kind: f"{plural}.{GROUP}" for kind, plural in PLURALS.items()}
+
+#: A pool's name becomes a directory, a label key suffix and an extended resource name, and is
+#: the prefix of ``<pool>.<node>``: a DNS label of at most this many characters.
+MAX_POOL_NAME = 40
+POOL_NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+#: Keywords that tools use in place of a pool name.
+RESERVED_POOL_NAMES = frozenset({"all", "none"})
+#: Kubernetes keeps ``kube-`` names for itself; so do we.
+RESERVED_POOL_PREFIXES = ("kube-",)
+
+#: Label the operator sets on a Node while the pool is Ready there (value ``ready``).
+POOL_LABEL_PREFIX = f"pool.{GROUP}/"
+POOL_LABEL_READY = "ready"
+#: Label the operator puts on objects it renders for a pool (DaemonSet, its pods).
+POOL_NAME_LABEL = f"{GROUP}/pool"
+FINALIZER = f"{GROUP}/release"
+
+
+def pool_name_error(name: str) -> str | None:
+    """Why ``name`` cannot name a pool (the same rules the CRD's CEL enforces), or None."""
+    if len(name) > MAX_POOL_NAME:
+        return f"metadata.name must be at most {MAX_POOL_NAME} characters, got {len(name)}"
+    if not POOL_NAME_PATTERN.match(name):
+        return (
+            f"metadata.name {name!r} must be a DNS label: lower-case letters, digits and '-', "
+            "starting and ending with a letter or digit, no dots"
+        )
+    if name in RESERVED_POOL_NAMES or name.startswith(RESERVED_POOL_PREFIXES):
+        return f"metadata.name {name!r} is reserved ('all', 'none' and 'kube-*' cannot name a pool)"
+    return None
+
+
+def pool_label_key(pool: str) -> str:
+    """``pool.offloadpool.io/<pool>``: the Node label meaning "this pool is Ready here"."""
+    return POOL_LABEL_PREFIX + pool
+
+
+def extended_resource_name(pool: str) -> str:
+    """``offloadpool.io/<pool>``: the extended resource a Node advertises while the pool is Ready."""
+    return f"{GROUP}/{pool}"
+
+
+def node_object_name(pool: str, node: str) -> str:
+    """Name of the OffloadPoolNode for ``pool`` on ``node`` (the CRD insists on exactly this)."""
+    return f"{pool}.{node}"
+
+
+def split_node_object_name(name: str) -> tuple[str, str]:
+    """Inverse of node_object_name: pool names have no dots, so the first dot splits."""
+    pool, sep, node = name.partition(".")
+    if not sep or not pool or not node:
+        raise ValueError(f"{name!r} is not an OffloadPoolNode name of the form <pool>.<node>")
+    return pool, node

@@ -1,0 +1,61 @@
+"""OffloadPoolNode: one pool's state on one node.
+
+The operator creates it (spec: pool and node, immutable, name ``<pool>.<node>``); the node's
+agent writes its status through the status subresource.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from .base import SpecModel, StatusModel, Timestamp
+from .constants import API_VERSION, NODE_KIND, node_object_name
+from .media import NodePhase
+
+
+class OffloadPoolNodeSpec(SpecModel):
+    """Which pool on which node."""
+
+    pool: str = Field(min_length=1, max_length=40, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    node_name: str = Field(min_length=1, max_length=253)
+
+
+class OffloadPoolNodeStatus(StatusModel):
+    """Written only by the node's agent."""
+
+    phase: NodePhase | None = None
+    progress: int | None = Field(default=None, ge=0, le=100)
+    bytes_total: int | None = Field(default=None, ge=0)
+    bytes_populated: int | None = Field(default=None, ge=0)
+    populate_gib_per_second: float | None = Field(
+        default=None, ge=0, alias="populateGiBPerSecond"
+    )
+    huge_page_coverage: float | None = Field(default=None, ge=0, le=100)
+    numa_nodes: list[int] | None = None
+    engines_attached: int | None = Field(default=None, ge=0)
+    agent_version: str | None = Field(default=None, max_length=64)
+    heartbeat: Timestamp | None = None
+    #: The OffloadPool generation the region on this node was built from.
+    observed_generation: int | None = Field(default=None, ge=0)
+    #: A newer pool generation held back because an engine holds the lease.
+    pending_generation: int | None = Field(default=None, ge=0)
+    reason: str | None = Field(default=None, max_length=128)
+    message: str | None = Field(default=None, max_length=4096)
+
+
+class OffloadPoolNode(StatusModel):
+    """The whole object, as the API server returns it."""
+
+    api_version: str = API_VERSION
+    kind: str = NODE_KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: OffloadPoolNodeSpec
+    status: OffloadPoolNodeStatus | None = None
+
+    @classmethod
+    def for_node(cls, pool: str, node: str, **metadata: Any) -> "OffloadPoolNode":
+        """A new object for ``pool`` on ``node`` with the name the CRD requires."""
+        meta = {"name": node_object_name(pool, node), **metadata}
+        return cls(metadata=meta, spec=OffloadPoolNodeSpec(pool=pool, node_name=node))

@@ -1,0 +1,234 @@
+"""OffloadPool spec: what every selected node must hold. Written by users.
+
+This is the ONE place the API's defaults live on the Python side; the CRD in
+``crds/offloadpool.io_offloadpools.yaml`` carries the same defaults for the API server, and
+``tests/test_crd_defaults.py`` proves the two agree. The cross-field rules below are the CRD's
+CEL rules restated, so that a spec read from a file (CLI, tests) fails with the same field
+named before any memory is touched; ``tests/test_api_models.py`` runs every invalid case the
+API server rejects through these models too.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .base import Quantity, SpecModel
+from .media import LayoutType, Medium, NumaPolicy, ReclaimPolicy, page_size
+from .quantity import parse_quantity
+
+DEFAULT_MEDIUM: Medium = "HugePages-2Mi"
+DEFAULT_LAYOUT: LayoutType = "Replicated"
+DEFAULT_MAX_FILES = 32
+DEFAULT_MIN_SIZE = "1Gi"
+DEFAULT_PREFAULT_WORKERS = 0
+DEFAULT_NUMA: NumaPolicy = "None"
+DEFAULT_UID = 0
+DEFAULT_GID = 0
+DEFAULT_MODE = "0660"
+DEFAULT_RECLAIM: ReclaimPolicy = "Delete"
+
+MAX_FILES_LIMIT = 32
+MAX_RANKS = 256
+MAX_PREFAULT_WORKERS = 256
+MAX_ID = 2**31 - 1
+
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class LayoutSpec(SpecModel):
+    """How the ranks of one engine share the memory."""
+
+    type: LayoutType = DEFAULT_LAYOUT
+    #: Required for PerRank and Interleaved; Replicated treats an absent value as 1.
+    ranks: int | None = Field(default=None, ge=1, le=MAX_RANKS)
+    #: Interleaved only: bytes per rank per row (row = ranks × slotSize).
+    slot_size: Quantity | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> "LayoutSpec":
+        if self.type != "Replicated" and self.ranks is None:
+            raise ValueError(
+                "spec.layout.ranks is required when spec.layout.type is PerRank or Interleaved"
+            )
+        if self.slot_size is not None and self.type != "Interleaved":
+            raise ValueError("spec.layout.slotSize is only valid when spec.layout.type is Interleaved")
+        return self
+
+    @property
+    def rank_count(self) -> int:
+        """Ranks, with Replicated's absent value meaning 1."""
+        return self.ranks or 1
+
+
+class SegmentsSpec(SpecModel):
+    """How a region is split into files."""
+
+    max_files: int = Field(default=DEFAULT_MAX_FILES, ge=1, le=MAX_FILES_LIMIT)
+    min_size: Quantity = DEFAULT_MIN_SIZE
+
+
+class PrefaultSpec(SpecModel):
+    """How the agent pre-faults the region."""
+
+    workers: int = Field(default=DEFAULT_PREFAULT_WORKERS, ge=0, le=MAX_PREFAULT_WORKERS)
+    numa: NumaPolicy = DEFAULT_NUMA
+
+
+class Toleration(SpecModel):
+    """The core/v1 Toleration shape, passed to the pool's agent pods."""
+
+    key: str | None = Field(default=None, max_length=317)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(default=None, max_length=63)
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Toleration":
+        if self.operator == "Exists" and self.value:
+            raise ValueError("spec.tolerations[].value must be empty when operator is Exists")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("spec.tolerations[].key may be empty only when operator is Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("spec.tolerations[].tolerationSeconds needs effect NoExecute")
+        return self
+
+
+class ConsumersSpec(SpecModel):
+    """Who may use the memory, and as whom the segment files are owned."""
+
+    namespaces: list[str] | None = Field(default=None, max_length=256)
+    uid: int = Field(default=DEFAULT_UID, ge=0, le=MAX_ID)
+    gid: int = Field(default=DEFAULT_GID, ge=0, le=MAX_ID)
+    mode: str = Field(default=DEFAULT_MODE, pattern=r"^0[0-7]{3}$")
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespaces(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return value
+        for ns in value:
+            if len(ns) > 63 or not re.match(_DNS_LABEL, ns):
+                raise ValueError(f"spec.consumers.namespaces: {ns!r} is not a namespace name (DNS label)")
+        if len(set(value)) != len(value):
+            raise ValueError("spec.consumers.namespaces: duplicate namespace")
+        return value
+
+    def mode_int(self) -> int:
+        """The file mode as an int: ``"0660"`` -> ``0o660``."""
+        return int(self.mode, 8)
+
+
+class VllmCompatSpec(SpecModel):
+    """Stock vLLM: the region as the single file ``vllm_offload_<engineId>.mmap``."""
+
+    engine_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+    @property
+    def file_name(self) -> str:
+        return f"vllm_offload_{self.engine_id}.mmap"
+
+
+class CompatSpec(SpecModel):
+    """Compatibility with engines that do not use the pinning helper."""
+
+    vllm: VllmCompatSpec | None = None
+
+
+class OffloadPoolSpec(SpecModel):
+    """What every selected node must hold."""
+
+    capacity: Quantity
+    medium: Medium = DEFAULT_MEDIUM
+    layout: LayoutSpec = Field(default_factory=LayoutSpec)
+    segments: SegmentsSpec = Field(default_factory=SegmentsSpec)
+    prefault: PrefaultSpec = Field(default_factory=PrefaultSpec)
+    node_selector: dict[str, str] | None = Field(default=None, max_length=64)
+    tolerations: list[Toleration] | None = Field(default=None, max_length=64)
+    consumers: ConsumersSpec = Field(default_factory=ConsumersSpec)
+    reclaim_policy: ReclaimPolicy = DEFAULT_RECLAIM
+    compat: CompatSpec | None = None
+
+    # -- the CRD's cross-field CEL rules, restated -----------------------------------------
+    @model_validator(mode="after")
+    def _rules(self) -> "OffloadPoolSpec":
+        page = page_size(self.medium)
+        cap = self.capacity_bytes()
+        if cap % page:
+            raise ValueError(
+                f"spec.capacity ({self.capacity}) must be a whole number of pages of spec.medium "
+                f"{self.medium} (a multiple of {page} bytes)"
+            )
+        if self.layout.type != "Replicated" and self.layout.ranks is not None:
+            if cap % (self.layout.ranks * page):
+                raise ValueError(
+                    f"spec.capacity ({self.capacity}) must split into spec.layout.ranks "
+                    f"({self.layout.ranks}) equal parts of whole {page}-byte pages"
+                )
+        slot = self.slot_size_bytes()
+        if slot is not None and self.layout.ranks is not None:
+            if slot > cap // self.layout.ranks or cap % (self.layout.ranks * slot):
+                raise ValueError(
+                    f"spec.layout.slotSize does not fit: spec.capacity ({self.capacity}) must be a "
+                    f"whole number of rows of {self.layout.ranks} × {slot} bytes"
+                )
+        if self.min_size_bytes() < page:
+            raise ValueError(
+                f"spec.segments.minSize ({self.segments.min_size}) must be at least one page of "
+                f"spec.medium {self.medium} ({page} bytes)"
+            )
+        if self.compat is not None and self.compat.vllm is not None:
+            if self.layout.type == "PerRank":
+                raise ValueError(
+                    "spec.compat.vllm needs one region in one file, which a PerRank layout cannot "
+                    "give: use spec.layout.type Replicated or Interleaved"
+                )
+            if self.segments.max_files != 1:
+                raise ValueError(
+                    "spec.segments.maxFiles must be 1 when spec.compat.vllm is set: stock vLLM maps "
+                    "its region as a single file"
+                )
+        return self
+
+    # -- derived values the agent and engine use ------------------------------------------
+    def capacity_bytes(self) -> int:
+        """Bytes per node."""
+        return parse_quantity(self.capacity)
+
+    def min_size_bytes(self) -> int:
+        """Smallest segment file, in bytes."""
+        return parse_quantity(self.segments.min_size)
+
+    def slot_size_bytes(self) -> int | None:
+        """Interleaved slot bytes per rank per row, or None when not given."""
+        return None if self.layout.slot_size is None else parse_quantity(self.layout.slot_size)
+
+    def row_bytes(self) -> int | None:
+        """Interleaved row bytes (ranks × slotSize), or None when not given."""
+        slot = self.slot_size_bytes()
+        return None if slot is None else slot * self.layout.rank_count
+
+    def page_size(self) -> int:
+        """Bytes per page of the medium."""
+        return page_size(self.medium)
+
+    def mode_int(self) -> int:
+        """Segment file mode as an int (``0o660``)."""
+        return self.consumers.mode_int()
+
+    def region_count(self) -> int:
+        """Regions per node: one per rank for PerRank, else one."""
+        return self.layout.rank_count if self.layout.type == "PerRank" else 1
+
+    def region_bytes(self) -> int:
+        """Bytes of each region."""
+        return self.capacity_bytes() // self.region_count()
+
+    def compat_file(self) -> str | None:
+        """File name stock vLLM adopts, when spec.compat.vllm is set."""
+        if self.compat is None or self.compat.vllm is None:
+            return None
+        return self.compat.vllm.file_name

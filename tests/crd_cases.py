@@ -1,0 +1,196 @@
+"""Invalid OffloadPools, each with the field its rejection must name.
+
+Shared by tests/test_crd_validation.py (the real API server must reject each one, naming the
+field) and tests/test_api_models.py (the Python models must reject each one too, naming the
+same field), so the CRD's rules and the models' rules cannot drift apart unnoticed.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from offloadpool.api import API_VERSION, POOL_KIND
+
+
+@dataclass(frozen=True)
+class InvalidPool:
+    id: str
+    spec: dict[str, Any] | None
+    #: The field path the rejection must name, as the API server writes it.
+    field: str
+    name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def body(self, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "apiVersion": API_VERSION,
+            "kind": POOL_KIND,
+            "metadata": {"name": self.name or name},
+        }
+        if self.spec is not None:
+            obj["spec"] = copy.deepcopy(self.spec)
+        obj.update(copy.deepcopy(self.extra))
+        return obj
+
+
+def _s(**spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"capacity": "64Mi", "medium": "Memory"}
+    base.update(spec)
+    return base
+
+
+def _perrank(ranks: Any = None, **spec: Any) -> dict[str, Any]:
+    layout: dict[str, Any] = {"type": "PerRank"}
+    if ranks is not None:
+        layout["ranks"] = ranks
+    return _s(layout=layout, **spec)
+
+
+INVALID_POOLS: list[InvalidPool] = [
+    InvalidPool("capacity-zero", _s(capacity="0"), "spec.capacity"),
+    InvalidPool("capacity-negative-int", _s(capacity=-1073741824), "spec.capacity"),
+    InvalidPool("capacity-negative-string", _s(capacity="-1Gi"), "spec.capacity"),
+    InvalidPool("capacity-not-2mi-pages", _s(capacity="3Mi", medium="HugePages-2Mi"), "spec.capacity"),
+    InvalidPool("capacity-not-4ki-pages", _s(capacity=1000), "spec.capacity"),
+    InvalidPool("capacity-not-thp-granules", _s(capacity="1025Mi", medium="MemoryTHP"), "spec.capacity"),
+    InvalidPool("capacity-not-1gi-pages", _s(capacity="1536Mi", medium="HugePages-1Gi"), "spec.capacity"),
+    InvalidPool("capacity-fractional-bytes", _s(capacity="100m"), "spec.capacity"),
+    InvalidPool("capacity-bad-suffix", _s(capacity="64GB"), "spec.capacity"),
+    InvalidPool("capacity-not-a-quantity", _s(capacity="lots"), "spec.capacity"),
+    InvalidPool("capacity-space", _s(capacity="64 Gi"), "spec.capacity"),
+    InvalidPool("capacity-beyond-int64", _s(capacity="1e30"), "spec.capacity"),
+    InvalidPool("capacity-missing", {"medium": "Memory"}, "spec.capacity"),
+    InvalidPool("medium-unknown", _s(medium="Tape"), "spec.medium"),
+    InvalidPool("layout-type-unknown", _s(layout={"type": "Striped", "ranks": 2}), "spec.layout.type"),
+    InvalidPool("ranks-zero", _perrank(0), "spec.layout.ranks"),
+    InvalidPool("ranks-too-many", _perrank(300, capacity="600Mi"), "spec.layout.ranks"),
+    InvalidPool("perrank-without-ranks", _perrank(), "spec.layout.ranks"),
+    InvalidPool(
+        "interleaved-without-ranks", _s(layout={"type": "Interleaved"}), "spec.layout.ranks"
+    ),
+    InvalidPool(
+        "perrank-capacity-not-divisible",
+        _perrank(4, capacity="6Mi", medium="HugePages-2Mi"),
+        "spec.capacity",
+    ),
+    InvalidPool(
+        "perrank-1gi-capacity-not-divisible",
+        _perrank(4, capacity="2Gi", medium="HugePages-1Gi", segments={"minSize": "1Gi"}),
+        "spec.capacity",
+    ),
+    InvalidPool(
+        "slotsize-on-replicated",
+        _s(layout={"type": "Replicated", "slotSize": "1Mi"}),
+        "spec.layout.slotSize",
+    ),
+    InvalidPool(
+        "slotsize-not-dividing-capacity",
+        _s(capacity="8Gi", layout={"type": "Interleaved", "ranks": 2, "slotSize": "3Mi"}),
+        "spec.layout.slotSize",
+    ),
+    InvalidPool(
+        "slotsize-larger-than-capacity",
+        _s(capacity="64Mi", layout={"type": "Interleaved", "ranks": 2, "slotSize": "1Gi"}),
+        "spec.layout.slotSize",
+    ),
+    InvalidPool(
+        "slotsize-zero",
+        _s(layout={"type": "Interleaved", "ranks": 2, "slotSize": "0"}),
+        "spec.layout.slotSize",
+    ),
+    InvalidPool("maxfiles-33", _s(segments={"maxFiles": 33}), "spec.segments.maxFiles"),
+    InvalidPool("maxfiles-zero", _s(segments={"maxFiles": 0}), "spec.segments.maxFiles"),
+    InvalidPool(
+        "minsize-below-2mi-page",
+        _s(capacity="1Gi", medium="HugePages-2Mi", segments={"minSize": "1Mi"}),
+        "spec.segments.minSize",
+    ),
+    InvalidPool(
+        "minsize-below-1gi-page",
+        _s(capacity="2Gi", medium="HugePages-1Gi", segments={"minSize": "512Mi"}),
+        "spec.segments.minSize",
+    ),
+    InvalidPool("minsize-below-4ki-page", _s(segments={"minSize": "1Ki"}), "spec.segments.minSize"),
+    InvalidPool("minsize-bad-quantity", _s(segments={"minSize": "1 GiB"}), "spec.segments.minSize"),
+    InvalidPool("prefault-workers-257", _s(prefault={"workers": 257}), "spec.prefault.workers"),
+    InvalidPool("prefault-workers-negative", _s(prefault={"workers": -1}), "spec.prefault.workers"),
+    InvalidPool("prefault-numa-unknown", _s(prefault={"numa": "Local"}), "spec.prefault.numa"),
+    InvalidPool("unknown-spec-field", _s(sizeGiB=64), "spec.sizeGiB"),
+    InvalidPool("unknown-layout-field", _s(layout={"type": "Replicated", "stride": 4}), "spec.layout.stride"),
+    InvalidPool("name-too-long", _s(), "metadata.name", name="p" * 41),
+    InvalidPool("name-with-dot", _s(), "metadata.name", name="kv.cache"),
+    InvalidPool("name-reserved", _s(), "metadata.name", name="all"),
+    InvalidPool("name-reserved-prefix", _s(), "metadata.name", name="kube-cache"),
+    InvalidPool("mode-not-octal", _s(consumers={"mode": "0999"}), "spec.consumers.mode"),
+    InvalidPool("mode-without-leading-zero", _s(consumers={"mode": "660"}), "spec.consumers.mode"),
+    InvalidPool("mode-symbolic", _s(consumers={"mode": "rw-rw----"}), "spec.consumers.mode"),
+    InvalidPool("uid-negative", _s(consumers={"uid": -1}), "spec.consumers.uid"),
+    InvalidPool("gid-beyond-int32", _s(consumers={"gid": 2**31}), "spec.consumers.gid"),
+    InvalidPool(
+        "namespace-not-dns-label", _s(consumers={"namespaces": ["Team_A"]}), "spec.consumers.namespaces[0]"
+    ),
+    InvalidPool(
+        "namespace-duplicate", _s(consumers={"namespaces": ["ml", "ml"]}), "spec.consumers.namespaces[1]"
+    ),
+    InvalidPool(
+        "toleration-operator-unknown",
+        _s(tolerations=[{"key": "gpu", "operator": "Sometimes"}]),
+        "spec.tolerations[0].operator",
+    ),
+    InvalidPool(
+        "toleration-exists-with-value",
+        _s(tolerations=[{"key": "gpu", "operator": "Exists", "value": "yes"}]),
+        "spec.tolerations[0].value",
+    ),
+    InvalidPool(
+        "toleration-empty-key-with-equal",
+        _s(tolerations=[{"operator": "Equal", "value": "x"}]),
+        "spec.tolerations[0].key",
+    ),
+    InvalidPool(
+        "toleration-seconds-without-noexecute",
+        _s(tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}]),
+        "spec.tolerations[0].tolerationSeconds",
+    ),
+    InvalidPool(
+        "toleration-effect-unknown",
+        _s(tolerations=[{"key": "gpu", "operator": "Exists", "effect": "Evict"}]),
+        "spec.tolerations[0].effect",
+    ),
+    InvalidPool("nodeselector-value-not-string", _s(nodeSelector={"gpu": 1}), "spec.nodeSelector.gpu"),
+    InvalidPool("reclaim-policy-unknown", _s(reclaimPolicy="Keep"), "spec.reclaimPolicy"),
+    InvalidPool(
+        "engineid-path-traversal",
+        _s(segments={"maxFiles": 1}, compat={"vllm": {"engineId": "../etc/passwd"}}),
+        "spec.compat.vllm.engineId",
+    ),
+    InvalidPool(
+        "engineid-missing", _s(segments={"maxFiles": 1}, compat={"vllm": {}}), "spec.compat.vllm.engineId"
+    ),
+    InvalidPool(
+        "compat-with-perrank",
+        _perrank(2, segments={"maxFiles": 1}, compat={"vllm": {"engineId": "e1"}}),
+        "spec.compat.vllm",
+    ),
+    InvalidPool(
+        "compat-with-many-files", _s(compat={"vllm": {"engineId": "e1"}}), "spec.segments.maxFiles"
+    ),
+    InvalidPool("spec-missing", None, "spec"),
+]
+
+assert len({case.id for case in INVALID_POOLS}) == len(INVALID_POOLS), "case ids must be distinct"
+
+
+_INDEX = re.compile(r"\[\d*\]|\.\d+(?=[.\s]|$)")
+
+
+def without_indices(text: str) -> str:
+    """``spec.tolerations[0].value`` / ``spec.tolerations.0.value`` -> ``spec.tolerations.value``.
+
+    The API server writes list indices in brackets, pydantic as path segments; the models'
+    own messages use ``[]``. Comparing without indices checks the same field is named.
+    """
+    return _INDEX.sub("", text)
