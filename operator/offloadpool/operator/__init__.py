@@ -1,0 +1,20 @@
+"""The offloadpool operator (kopf): one agent DaemonSet per OffloadPool, one OffloadPoolNode per
+selected Node, pool status aggregated from the agents' reports, Node labels and an extended
+resource while a pool is Ready on a node, a finalizer that waits for the agents to release.
+
+Modules, one concept each:
+
+- ``config``      what the operator is told at start (namespace, agent image, timeouts);
+- ``settings``    the kopf settings, all explicit;
+- ``selection``   which Nodes a pool selects (nodeSelector + taints/tolerations), pure;
+- ``daemonset``   the agent DaemonSet rendered from a pool, pure, plus applying it;
+- ``nodes``       OffloadPoolNode objects and the Node labels/extended resource;
+- ``rollout``     which OffloadPoolNodes may take a new pool generation now, pure;
+- ``aggregate``   OffloadPoolNode statuses -> pool status and conditions, pure;
+- ``events``      Kubernetes Events derived from status transitions;
+- ``reconcile``   one pass over one pool, computed from current state only;
+- ``handlers``    the kopf handlers that trigger passes;
+- ``main``        the ``offloadpool-operator`` command.
+
+Nothing here is imported by the node-side library: imports flow region/api <- operator.
+"""

@@ -1,0 +1,50 @@
+"""What the operator is told when it starts.
+
+One frozen object, built by ``main`` from flags and environment and handed to every handler
+through kopf's ``memo``, so handlers never read the environment themselves and tests can run
+two operators with different settings in one process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: The agent's one HTTP port (/healthz, /readyz, /metrics), as agreed with the agent.
+AGENT_HTTP_PORT = 9475
+#: Where the agent's host root lives on every node, and where the container sees it.
+HOST_ROOT = "/var/lib/offloadpool"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Settings of one operator process.
+
+    ``namespace`` is where the agent DaemonSets live (the operator's own namespace).
+    ``heartbeat_timeout_seconds``: an agent whose last heartbeat is older than this is treated
+    as unresponsive (its node stops counting as Ready); 0 disables the check.
+    ``resync_seconds``: a pool is re-reconciled at least this often even without events, which
+    is what notices stale heartbeats and repairs objects someone deleted by hand.
+    """
+
+    namespace: str = "offloadpool-system"
+    agent_image: str = "ghcr.io/offloadpool/offloadpool:latest"
+    agent_image_pull_policy: str = "IfNotPresent"
+    agent_service_account: str = "offloadpool-agent"
+    agent_cpu_request: str = "100m"
+    #: The agent's own memory (Python, client, HTTP server) on top of the pool's memory.
+    agent_memory_overhead: str = "256Mi"
+    agent_priority_class: str | None = None
+    host_root: str = HOST_ROOT
+    http_port: int = AGENT_HTTP_PORT
+    heartbeat_timeout_seconds: float = 60.0
+    resync_seconds: float = 15.0
+    #: Pause after an event before a pass, so a burst of agent updates costs one pass.
+    debounce_seconds: float = 0.5
+    #: Delay between checks while a deleted pool waits for its nodes to release.
+    deletion_retry_seconds: float = 3.0
+
+
+def default_namespace() -> str:
+    """The operator's namespace: POD_NAMESPACE (downward API) when running in a pod."""
+    return os.environ.get("POD_NAMESPACE") or OperatorConfig.namespace

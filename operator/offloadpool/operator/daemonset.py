@@ -1,0 +1,172 @@
+"""The agent DaemonSet of one pool: rendered from the pool (pure), then applied.
+
+Choices, and why:
+
+- **Resources.** The agent pod requests (and is limited to) the pool's memory, so the
+  scheduler accounts for it and never places pods that would need it: huge-page media request
+  ``hugepages-2Mi``/``hugepages-1Gi`` equal to the capacity (Kubernetes requires requests ==
+  limits for huge pages, and a cpu or memory request next to them); tmpfs media request
+  ``memory`` = capacity + the agent's own overhead, because tmpfs pages are charged to the
+  memory cgroup of the process that first touches them, and the agent pre-faults them: a
+  smaller limit would get the agent OOM-killed mid-populate.
+- **Host root.** One hostPath volume (``/var/lib/offloadpool``, DirectoryOrCreate) with
+  ``mountPropagation: Bidirectional``: the agent mounts the pool's hugetlbfs/tmpfs inside it and
+  the mount must propagate back to the host, where inference pods get it by hostPath.
+- **Privileges.** ``privileged: true`` and nothing else: mount(2) needs CAP_SYS_ADMIN, and the
+  API server only accepts Bidirectional propagation on privileged containers, so privileged is
+  the least that works. No hostNetwork, hostPID or hostIPC, one hostPath, read-only root file
+  system.
+- **Probes.** Liveness on ``/healthz`` (the agent loop is alive; stays healthy while
+  populating), readiness on ``/readyz`` (the region is Ready), both on the agent's one port.
+- **Updates.** ``updateStrategy: OnDelete``: changing the template never restarts an agent by
+  itself, so no agent is replaced under an attached engine; spec changes reach the nodes
+  through ``OffloadPoolNode.spec.targetGeneration`` instead (see ``rollout``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from offloadpool.api.constants import API_VERSION, POOL_KIND, POOL_NAME_LABEL
+from offloadpool.api.media import SCHEDULING_RESOURCE, is_hugetlbfs
+from offloadpool.api.quantity import format_quantity, parse_quantity
+
+from .config import OperatorConfig
+
+NAME_PREFIX = "offloadpool-agent-"
+APP_LABEL = "app.kubernetes.io/name"
+APP_NAME = "offloadpool-agent"
+CONTAINER_NAME = "agent"
+VOLUME_NAME = "host-root"
+#: Hash of the rendered object; the operator replaces the DaemonSet only when it changes.
+HASH_ANNOTATION = "offloadpool.io/rendered-hash"
+
+
+def daemonset_name(pool: str) -> str:
+    """``offloadpool-agent-<pool>`` (pool names are at most 40 characters: fits 63)."""
+    return NAME_PREFIX + pool
+
+
+def selector_labels(pool: str) -> dict[str, str]:
+    """The DaemonSet's (immutable) pod selector."""
+    return {APP_LABEL: APP_NAME, POOL_NAME_LABEL: pool}
+
+
+def owner_reference(pool_body: Mapping[str, Any]) -> dict[str, Any]:
+    """The pool as controlling owner, so garbage collection removes the object with the pool."""
+    meta = pool_body["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": POOL_KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def resources(spec: Mapping[str, Any], config: OperatorConfig) -> dict[str, dict[str, str]]:
+    """Requests and limits that make the scheduler account for the pool's memory."""
+    medium = spec.get("medium", "HugePages-2Mi")
+    capacity = parse_quantity(spec["capacity"])
+    overhead = parse_quantity(config.agent_memory_overhead)
+    if is_hugetlbfs(medium):
+        pages = {SCHEDULING_RESOURCE[medium]: format_quantity(capacity)}
+        memory = {"memory": format_quantity(overhead)}
+        return {
+            "requests": {**pages, **memory, "cpu": config.agent_cpu_request},
+            "limits": {**pages, **memory},
+        }
+    memory = {"memory": format_quantity(capacity + overhead)}
+    return {"requests": {**memory, "cpu": config.agent_cpu_request}, "limits": dict(memory)}
+
+
+def _env(pool: str, config: OperatorConfig) -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
+
+    return [
+        {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
+        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+        {"name": "POOL_NAME", "value": pool},
+        {"name": "OFFLOADPOOL_ROOT", "value": config.host_root},
+        {"name": "OFFLOADPOOL_HTTP_PORT", "value": str(config.http_port)},
+    ]
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def render(pool_body: Mapping[str, Any], config: OperatorConfig) -> dict[str, Any]:
+    """The agent DaemonSet for ``pool_body`` (a plain dict, ready to create)."""
+    pool = pool_body["metadata"]["name"]
+    spec = pool_body.get("spec") or {}
+    labels = {
+        **selector_labels(pool),
+        "app.kubernetes.io/component": "agent",
+        "app.kubernetes.io/part-of": "offloadpool",
+        "app.kubernetes.io/managed-by": "offloadpool-operator",
+    }
+    container = {
+        "name": CONTAINER_NAME,
+        "image": config.agent_image,
+        "imagePullPolicy": config.agent_image_pull_policy,
+        "command": ["offloadpool-agent"],
+        "args": ["--pool", pool],
+        "env": _env(pool, config),
+        "ports": [{"name": "http", "containerPort": config.http_port, "protocol": "TCP"}],
+        "resources": resources(spec, config),
+        "volumeMounts": [
+            {"name": VOLUME_NAME, "mountPath": config.host_root, "mountPropagation": "Bidirectional"}
+        ],
+        "livenessProbe": _probe("/healthz", period=10, failures=6),
+        "readinessProbe": _probe("/readyz", period=5, failures=1),
+        "securityContext": {"privileged": True, "runAsUser": 0, "readOnlyRootFilesystem": True},
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": config.agent_service_account,
+        "containers": [container],
+        "volumes": [
+            {"name": VOLUME_NAME, "hostPath": {"path": config.host_root, "type": "DirectoryOrCreate"}}
+        ],
+        "nodeSelector": dict(spec.get("nodeSelector") or {}),
+        "tolerations": [dict(t) for t in spec.get("tolerations") or ()],
+        # The agent exits promptly on SIGTERM without touching the memory.
+        "terminationGracePeriodSeconds": 30,
+        "enableServiceLinks": False,
+    }
+    if config.agent_priority_class:
+        pod_spec["priorityClassName"] = config.agent_priority_class
+    body: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {
+            "name": daemonset_name(pool),
+            "namespace": config.namespace,
+            "labels": labels,
+            "ownerReferences": [owner_reference(pool_body)],
+        },
+        "spec": {
+            "selector": {"matchLabels": selector_labels(pool)},
+            "updateStrategy": {"type": "OnDelete"},
+            "revisionHistoryLimit": 5,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+    body["metadata"]["annotations"] = {HASH_ANNOTATION: rendered_hash(body)}
+    return body
+
+
+def rendered_hash(body: Mapping[str, Any]) -> str:
+    """A short digest of what we render (not of what the API server defaults around it)."""
+    essence = {"metadata": {k: body["metadata"][k] for k in ("labels", "ownerReferences")}, "spec": body["spec"]}
+    return hashlib.sha256(json.dumps(essence, sort_keys=True).encode()).hexdigest()[:16]

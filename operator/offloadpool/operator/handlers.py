@@ -1,0 +1,109 @@
+"""The kopf handlers. They only decide WHEN a pool gets a pass; ``reconcile`` decides WHAT.
+
+- every OffloadPool has a daemon that runs a pass when woken (a change to the pool, to one of
+  its OffloadPoolNodes, or to any Node's labels/taints/resources) and at least every
+  ``resync_seconds`` (stale heartbeats, objects deleted by hand); bursts are coalesced;
+- Nodes are kept in a kopf index (name -> NodeInfo): kopf fills it before any handler runs, so
+  the first pass after a restart never mistakes "not listed yet" for "gone";
+- the deletion handler holds the pool (finalizer) and runs deletion passes until every node
+  still present reports Released; kopf retries it, and posts its "waiting for ..." as Events.
+
+kopf stops a pool's daemon when the pool is marked for deletion, before the deletion handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
+
+from . import settings as operator_settings
+from .runtime import Runtime
+from .selection import NodeInfo
+
+RESOURCE_PREFIX = f"{GROUP}/"
+
+
+def _runtime(memo: kopf.Memo) -> Runtime:
+    return memo["runtime"]
+
+
+def _nodes(node_index: kopf.Index) -> list[NodeInfo]:
+    """A snapshot of the Node index (taken in the event loop; the index changes under us)."""
+    return [info for store in node_index.values() for info in store]
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    operator_settings.configure(settings)
+    runtime = _runtime(memo)
+    runtime.connect()
+    logger.info("offloadpool operator: agent DaemonSets in namespace %s", runtime.config.namespace)
+
+
+@kopf.index("", "v1", "nodes")
+def node_index(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeInfo]:
+    return {name: NodeInfo.from_body(body, RESOURCE_PREFIX)}
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_event(event: dict[str, Any], body: kopf.Body, name: str, memo: kopf.Memo, **_: Any) -> None:
+    runtime = _runtime(memo)
+    info = None if event.get("type") == "DELETED" else NodeInfo.from_body(body, RESOURCE_PREFIX)
+    if runtime.node_changed(info, name):
+        runtime.trigger_all()
+
+
+@kopf.on.event(GROUP, VERSION, NODE_PLURAL)
+def node_object_event(spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+    if spec.get("pool"):
+        _runtime(memo).trigger(spec["pool"])
+
+
+@kopf.on.event(GROUP, VERSION, POOL_PLURAL)
+def pool_event(name: str, memo: kopf.Memo, **_: Any) -> None:
+    _runtime(memo).trigger(name)
+
+
+@kopf.daemon(GROUP, VERSION, POOL_PLURAL, initial_delay=0)
+async def pool_daemon(
+    name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, node_index: kopf.Index, logger: logging.Logger, **_: Any
+) -> None:
+    """Pass after pass over one pool until kopf stops the daemon (operator exit or deletion)."""
+    runtime = _runtime(memo)
+    config = runtime.config
+    wake = runtime.trigger(name)
+    failures = 0
+    while not stopped:
+        try:
+            await asyncio.wait_for(wake.wait(), timeout=config.resync_seconds)
+            await asyncio.sleep(config.debounce_seconds)
+        except asyncio.TimeoutError:
+            pass
+        if stopped:
+            break
+        wake.clear()
+        try:
+            await asyncio.to_thread(runtime.reconciler.run, name, _nodes(node_index))
+            failures = 0
+        except Exception:  # a pass that fails is retried; the daemon must never die
+            failures += 1
+            logger.exception("pass over pool %s failed (attempt %d); retrying", name, failures)
+            await asyncio.sleep(min(30.0, 0.5 * 2**failures))
+            wake.set()
+
+
+@kopf.on.delete(GROUP, VERSION, POOL_PLURAL)
+async def pool_deleted(name: str, memo: kopf.Memo, node_index: kopf.Index, logger: logging.Logger, **_: Any) -> None:
+    """Hold the pool until every node (that still exists) reports Released."""
+    runtime = _runtime(memo)
+    result = await asyncio.to_thread(runtime.reconciler.run, name, _nodes(node_index))
+    if result is not None and result.unreleased:
+        message = result.status.get("conditions", [{}])[0].get("message", "waiting for nodes to release")
+        raise kopf.TemporaryError(message, delay=runtime.config.deletion_retry_seconds)
+    runtime.forget(name)
+    logger.info("pool %s released on every node; finalizer removed", name)

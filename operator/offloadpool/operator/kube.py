@@ -1,0 +1,135 @@
+"""The few API calls the operator makes, each idempotent, through the official client.
+
+Every call tolerates the outcome it was after already being true (409 on create, 404 on
+delete), because after a kill -9 the next operator repeats whatever the last one may or may
+not have finished. Calls are synchronous; the reconciler runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kubernetes
+from kubernetes.client import V1DaemonSet
+from kubernetes.client.exceptions import ApiException
+
+from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_NAME_LABEL, POOL_PLURAL, VERSION
+
+from .daemonset import HASH_ANNOTATION
+
+log = logging.getLogger(__name__)
+
+#: The client's default for a dict body is a JSON patch; every patch here is a merge patch
+#: (``null`` removes a key), so say so on each call.
+MERGE = "application/merge-patch+json"
+
+
+def load_client() -> kubernetes.client.ApiClient:
+    """In-cluster credentials in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return kubernetes.client.ApiClient()
+
+
+class Kube:
+    """Typed access to pools, OffloadPoolNodes, Nodes and DaemonSets."""
+
+    def __init__(self, client: kubernetes.client.ApiClient) -> None:
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.apps = kubernetes.client.AppsV1Api(client)
+
+    # -- pools ---------------------------------------------------------------------------
+    def get_pool(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_pool_status(self, name: str, status: Mapping[str, Any]) -> None:
+        try:
+            self.custom.patch_cluster_custom_object_status(GROUP, VERSION, POOL_PLURAL, name, {"status": dict(status)}, _content_type=MERGE)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    # -- OffloadPoolNodes ---------------------------------------------------------------
+    def list_node_objects(self, pool: str) -> list[dict[str, Any]]:
+        """A consistent (quorum) read: the rollout must see its own last write."""
+        found = self.custom.list_cluster_custom_object(
+            GROUP, VERSION, NODE_PLURAL, label_selector=f"{POOL_NAME_LABEL}={pool}"
+        )
+        return [item for item in found.get("items", []) if (item.get("spec") or {}).get("pool") == pool]
+
+    def create_node_object(self, body: Mapping[str, Any]) -> bool:
+        """True when created now, False when it existed already."""
+        try:
+            self.custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, dict(body))
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def delete_node_object(self, name: str) -> bool:
+        """True when deleted now, False when it was gone already."""
+        try:
+            self.custom.delete_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name)
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    def patch_node_object(self, name: str, patch: Mapping[str, Any]) -> None:
+        self.custom.patch_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name, dict(patch), _content_type=MERGE)
+
+    # -- Nodes -------------------------------------------------------------------------
+    def patch_node(self, name: str, patch: Mapping[str, Any]) -> None:
+        try:
+            self.core.patch_node(name, dict(patch), _content_type=MERGE)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def patch_node_status(self, name: str, patch: Mapping[str, Any]) -> None:
+        try:
+            self.core.patch_node_status(name, dict(patch), _content_type=MERGE)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    # -- DaemonSets --------------------------------------------------------------------
+    def apply_daemonset(self, body: Mapping[str, Any]) -> str:
+        """Create the DaemonSet, or replace it when what we render changed.
+
+        Returns "created", "updated" or "unchanged". A replace (not a merge patch) so that
+        removed tolerations or nodeSelector keys really go; the rendered hash annotation makes
+        it a no-op when nothing changed, so passes never write for nothing.
+        """
+        meta = body["metadata"]
+        try:
+            current = self.apps.read_namespaced_daemon_set(meta["name"], meta["namespace"])
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            try:
+                self.apps.create_namespaced_daemon_set(meta["namespace"], V1DaemonSet.from_dict(dict(body)))
+                return "created"
+            except ApiException as exc2:
+                if exc2.status != 409:
+                    raise
+                return "unchanged"
+        annotations = current.metadata.annotations or {}
+        if annotations.get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]:
+            return "unchanged"
+        replacement = dict(body)
+        replacement["metadata"] = {**meta, "resourceVersion": current.metadata.resource_version}
+        self.apps.replace_namespaced_daemon_set(meta["name"], meta["namespace"], V1DaemonSet.from_dict(replacement))
+        return "updated"

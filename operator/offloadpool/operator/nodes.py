@@ -1,0 +1,84 @@
+"""OffloadPoolNode objects and what the operator writes on Nodes.
+
+Both are rendered here as plain bodies and patches (pure); ``kube`` sends them. Writes are
+idempotent: creating an OffloadPoolNode that exists, deleting one that is gone, or setting a
+label that is already set all end in the same state, which is what lets a restarted operator
+redo a pass without harm.
+
+On a Node, while the pool is Ready there, the operator keeps:
+
+- the label ``pool.offloadpool.io/<pool>: ready`` (for nodeSelectors and for humans), and
+- the extended resource ``offloadpool.io/<pool>`` with capacity and allocatable ``1`` in node
+  status: one engine per node per pool, so the scheduler never puts two consumers of the same
+  region on one node. Allocatable is written too because no kubelet fills it in for a resource
+  it does not manage.
+
+Both are removed (a merge patch with ``null``) as soon as the pool is not Ready there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from offloadpool.api.constants import (
+    API_VERSION,
+    NODE_KIND,
+    POOL_LABEL_READY,
+    POOL_NAME_LABEL,
+    extended_resource_name,
+    node_object_name,
+    pool_label_key,
+)
+
+from .daemonset import owner_reference
+from .nodeview import ROLLOUT_ANNOTATION
+from .selection import NodeInfo
+
+#: Capacity advertised per node: one engine per node per pool.
+EXTENDED_RESOURCE_CAPACITY = "1"
+
+
+def node_object(pool_body: Mapping[str, Any], node: str, generation: int) -> dict[str, Any]:
+    """A new OffloadPoolNode for ``node``; it starts at the pool's current generation."""
+    pool = pool_body["metadata"]["name"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": NODE_KIND,
+        "metadata": {
+            "name": node_object_name(pool, node),
+            "labels": {POOL_NAME_LABEL: pool},
+            "ownerReferences": [owner_reference(pool_body)],
+        },
+        "spec": {"pool": pool, "nodeName": node, "targetGeneration": generation},
+    }
+
+
+def advance_patch(generation: int, serving: bool) -> dict[str, Any]:
+    """Move a node's target to ``generation``; mark it in flight when it was serving."""
+    patch: dict[str, Any] = {"spec": {"targetGeneration": generation}}
+    patch["metadata"] = {"annotations": {ROLLOUT_ANNOTATION: str(generation) if serving else None}}
+    return patch
+
+
+def label_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None:
+    """The metadata patch that makes the node's pool label match ``ready``; None if it does."""
+    key = pool_label_key(pool)
+    has = node.labels.get(key) == POOL_LABEL_READY
+    if ready == has and (ready or key not in node.labels):
+        return None
+    return {"metadata": {"labels": {key: POOL_LABEL_READY if ready else None}}}
+
+
+def resource_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None:
+    """The status patch that makes the node advertise the pool's resource iff ``ready``."""
+    name = extended_resource_name(pool)
+    if (name in node.resources) == ready:
+        return None
+    value = EXTENDED_RESOURCE_CAPACITY if ready else None
+    return {"status": {"capacity": {name: value}, "allocatable": {name: value}}}
+
+
+def carries_pool(pool: str, node: NodeInfo) -> bool:
+    """The node has the pool's label or resource (so a pass must look at it)."""
+    return pool_label_key(pool) in node.labels or extended_resource_name(pool) in node.resources

@@ -1,0 +1,82 @@
+"""The operator's reading of one OffloadPoolNode: what its agent reported, and the rollout
+bookkeeping the operator keeps on it.
+
+``aggregate`` and ``rollout`` take these instead of raw dicts so both read a status the same
+way (for example: a missing status means "the agent has not reported yet", a heartbeat older
+than the timeout means "unresponsive", whatever the phase says).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+#: Set by the operator on an OffloadPoolNode it moved from Ready to a new generation, so the
+#: rollout knows (after any restart) which node is "in flight" and must finish first.
+ROLLOUT_ANNOTATION = "offloadpool.io/rollout-generation"
+#: Reasons an agent gives when an attached engine keeps it from applying a generation.
+HELD_REASONS = frozenset({"LeaseHeld", "InUse"})
+
+
+def parse_time(value: str | None) -> datetime | None:
+    """RFC 3339 as the API server writes it (``2026-11-29T16:00:00Z``, fractions optional)."""
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node: str
+    #: Generation the node may apply (spec.targetGeneration); None = the pool's current one.
+    target_generation: int | None = None
+    #: Generation a Ready node was advanced to by the rollout (annotation), else None.
+    rollout_generation: int | None = None
+    phase: str | None = None
+    reason: str | None = None
+    message: str | None = None
+    progress: int | None = None
+    bytes_total: int = 0
+    observed_generation: int | None = None
+    pending_generation: int | None = None
+    engines_attached: int = 0
+    heartbeat: datetime | None = None
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> "NodeView":
+        meta = body.get("metadata") or {}
+        spec = body.get("spec") or {}
+        status = body.get("status") or {}
+        annotation = (meta.get("annotations") or {}).get(ROLLOUT_ANNOTATION)
+        return cls(
+            node=spec.get("nodeName") or meta["name"].partition(".")[2],
+            target_generation=spec.get("targetGeneration"),
+            rollout_generation=int(annotation) if annotation and annotation.isdigit() else None,
+            phase=status.get("phase"),
+            reason=status.get("reason"),
+            message=status.get("message"),
+            progress=status.get("progress"),
+            bytes_total=int(status.get("bytesTotal") or 0),
+            observed_generation=status.get("observedGeneration"),
+            pending_generation=status.get("pendingGeneration"),
+            engines_attached=int(status.get("enginesAttached") or 0),
+            heartbeat=parse_time(status.get("heartbeat")),
+        )
+
+    def stale(self, now: datetime, timeout_seconds: float) -> bool:
+        """The agent reported once but has not written a heartbeat for too long."""
+        if timeout_seconds <= 0 or self.phase is None or self.heartbeat is None:
+            return False
+        return (now - self.heartbeat).total_seconds() > timeout_seconds
+
+    @property
+    def held(self) -> bool:
+        """A newer generation is waiting because an engine holds the lease (not merely for its
+        turn in the rollout: agents report pendingGeneration in both cases, with different reasons)."""
+        return self.pending_generation is not None and self.reason in HELD_REASONS

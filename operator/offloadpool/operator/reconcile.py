@@ -1,0 +1,189 @@
+"""One pass over one pool: read the current state, compute what should be, write the difference.
+
+A pass never relies on what an earlier pass (or an earlier operator process) did: it reads the
+pool and its OffloadPoolNodes fresh from the API server, takes Nodes from the watch-fed index,
+and derives the DaemonSet, the OffloadPoolNode set, the rollout step, the pool status, the Node
+labels and resources from them. Every write is idempotent and skipped when nothing changed. So
+passes can be repeated at will (every event, every resync, after a kill -9) and converge; and a
+repeated pass after convergence writes nothing.
+
+Passes for one pool are serialised by a per-pool lock held in the worker thread itself, so a
+deletion pass never interleaves with a normal pass that is still finishing in its thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from offloadpool.api.base import now as utcnow
+from offloadpool.api.constants import node_object_name
+
+from . import daemonset, nodes, rollout
+from .aggregate import aggregate
+from .config import OperatorConfig
+from .events import Event, transitions
+from .kube import Kube
+from .nodeview import NodeView
+from .selection import NodeInfo, selected_nodes
+
+log = logging.getLogger(__name__)
+
+#: Posts one Event about a pool (kopf.event in the operator; a list in tests).
+EventSink = Callable[[Mapping[str, Any], Event], None]
+
+
+@dataclass
+class PassResult:
+    """What one pass saw and did (for logs, tests and the deletion handler)."""
+
+    pool: str
+    deleting: bool = False
+    status: dict[str, Any] = field(default_factory=dict)
+    #: Nodes a deletion still waits for (empty when not deleting or when done).
+    unreleased: tuple[str, ...] = ()
+    #: Human-readable list of the writes made ("created OffloadPoolNode p.n1", ...).
+    writes: list[str] = field(default_factory=list)
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, config: OperatorConfig, emit: EventSink, clock: Callable[[], datetime] = utcnow):
+        self.kube = kube
+        self.config = config
+        self.emit = emit
+        self.clock = clock
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, pool: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(pool, threading.Lock())
+
+    def run(self, name: str, node_infos: Sequence[NodeInfo]) -> PassResult | None:
+        """One pass over pool ``name``; None when the pool no longer exists."""
+        with self._lock(name):
+            pool = self.kube.get_pool(name)
+            if pool is None:
+                return None
+            return self._pass(pool, node_infos)
+
+    def _pass(self, pool: dict[str, Any], node_infos: Sequence[NodeInfo]) -> PassResult:
+        meta, spec = pool["metadata"], pool.get("spec") or {}
+        name, generation = meta["name"], int(meta.get("generation") or 1)
+        deleting = bool(meta.get("deletionTimestamp"))
+        result = PassResult(pool=name, deleting=deleting)
+        now = self.clock()
+        timeout = self.config.heartbeat_timeout_seconds
+        existing = {n.name: n for n in node_infos}
+
+        if not deleting:
+            outcome = self.kube.apply_daemonset(daemonset.render(pool, self.config))
+            if outcome != "unchanged":
+                result.writes.append(f"{outcome} DaemonSet {daemonset.daemonset_name(name)}")
+                self.emit(pool, Event("Normal", f"DaemonSet{outcome.capitalize()}",
+                                      f"agent DaemonSet {self.config.namespace}/{daemonset.daemonset_name(name)} {outcome}"))
+
+        selected = selected_nodes(spec, list(existing.values()))
+        views = {v.node: v for v in map(NodeView.from_body, self.kube.list_node_objects(name))}
+
+        if not deleting:
+            self._sync_node_objects(pool, generation, selected, views, existing, result)
+            self._roll_out(pool, generation, selected, views, now, timeout, result)
+
+        agg = aggregate(
+            generation=generation,
+            selected=selected,
+            views=views,
+            previous_conditions=(pool.get("status") or {}).get("conditions") or (),
+            now=now,
+            heartbeat_timeout=timeout,
+            deleting=deleting,
+            existing_nodes=existing.keys(),
+        )
+        result.unreleased = agg.unreleased_nodes
+        self._sync_node_marks(name, agg.ready_nodes, existing, result)
+
+        before = pool.get("status") or {}
+        result.status = agg.status
+        if any(before.get(k) != v for k, v in agg.status.items()):
+            self.kube.patch_pool_status(name, agg.status)
+            result.writes.append("patched pool status")
+            for event in transitions(before, agg.status, agg.failed_nodes):
+                self.emit(pool, event)
+        if result.writes:
+            log.info("pool %s: %s", name, "; ".join(result.writes))
+        return result
+
+    def _sync_node_objects(
+        self,
+        pool: Mapping[str, Any],
+        generation: int,
+        selected: Sequence[str],
+        views: dict[str, NodeView],
+        existing: Mapping[str, NodeInfo],
+        result: PassResult,
+    ) -> None:
+        """One OffloadPoolNode per selected Node; none for Nodes gone or no longer selected."""
+        name = pool["metadata"]["name"]
+        for node in selected:
+            if node in views:
+                continue
+            if self.kube.create_node_object(nodes.node_object(pool, node, generation)):
+                result.writes.append(f"created OffloadPoolNode {node_object_name(name, node)}")
+                self.emit(pool, Event("Normal", "NodeSelected", f"node {node} selected: OffloadPoolNode created"))
+            views[node] = NodeView(node=node, target_generation=generation)
+        for node in sorted(set(views) - set(selected)):
+            if self.kube.delete_node_object(node_object_name(name, node)):
+                gone = node not in existing
+                result.writes.append(f"deleted OffloadPoolNode {node_object_name(name, node)}")
+                self.emit(pool, Event(
+                    "Normal" if gone else "Warning",
+                    "NodeRemoved" if gone else "NodeDeselected",
+                    f"node {node} was deleted: its OffloadPoolNode is removed" if gone else
+                    f"node {node} no longer matches the pool's nodeSelector/tolerations: its OffloadPoolNode "
+                    "is removed (the DaemonSet controller removes its agent; memory already on the node stays there)",
+                ))
+            del views[node]
+
+    def _roll_out(
+        self,
+        pool: Mapping[str, Any],
+        generation: int,
+        selected: Sequence[str],
+        views: dict[str, NodeView],
+        now: datetime,
+        timeout: float,
+        result: PassResult,
+    ) -> None:
+        """Advance targetGeneration where the rollout allows it now (see ``rollout``)."""
+        name = pool["metadata"]["name"]
+        step = rollout.plan(generation, views, selected, now=now, heartbeat_timeout=timeout)
+        for adv in step.advance:
+            self.kube.patch_node_object(node_object_name(name, adv.node), nodes.advance_patch(generation, adv.serving))
+            view = views[adv.node]
+            views[adv.node] = replace(view, target_generation=generation,
+                                      rollout_generation=generation if adv.serving else view.rollout_generation)
+            result.writes.append(f"advanced {adv.node} to generation {generation}")
+            if adv.serving:
+                self.emit(pool, Event("Normal", "RolloutAdvanced", f"generation {generation} released to node {adv.node}"))
+
+    def _sync_node_marks(
+        self, pool: str, ready: frozenset[str], existing: Mapping[str, NodeInfo], result: PassResult
+    ) -> None:
+        """Label and extended resource on exactly the Nodes where the pool is Ready."""
+        for info in existing.values():
+            is_ready = info.name in ready
+            if not is_ready and not nodes.carries_pool(pool, info):
+                continue
+            patch = nodes.label_patch(pool, info, is_ready)
+            if patch:
+                self.kube.patch_node(info.name, patch)
+                result.writes.append(f"{'labelled' if is_ready else 'unlabelled'} node {info.name}")
+            patch = nodes.resource_patch(pool, info, is_ready)
+            if patch:
+                self.kube.patch_node_status(info.name, patch)
+                result.writes.append(f"{'advertised' if is_ready else 'withdrew'} resource on node {info.name}")

@@ -1,0 +1,88 @@
+"""Which Nodes a pool selects: its nodeSelector, and taints its tolerations accept.
+
+The DaemonSet controller decides where agent pods run; this module decides which Nodes get an
+OffloadPoolNode and count as "desired". The two must agree, or a pool would wait forever for a
+node no agent can reach. So a node is selected when every nodeSelector label matches and every
+NoSchedule/NoExecute taint is tolerated, as the DaemonSet controller checks.
+
+One deliberate difference: taints under ``node.kubernetes.io/`` are ignored. The node
+lifecycle controller sets them for passing conditions (not-ready, unreachable, memory-pressure,
+unschedulable, ...); the DaemonSet controller tolerates most of them itself, and a node that is
+briefly NotReady must not lose its OffloadPoolNode (and with it the pool's bookkeeping of memory
+that is still there). Pure functions, no cluster access.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Taints managed by Kubernetes for node conditions; never change pool membership.
+SYSTEM_TAINT_PREFIX = "node.kubernetes.io/"
+#: Only these effects keep a DaemonSet pod off a node.
+BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the operator needs to know about a Node (kept in a kopf index)."""
+
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[Mapping[str, Any], ...] = ()
+    #: Extended resources in status.capacity (only the offloadpool.io/ ones are kept).
+    resources: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], resource_prefix: str) -> "NodeInfo":
+        meta = body.get("metadata") or {}
+        spec = body.get("spec") or {}
+        capacity = (body.get("status") or {}).get("capacity") or {}
+        return cls(
+            name=meta["name"],
+            labels=dict(meta.get("labels") or {}),
+            taints=tuple(dict(t) for t in spec.get("taints") or ()),
+            resources=frozenset(k for k in capacity if k.startswith(resource_prefix)),
+        )
+
+
+def labels_match(node_labels: Mapping[str, str], selector: Mapping[str, str] | None) -> bool:
+    """A Pod-style nodeSelector: every key present with exactly that value (empty selects all)."""
+    return all(node_labels.get(k) == v for k, v in (selector or {}).items())
+
+
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """core/v1 Toleration.ToleratesTaint: effect, key and (for Equal) value must match."""
+    effect = toleration.get("effect") or ""
+    if effect and effect != taint.get("effect"):
+        return False
+    key = toleration.get("key") or ""
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Exists":
+        return not key or key == taint.get("key")
+    return key == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def taints_tolerated(taints: Sequence[Mapping[str, Any]], tolerations: Sequence[Mapping[str, Any]] | None) -> bool:
+    """True when no blocking, non-system taint is left untolerated."""
+    for taint in taints:
+        if taint.get("effect") not in BLOCKING_EFFECTS:
+            continue
+        if str(taint.get("key", "")).startswith(SYSTEM_TAINT_PREFIX):
+            continue
+        if not any(tolerates(t, taint) for t in tolerations or ()):
+            return False
+    return True
+
+
+def selects(spec: Mapping[str, Any], node: NodeInfo) -> bool:
+    """Does the pool with this spec select this node?"""
+    return labels_match(node.labels, spec.get("nodeSelector")) and taints_tolerated(
+        node.taints, spec.get("tolerations")
+    )
+
+
+def selected_nodes(spec: Mapping[str, Any], nodes: Sequence[NodeInfo]) -> list[str]:
+    """Names of the selected nodes, sorted (stable order for rollout and status)."""
+    return sorted(n.name for n in nodes if selects(spec, n))

@@ -1,0 +1,169 @@
+"""Pool status aggregation and rollout planning: pure functions, no cluster needed."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offloadpool.operator.aggregate import MAX_FAILING_NODES, aggregate
+from offloadpool.operator.events import transitions
+from offloadpool.operator.nodeview import NodeView
+from offloadpool.operator.rollout import plan
+
+NOW = datetime(2026, 11, 29, 16, 0, tzinfo=timezone.utc)
+GiB = 1 << 30
+
+
+def ready(node: str, gen: int = 1, **kw) -> NodeView:
+    return NodeView(node=node, phase="Ready", observed_generation=gen, target_generation=gen, bytes_total=GiB, heartbeat=NOW, **kw)
+
+
+def conds(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_all_ready_is_ready():
+    views = {n: ready(n) for n in ("a", "b", "c")}
+    agg = aggregate(generation=1, selected=views, views=views, now=NOW)
+    s = agg.status
+    assert (s["phase"], s["desiredNodes"], s["readyNodes"], s["failedNodes"], s["pendingNodes"]) == ("Ready", 3, 3, 0, 0)
+    assert s["totalBytes"] == 3 * GiB and s["failingNodes"] == []
+    c = conds(s)
+    assert c["Ready"]["status"] == "True" and c["Progressing"]["reason"] == "Complete" and c["Degraded"]["status"] == "False"
+    assert agg.ready_nodes == {"a", "b", "c"}
+
+
+def test_failed_node_degrades_and_names_the_shortfall():
+    views = {"a": ready("a"), "b": NodeView(node="b", phase="Failed", reason="InsufficientHugePages",
+                                              message="needs 512 pages of 2Mi, 100 free", observed_generation=1)}
+    views["c"] = NodeView(node="c", phase="Populating", progress=40, heartbeat=NOW)
+    s = aggregate(generation=1, selected=["a", "b", "c", "d"], views=views, now=NOW).status
+    assert (s["phase"], s["readyNodes"], s["failedNodes"], s["pendingNodes"]) == ("Degraded", 1, 1, 2)
+    failing = {f["node"]: f for f in s["failingNodes"]}
+    assert [f["node"] for f in s["failingNodes"]] == ["b", "d", "c"]  # failures first
+    assert failing["b"]["reason"] == "InsufficientHugePages" and "512 pages" in failing["b"]["message"]
+    assert failing["d"]["reason"] == "AgentNotReporting"
+    assert failing["c"]["message"] == "Populating 40%"
+    c = conds(s)
+    assert c["Degraded"]["status"] == "True" and "b" in c["Degraded"]["message"]
+    assert c["Progressing"]["status"] == "True" and c["Progressing"]["reason"] == "Provisioning"
+
+
+def test_stale_heartbeat_is_not_ready():
+    views = {"a": ready("a"), "b": NodeView(node="b", phase="Ready", observed_generation=1, heartbeat=NOW - timedelta(hours=1))}
+    agg = aggregate(generation=1, selected=views, views=views, now=NOW, heartbeat_timeout=60)
+    assert agg.ready_nodes == {"a"} and agg.status["phase"] == "Degraded"
+    assert conds(agg.status)["Degraded"]["reason"] == "AgentsUnresponsive"
+    # timeout 0 disables the check
+    assert aggregate(generation=1, selected=views, views=views, now=NOW).ready_nodes == {"a", "b"}
+
+
+def test_held_node_is_ready_but_pending():
+    views = {"a": ready("a", 2), "b": ready("b", 1, pending_generation=2, reason="LeaseHeld")}
+    s = aggregate(generation=2, selected=views, views=views, now=NOW).status
+    assert (s["phase"], s["readyNodes"], s["pendingNodes"]) == ("Ready", 2, 1)
+    c = conds(s)["Progressing"]
+    assert (c["status"], c["reason"]) == ("False", "RolloutPending") and "b" in c["message"]
+
+
+def test_transition_time_kept_when_status_unchanged():
+    views = {"a": ready("a")}
+    first = aggregate(generation=1, selected=views, views=views, now=NOW).status
+    later = aggregate(generation=1, selected=views, views=views, now=NOW + timedelta(minutes=5),
+                      previous_conditions=first["conditions"]).status
+    assert later == first
+
+
+def test_deleting_waits_for_unreleased_existing_nodes():
+    views = {"a": NodeView(node="a", phase="Released"), "b": NodeView(node="b", phase="Draining", reason="LeaseHeld", engines_attached=1),
+             "gone": NodeView(node="gone", phase="Ready")}
+    agg = aggregate(generation=1, selected=["a", "b"], views=views, now=NOW, deleting=True, existing_nodes=["a", "b"])
+    assert agg.unreleased_nodes == ("b",) and agg.ready_nodes == frozenset()
+    assert agg.status["phase"] == "Deleting"
+    assert "b (Draining: LeaseHeld, 1 engine(s) attached)" in conds(agg.status)["Ready"]["message"]
+    assert agg.status["failingNodes"][0]["node"] == "b"
+
+
+def test_events_on_transitions_only():
+    views = {"a": ready("a"), "b": NodeView(node="b", phase="Populating")}
+    s1 = aggregate(generation=1, selected=views, views=views, now=NOW).status
+    first = transitions(None, s1)
+    assert {e.reason for e in first} == {"NodesNotReady", "Provisioning"}
+    views["b"] = ready("b")
+    s2 = aggregate(generation=1, selected=views, views=views, now=NOW, previous_conditions=s1["conditions"]).status
+    reasons = {(e.type, e.reason) for e in transitions(s1, s2)}
+    assert ("Normal", "AllNodesReady") in reasons and ("Normal", "Complete") in reasons
+    assert transitions(s2, s2) == []
+    views["b"] = NodeView(node="b", phase="Failed", reason="InsufficientMemory", message="short by 1Gi")
+    s3 = aggregate(generation=1, selected=views, views=views, now=NOW, previous_conditions=s2["conditions"])
+    reasons = {(e.type, e.reason) for e in transitions(s2, s3.status, s3.failed_nodes)}
+    assert ("Warning", "NodeFailed") in reasons and ("Warning", "NodesFailed") in reasons
+
+
+def test_rollout_one_serving_node_at_a_time():
+    views = {n: ready(n, 1) for n in ("a", "b", "c")}
+    views["d"] = NodeView(node="d", phase="Failed", target_generation=1)
+    step = plan(2, views, views, now=NOW)
+    assert [(a.node, a.serving) for a in step.advance] == [("d", False), ("a", True)]
+    # a in flight (annotated, not yet Ready at 2): nothing more
+    views["a"] = NodeView(node="a", phase="Provisioning", target_generation=2, rollout_generation=2, observed_generation=1)
+    views["d"] = NodeView(node="d", phase="Provisioning", target_generation=2)
+    assert plan(2, views, views, now=NOW).advance == () and plan(2, views, views, now=NOW).in_flight == ("a",)
+    # a held by an engine: skipped, b goes
+    views["a"] = ready("a", 1, pending_generation=2, reason="LeaseHeld", rollout_generation=2)
+    views["a"] = NodeView(**{**views["a"].__dict__, "target_generation": 2})
+    assert [x.node for x in plan(2, views, views, now=NOW).advance] == ["b"]
+    # waiting for its turn (agent says RolloutPending) is NOT held
+    views["a"] = NodeView(**{**views["a"].__dict__, "reason": "RolloutPending"})
+    assert plan(2, views, views, now=NOW).advance == ()
+
+
+def test_rollout_halts_on_failure_of_a_node_that_was_serving():
+    views = {"a": NodeView(node="a", phase="Failed", target_generation=2, rollout_generation=2, observed_generation=2),
+             "b": ready("b", 1)}
+    step = plan(2, views, views, now=NOW)
+    assert step.advance == () and step.halted == ("a",)
+    s = aggregate(generation=2, selected=views, views=views, now=NOW).status
+    assert conds(s)["Progressing"]["reason"] == "RolloutHalted"
+
+
+phases = st.sampled_from([None, "Pending", "Provisioning", "Populating", "Ready", "Draining", "Released", "Failed"])
+
+
+@st.composite
+def pools(draw):
+    names = draw(st.lists(st.text("abcdefgh", min_size=1, max_size=4), min_size=0, max_size=40, unique=True))
+    gen = draw(st.integers(1, 4))
+    views = {}
+    for n in names:
+        if draw(st.booleans()):
+            views[n] = NodeView(node=n, phase=draw(phases), observed_generation=draw(st.integers(1, gen)),
+                                target_generation=draw(st.integers(1, gen)), bytes_total=draw(st.integers(0, 4 * GiB)),
+                                heartbeat=NOW - timedelta(seconds=draw(st.integers(0, 600))),
+                                pending_generation=draw(st.one_of(st.none(), st.just(gen))),
+                                reason=draw(st.sampled_from([None, "LeaseHeld", "RolloutPending"])),
+                                rollout_generation=draw(st.one_of(st.none(), st.just(gen))))
+    selected = [n for n in names if draw(st.booleans()) or n in views]
+    return gen, selected, views
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools(), st.sampled_from([0, 120]))
+def test_counts_are_consistent(pool, timeout):
+    gen, selected, views = pool
+    agg = aggregate(generation=gen, selected=selected, views=views, now=NOW, heartbeat_timeout=timeout)
+    s = agg.status
+    assert s["desiredNodes"] == len(set(selected))
+    assert s["readyNodes"] + s["failedNodes"] <= s["desiredNodes"]
+    assert s["readyNodes"] <= s["desiredNodes"] - s["failedNodes"]
+    assert s["pendingNodes"] <= s["desiredNodes"] - s["failedNodes"]
+    assert len(s["failingNodes"]) == min(MAX_FAILING_NODES, s["desiredNodes"] - s["readyNodes"])
+    assert (s["phase"] == "Ready") == (s["desiredNodes"] > 0 and s["readyNodes"] == s["desiredNodes"] and s["failedNodes"] == 0)
+    assert {c["type"] for c in s["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    assert agg.ready_nodes <= set(selected)
+    step = plan(gen, views, selected, now=NOW, heartbeat_timeout=timeout)
+    assert sum(a.serving for a in step.advance) <= 1
+    assert not (step.in_flight and any(a.serving for a in step.advance))
+    assert {a.node for a in step.advance} <= set(selected)
