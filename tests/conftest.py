@@ -18,6 +18,7 @@ pytest_plugins = [
     "fixtures.crds",
     "fixtures.host",
     "fixtures.cluster",
+    "fixtures.operator_process",
 ]
 
 
