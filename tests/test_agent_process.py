@@ -1,0 +1,189 @@
+"""The agent as a real process against the real API server, without the operator.
+
+The test plays the operator's part by hand (creates the OffloadPool and this node's
+OffloadPoolNode) so every behaviour here is the agent's own: status through the status
+subresource, health and metrics on one port, keeping the region across an agent restart,
+engines counted from the lease, deletion waiting for the lease, Failed with the shortfall.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from fixtures.cluster import free_port, mounts_under, release_everything, wait_for
+
+pytestmark = pytest.mark.controlplane
+
+GROUP, VERSION = "offloadpool.io", "v1alpha1"
+MiB = 1 << 20
+HOLD = "tests.offloadpool.io/hold"  # our own finalizer: lets the test see the deletion phase
+
+
+class AgentRun:
+    def __init__(self, cp: Any, root: Path, pool: str, node: str, log: Path) -> None:
+        self.port = free_port()
+        env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig), "POOL_NAME": pool, "NODE_NAME": node,
+               "POD_NAMESPACE": "default", "OFFLOADPOOL_ROOT": str(root),
+               "OFFLOADPOOL_HTTP_PORT": str(self.port), "OFFLOADPOOL_HEARTBEAT_SECONDS": "1",
+               "OFFLOADPOOL_RETRY_SECONDS": "1", "PYTHONUNBUFFERED": "1"}
+        exe = str(Path(sys.executable).parent / "offloadpool-agent")
+        self.log = log
+        with open(log, "ab") as fh:
+            self.proc = subprocess.Popen([exe], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def get(self, path: str) -> int:
+        import urllib.error
+        import urllib.request
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0
+
+    def metrics(self) -> str:
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+            return r.read().decode()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def env(crds_installed: Any) -> Iterator[dict[str, Any]]:
+    cp = crds_installed
+    work = Path(tempfile.mkdtemp(prefix="offloadpool-agent-test-"))
+    api = cp.api_client()
+    custom = client.CustomObjectsApi(api)
+    state: dict[str, Any] = {"cp": cp, "root": work / "root", "work": work, "custom": custom,
+                             "agents": [], "engines": [], "names": []}
+    try:
+        yield state
+    finally:
+        for a in state["agents"]:
+            a.kill()
+        for e in state["engines"]:
+            if e.poll() is None:
+                e.kill()
+                e.wait(10)
+        for plural, name in state["names"]:
+            try:
+                custom.patch_cluster_custom_object(GROUP, VERSION, plural, name, {"metadata": {"finalizers": None}})
+                custom.delete_cluster_custom_object(GROUP, VERSION, plural, name)
+            except ApiException:
+                pass
+        release_everything(work)
+        left = mounts_under(work)
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+        api.close()
+        assert not left, f"mounts left: {left}"
+
+
+def create(state: dict[str, Any], pool: str, node: str, spec: dict[str, Any]) -> None:
+    custom = state["custom"]
+    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpools", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool",
+        "metadata": {"name": pool, "finalizers": [HOLD]}, "spec": spec})
+    state["names"].append(("offloadpools", pool))
+    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPoolNode",
+        "metadata": {"name": f"{pool}.{node}"}, "spec": {"pool": pool, "nodeName": node}})
+    state["names"].append(("offloadpoolnodes", f"{pool}.{node}"))
+
+
+def status(state: dict[str, Any], name: str) -> dict[str, Any]:
+    obj = state["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
+    return obj.get("status") or {}
+
+
+def start_agent(state: dict[str, Any], pool: str, node: str) -> AgentRun:
+    agent = AgentRun(state["cp"], state["root"], pool, node, state["work"] / f"agent-{len(state['agents'])}.log")
+    state["agents"].append(agent)
+    return agent
+
+
+def hold_lease(state: dict[str, Any], pool_dir: Path) -> subprocess.Popen[str]:
+    """An 'engine': a separate process holding the pool's lease shared until killed."""
+    code = ("import sys; from offloadpool.region.lease import Lease; "
+            f"l = Lease.shared({str(pool_dir)!r}); print('held', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    state["engines"].append(proc)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
+    pool, node = "agent-life", "node-x"
+    create(env, pool, node, {"capacity": "64Mi", "medium": "Memory", "segments": {"minSize": "16Mi"}})
+    name = f"{pool}.{node}"
+    agent = start_agent(env, pool, node)
+
+    st = wait_for("Ready", lambda: (s := status(env, name)).get("phase") == "Ready" and s, timeout=90)
+    assert st["bytesTotal"] == 64 * MiB and st["bytesPopulated"] == 64 * MiB and st["progress"] == 100
+    assert st["observedGeneration"] == 1 and st["reason"] == "Populated"
+    assert st["hugePageCoverage"] >= 0 and st["agentVersion"] and st["heartbeat"]
+    assert "pendingGeneration" not in st
+    pool_dir = env["root"] / pool
+    assert mounts_under(pool_dir / "mnt"), "the pool's own mount is on the host root"
+    assert json.loads((pool_dir / "manifest.json").read_text())["total_bytes"] == 64 * MiB
+    assert wait_for("/readyz 200", lambda: agent.get("/readyz") == 200, timeout=10)
+    assert agent.get("/healthz") == 200
+    assert 'offloadpool_phase{node="node-x",offloadpool_phase="Ready",pool="agent-life"} 1.0' in agent.metrics()
+
+    # an engine attaches: the heartbeat reports it, from the lease alone
+    engine = hold_lease(env, pool_dir)
+    wait_for("enginesAttached 1", lambda: status(env, name).get("enginesAttached") == 1, timeout=30)
+
+    # SIGTERM: the agent leaves promptly; the memory stays
+    t0 = time.monotonic()
+    os.killpg(agent.proc.pid, signal.SIGTERM)
+    assert agent.proc.wait(20) == 0
+    assert time.monotonic() - t0 < 15, "agent did not exit promptly on SIGTERM"
+    assert mounts_under(pool_dir / "mnt") and (pool_dir / "manifest.json").exists()
+
+    # a new agent validates and keeps the region: nothing re-populated
+    beat = status(env, name)["heartbeat"]
+    agent2 = start_agent(env, pool, node)
+    st = wait_for("Reused", lambda: (s := status(env, name)).get("reason") == "Reused" and s["heartbeat"] != beat and s,
+                  timeout=60)
+    assert st["phase"] == "Ready" and st["enginesAttached"] == 1
+    assert "offloadpool_populated_bytes_total" in agent2.metrics()
+
+    # deletion while the engine holds the lease: Draining with the reason; memory untouched
+    env["custom"].delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
+    st = wait_for("Draining", lambda: (s := status(env, name)).get("phase") == "Draining"
+                  and s.get("reason") == "LeaseHeld" and s, timeout=30)
+    assert "engine" in st["message"]
+    assert mounts_under(pool_dir / "mnt")
+
+    engine.kill()
+    engine.wait(10)
+    wait_for("Released", lambda: status(env, name).get("phase") == "Released", timeout=30)
+    assert not mounts_under(env["root"]) and not pool_dir.exists()
+
+
+def test_too_little_memory_fails_with_the_shortfall_and_builds_nothing(env: dict[str, Any]) -> None:
+    pool, node = "agent-toobig", "node-y"
+    create(env, pool, node, {"capacity": "64Ti", "medium": "Memory"})
+    start_agent(env, pool, node)
+    st = wait_for("Failed", lambda: (s := status(env, f"{pool}.{node}")).get("phase") == "Failed" and s, timeout=60)
+    assert st["reason"] == "InsufficientMemory"
+    assert "short by" in st["message"], st["message"]
+    assert not (env["root"] / pool).exists() and not mounts_under(env["root"])
