@@ -1,0 +1,367 @@
+"""End to end: the operator and the agents as real processes on simulated nodes.
+
+Real control plane (etcd, kube-apiserver, kube-controller-manager: the DaemonSet controller
+creates the agent pods, the garbage collector removes owned objects), the operator process under
+its own RBAC, one agent process per node started by the simulated kubelet from the pod the
+DaemonSet controller created (command, args, env, hostPath mounted onto that node's own root,
+the agent ServiceAccount's token). Memory is real: hugetlbfs/tmpfs mounts on the node roots.
+
+Each test uses its own node and pool names, so tests sharing the session's control plane never
+see each other's objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from fixtures.cluster import SimCluster, SimNode, mounts_under, wait_for
+from fixtures.operator_process import OperatorProcess
+
+pytestmark = pytest.mark.e2e
+
+GROUP, VERSION = "offloadpool.io", "v1alpha1"
+MiB = 1 << 20
+HOST_ROOT = "/var/lib/offloadpool"
+HP = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
+
+
+class E2E:
+    """What a test drives: the cluster, the operator, and short-hands for reading state."""
+
+    def __init__(self, cluster: SimCluster, operator: OperatorProcess) -> None:
+        self.cluster = cluster
+        self.operator = operator
+        self.cp = cluster.cp
+        self.custom = client.CustomObjectsApi(cluster.api)
+        self.core = cluster.core
+        self.apps = cluster.apps
+        self.tag = uuid.uuid4().hex[:6]
+        self.pools: list[str] = []
+        self.engines: list[subprocess.Popen[str]] = []
+
+    # -- objects -----------------------------------------------------------------------------
+    def name(self, base: str) -> str:
+        return f"{base}-{self.tag}"
+
+    def create_pool(self, base: str, spec: dict[str, Any]) -> str:
+        name = self.name(base)
+        self.custom.create_cluster_custom_object(GROUP, VERSION, "offloadpools", {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": name}, "spec": spec})
+        self.pools.append(name)
+        return name
+
+    def pool(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_cluster_custom_object(GROUP, VERSION, "offloadpools", name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def pool_status(self, name: str) -> dict[str, Any]:
+        return (self.pool(name) or {}).get("status") or {}
+
+    def pool_nodes(self, pool: str) -> dict[str, dict[str, Any]]:
+        items = self.custom.list_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes")["items"]
+        return {o["spec"]["nodeName"]: o for o in items if o["spec"]["pool"] == pool}
+
+    def node_status(self, pool: str, node: str) -> dict[str, Any]:
+        return (self.pool_nodes(pool).get(node) or {}).get("status") or {}
+
+    def daemonsets(self, pool: str) -> list[Any]:
+        return [d for d in self.apps.list_daemon_set_for_all_namespaces().items
+                if d.metadata.name.endswith(pool) or (d.metadata.labels or {}).get("offloadpool.io/pool") == pool]
+
+    def condition(self, pool: str, type_: str) -> dict[str, Any]:
+        for c in self.pool_status(pool).get("conditions") or []:
+            if c["type"] == type_:
+                return c
+        return {}
+
+    def wait_pool_ready(self, pool: str, nodes: int, timeout: float = 180) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            st = self.pool_status(pool)
+            ok = (st.get("readyNodes") == nodes and st.get("desiredNodes") == nodes
+                  and self.condition(pool, "Ready").get("status") == "True")
+            return st if ok else None
+        try:
+            return wait_for(f"pool {pool} Ready {nodes}/{nodes}", ready, timeout)
+        except AssertionError:
+            raise AssertionError(self.diagnose(pool)) from None
+
+    def wait_node_phase(self, pool: str, node: str, phase: str, timeout: float = 120, **fields: Any) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            st = self.node_status(pool, node)
+            if st.get("phase") == phase and all(st.get(k) == v for k, v in fields.items()):
+                return st
+            return None
+        try:
+            return wait_for(f"{pool}.{node} {phase} {fields}", check, timeout)
+        except AssertionError:
+            raise AssertionError(self.diagnose(pool)) from None
+
+    def diagnose(self, pool: str) -> str:
+        """Everything one needs when a wait fails: statuses, pods, agent and operator logs."""
+        out = [f"pool {pool} status: {json.dumps(self.pool_status(pool), indent=1)}"]
+        for node, obj in self.pool_nodes(pool).items():
+            out.append(f"node {node}: spec {obj.get('spec')} status {json.dumps(obj.get('status'))}")
+        for a in list(self.cluster.agents.values()):
+            out.append(f"--- agent {a.pod} on {a.node.name} (alive {a.alive()}, restarts {a.restarts}):\n{a.log(2500)}")
+        out.append(f"kubelet errors: {self.cluster.errors[-5:]}")
+        out.append(f"--- operator log:\n{self.operator.log(5000)}")
+        return "\n".join(out)
+
+    # -- nodes and memory --------------------------------------------------------------------
+    def add_nodes(self, count: int, labels: dict[str, str] | None = None, **kw: Any) -> list[SimNode]:
+        start = len(self.cluster.nodes)
+        return [self.cluster.add_node(f"n{start + i}-{self.tag}", labels, **kw) for i in range(count)]
+
+    def pool_dir(self, node: SimNode, pool: str) -> Path:
+        return node.host_path(HOST_ROOT) / pool
+
+    def hold_lease(self, node: SimNode, pool: str) -> subprocess.Popen[str]:
+        """An engine on ``node``: a separate process holding the pool's lease until it exits."""
+        code = ("import sys; from offloadpool.region.lease import Lease; "
+                f"l = Lease.shared({str(self.pool_dir(node, pool))!r}); print('held', flush=True); sys.stdin.read()")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.engines.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        return proc
+
+    # -- cleanup -----------------------------------------------------------------------------
+    def delete_pools(self) -> None:
+        for e in self.engines:
+            if e.poll() is None:
+                e.kill()
+                e.wait(10)
+        for name in self.pools:
+            try:
+                self.custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpools", name)
+            except ApiException:
+                pass
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(self.pool(n) for n in self.pools):
+            time.sleep(0.5)
+        for name in self.pools:  # an operator that failed the test must not leave pools stuck
+            if self.pool(name):
+                self.custom.patch_cluster_custom_object(GROUP, VERSION, "offloadpools", name,
+                                                        {"metadata": {"finalizers": None}})
+
+
+@pytest.fixture
+def e2e(sim_cluster: SimCluster, offloadpool_operator: OperatorProcess) -> Iterator[E2E]:
+    env = E2E(sim_cluster, offloadpool_operator)
+    try:
+        yield env
+    finally:
+        env.delete_pools()
+
+
+def hugetlb_mount(path: Path) -> bool:
+    return any(line.split()[4] == str(path) and " hugetlbfs " in line for line in open("/proc/self/mountinfo"))
+
+
+# ---------------------------------------------------------------------------------------------
+def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
+    label = {f"e2e.offloadpool.io/gpu-{e2e.tag}": "true"}
+    gpu = e2e.add_nodes(3, label)
+    other = e2e.add_nodes(1)[0]
+    pool = e2e.create_pool("three", {"capacity": "64Mi", "medium": "HugePages-2Mi", "nodeSelector": label,
+                                     "segments": {"minSize": "16Mi"}})
+    st = e2e.wait_pool_ready(pool, 3)
+    assert st["totalBytes"] == 3 * 64 * MiB and st.get("failedNodes", 0) == 0
+
+    nodes = e2e.pool_nodes(pool)
+    assert sorted(nodes) == sorted(n.name for n in gpu), "one OffloadPoolNode per selected node, none for the 4th"
+    for n in gpu:
+        s = nodes[n.name]["status"]
+        assert (s["phase"], s["bytesTotal"], s["hugePageCoverage"]) == ("Ready", 64 * MiB, 100.0)
+        pool_dir = e2e.pool_dir(n, pool)
+        assert hugetlb_mount(pool_dir / "mnt"), f"no hugetlbfs mount on {n.name}'s host root"
+        manifest = json.loads((pool_dir / "manifest.json").read_text())
+        assert (manifest["pool"], manifest["total_bytes"], manifest["medium"]) == (pool, 64 * MiB, "HugePages-2Mi")
+        agent = e2e.cluster.agent(n.name)
+        assert agent.argv[1:] == ["--pool", pool] and agent.env["NODE_NAME"] == n.name
+        assert agent.get("/readyz")[0] == 200
+    assert not e2e.pool_dir(other, pool).exists() and not e2e.cluster.agents_on(other.name)
+
+    def labelled() -> bool:
+        for n in gpu:
+            node = e2e.core.read_node(n.name)
+            if (node.metadata.labels or {}).get(f"pool.offloadpool.io/{pool}") != "ready":
+                return False
+            if (node.status.capacity or {}).get(f"offloadpool.io/{pool}") != "1":
+                return False
+        return True
+    wait_for("ready nodes labelled and advertising the resource", labelled, 60)
+    node4 = e2e.core.read_node(other.name)
+    assert f"pool.offloadpool.io/{pool}" not in (node4.metadata.labels or {})
+    assert f"offloadpool.io/{pool}" not in (node4.status.capacity or {})
+
+    events = e2e.cp.kubectl("get", "events", "-A", "-o", "json").stdout
+    reasons = {e["reason"] for e in json.loads(events)["items"]
+               if e["involvedObject"].get("name", "").startswith(pool)}
+    assert reasons, "no events recorded about the pool or its nodes"
+
+    table = e2e.cp.kubectl("get", "offloadpools,offloadpoolnodes").stdout
+    assert pool in table and sum(f"{pool}." in line and "Ready" in line for line in table.splitlines()) == 3, table
+
+    # deleting the pool gives every node's memory back and removes everything it owned
+    e2e.custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
+    wait_for("pool gone", lambda: e2e.pool(pool) is None, 120)
+    wait_for("OffloadPoolNodes and DaemonSet garbage-collected",
+             lambda: not e2e.pool_nodes(pool) and not e2e.daemonsets(pool), 60)
+    for n in gpu:
+        assert not e2e.pool_dir(n, pool).exists() and not mounts_under(n.root)
+    wait_for("labels removed", lambda: all(f"pool.offloadpool.io/{pool}" not in (e2e.core.read_node(n.name).metadata.labels or {})
+                                           for n in gpu), 60)
+
+
+def test_agent_killed_mid_populate_is_finished_by_its_replacement(e2e: E2E) -> None:
+    node = e2e.add_nodes(1)[0]
+    capacity = 1024 * MiB
+    pool = e2e.create_pool("resume", {"capacity": "1Gi", "medium": "Memory", "prefault": {"workers": 1}})
+    mnt = e2e.pool_dir(node, pool) / "mnt"
+
+    def populating() -> int:
+        if not mounts_under(mnt) or (mnt.parent / "manifest.json").exists():
+            return 0
+        st = os.statvfs(mnt)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+    agent = e2e.cluster.agent(node.name, timeout=120)
+    wait_for("populate under way", lambda: populating() > 0, 120, interval=0.005)
+    os.kill(agent.pid, signal.SIGSTOP)  # freeze it mid-populate, then check it really was mid-way
+    used = populating()
+    assert 0 < used < capacity, f"populate was not caught mid-way ({used} of {capacity} bytes)"
+    segment = sorted(p for p in mnt.iterdir() if p.is_file())[0]
+    sentinel = b"engine data that must survive " + e2e.tag.encode()
+    with open(segment, "r+b") as fh:  # data written into the region before the replacement runs
+        fh.write(sentinel)
+    first_pid = agent.pid
+    os.kill(agent.pid, signal.SIGKILL)
+
+    st = e2e.wait_node_phase(pool, node.name, "Ready", timeout=180)
+    replacement = e2e.cluster.agent(node.name)
+    assert replacement.pid != first_pid and replacement.restarts >= 1
+    assert st["reason"] == "Resumed", st
+    assert "already populated by an interrupted run" in st["message"]
+    with open(segment, "rb") as fh:
+        assert fh.read(len(sentinel)) == sentinel, "the replacement re-zeroed memory"
+    st = os.statvfs(mnt)
+    assert (st.f_blocks - st.f_bfree) * st.f_frsize >= capacity
+    e2e.wait_pool_ready(pool, 1)
+    pod = e2e.core.read_namespaced_pod(replacement.pod, replacement.namespace)
+    assert pod.status.container_statuses[0].restart_count >= 1
+
+
+def test_deletion_waits_for_an_attached_engine(e2e: E2E) -> None:
+    a, b = e2e.add_nodes(2)
+    pool = e2e.create_pool("held", {"capacity": "64Mi", "medium": "Memory"})
+    e2e.wait_pool_ready(pool, 2)
+    engine = e2e.hold_lease(a, pool)
+    ds = e2e.daemonsets(pool)
+    assert len(ds) == 1
+
+    e2e.custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
+    e2e.wait_node_phase(pool, a.name, "Draining", reason="LeaseHeld")
+    e2e.wait_node_phase(pool, b.name, "Released")
+    time.sleep(3)  # the finalizer must keep holding while the engine is attached
+    obj = e2e.pool(pool)
+    assert obj is not None and obj["metadata"].get("deletionTimestamp"), "pool went away under an attached engine"
+    why = json.dumps(obj.get("status"))
+    assert a.name in why and ("LeaseHeld" in why or "engine" in why), f"the pool does not say why it waits: {why}"
+    assert mounts_under(e2e.pool_dir(a, pool) / "mnt"), "memory released under an attached engine"
+    assert not e2e.pool_dir(b, pool).exists(), "the free node was not released"
+
+    engine.kill()
+    engine.wait(10)
+    wait_for("pool gone (finalizer removed)", lambda: e2e.pool(pool) is None, 120)
+    wait_for("DaemonSet and OffloadPoolNodes gone", lambda: not e2e.pool_nodes(pool) and not e2e.daemonsets(pool), 60)
+    wait_for("agents stopped", lambda: not any(ag.alive() for n in (a, b) for ag in e2e.cluster.agents_on(n.name)), 60)
+    for n in (a, b):
+        assert not e2e.pool_dir(n, pool).exists() and not mounts_under(n.root), f"memory left on {n.name}"
+
+
+def test_node_without_huge_pages_fails_and_a_deleted_node_leaves(e2e: E2E) -> None:
+    label = {f"e2e.offloadpool.io/hp-{e2e.tag}": "true"}
+    a, b = e2e.add_nodes(2, label)
+    pool = e2e.create_pool("hp", {"capacity": "64Mi", "medium": "HugePages-2Mi", "nodeSelector": label,
+                                  "segments": {"minSize": "16Mi"}})
+    e2e.wait_pool_ready(pool, 2)
+
+    # a node whose huge page pool is fixed and has no free pages for this pool
+    free = int((HP / "free_hugepages").read_text()) - int((HP / "resv_hugepages").read_text())
+    assert free < 32, f"the machine has {free} unreserved 2 MiB pages: the shortfall cannot be shown"
+    c = e2e.add_nodes(1, label, hugepages_fixed=True)[0]
+    st = e2e.wait_node_phase(pool, c.name, "Failed")
+    assert st["reason"] == "InsufficientHugePages", st
+    assert "short by" in st["message"] and "32" in st["message"], st["message"]
+    assert not e2e.pool_dir(c, pool).exists() and not mounts_under(c.root), "half-built pool left on the failed node"
+    pst = wait_for("pool counts 2 ready + 1 failed", lambda: (s := e2e.pool_status(pool)).get("failedNodes") == 1
+                   and s.get("readyNodes") == 2 and s.get("desiredNodes") == 3 and s, 60)
+    assert any(f["node"] == c.name and "short by" in f.get("message", "") for f in pst.get("failingNodes", [])), pst
+    for n in (a, b):
+        assert e2e.node_status(pool, n.name)["phase"] == "Ready"
+
+    # node b leaves the cluster: its OffloadPoolNode goes, counts follow
+    e2e.cluster.delete_node(b.name)
+    wait_for("OffloadPoolNode of the deleted node gone", lambda: b.name not in e2e.pool_nodes(pool), 60)
+    wait_for("counts adjusted", lambda: (s := e2e.pool_status(pool)).get("desiredNodes") == 2
+             and s.get("readyNodes") == 1 and s.get("failedNodes") == 1, 60)
+
+
+def test_operator_killed_mid_rollout_converges_without_duplicate_work(e2e: E2E) -> None:
+    nodes = e2e.add_nodes(3)
+    pool = e2e.create_pool("opkill", {"capacity": "256Mi", "medium": "Memory", "prefault": {"workers": 1}})
+    wait_for("rollout under way", lambda: len(e2e.pool_nodes(pool)) == 3 and e2e.daemonsets(pool)
+             and len(e2e.cluster.agents) >= 1, 120, interval=0.05)
+    e2e.operator.kill9()
+    before_ds = [d.metadata.uid for d in e2e.daemonsets(pool)]
+    before_nodes = {n: o["metadata"]["uid"] for n, o in e2e.pool_nodes(pool).items()}
+    e2e.operator.start()
+    e2e.wait_pool_ready(pool, 3)
+
+    assert [d.metadata.uid for d in e2e.daemonsets(pool)] == before_ds, "the DaemonSet was re-created"
+    assert {n: o["metadata"]["uid"] for n, o in e2e.pool_nodes(pool).items()} == before_nodes
+    for n in nodes:
+        agents = e2e.cluster.agents_on(n.name)
+        assert len(agents) == 1 and agents[0].restarts == 0, "an agent was restarted or duplicated"
+        st = e2e.node_status(pool, n.name)
+        assert st["reason"] == "Populated" and st["observedGeneration"] == 1, st
+    pods = [p for p in e2e.core.list_namespaced_pod(e2e.operator.namespace).items
+            if any(o.uid in before_ds for o in p.metadata.owner_references or [])]
+    assert len(pods) == 3
+
+
+def test_spec_change_applies_where_free_and_waits_under_an_engine(e2e: E2E) -> None:
+    a, b, c = e2e.add_nodes(3)
+    pool = e2e.create_pool("change", {"capacity": "64Mi", "medium": "Memory"})
+    e2e.wait_pool_ready(pool, 3)
+    engine = e2e.hold_lease(a, pool)
+    e2e.wait_node_phase(pool, a.name, "Ready", enginesAttached=1, timeout=60)
+
+    e2e.custom.patch_cluster_custom_object(GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "128Mi"}})
+    for n in (b, c):
+        e2e.wait_node_phase(pool, n.name, "Ready", observedGeneration=2, bytesTotal=128 * MiB, timeout=180)
+    st = e2e.wait_node_phase(pool, a.name, "Ready", pendingGeneration=2, reason="LeaseHeld", timeout=120)
+    assert st["observedGeneration"] == 1 and st["bytesTotal"] == 64 * MiB
+    manifest = json.loads((e2e.pool_dir(a, pool) / "manifest.json").read_text())
+    assert manifest["total_bytes"] == 64 * MiB, "the region was changed under the engine"
+    wait_for("pool reports the pending node", lambda: e2e.pool_status(pool).get("pendingNodes") == 1, 60)
+
+    engine.kill()
+    engine.wait(10)
+    e2e.wait_node_phase(pool, a.name, "Ready", observedGeneration=2, bytesTotal=128 * MiB, timeout=180)
+    e2e.wait_pool_ready(pool, 3)
