@@ -1,0 +1,353 @@
+"""``offloadpool bench populate``: how fast can a node make offload memory ready?
+
+Strategies, all for the same capacity C, in one run (see docs/bench-populate.md):
+
+* ``engine_baseline`` - what engines did before vLLM's seed changes: one tmpfs file (4 KiB
+  pages), each of R ranks maps it and pre-faults the *whole* region, all at once;
+* ``sharded`` - one file, rank i pre-faults only share i;
+* ``segmented`` - the region in k = min(32, C / 1 GiB) files, ranks sharded across them;
+* ``per_rank`` - one file of C/R per rank, each rank pre-faults its own;
+* ``offloadpool_<medium>`` - :func:`offloadpool.region.provision.provision` (reserve, mount,
+  create, populate with the default worker count, manifest), for every medium this node has;
+* ``memset_limit`` - W threads ``memset`` over memory that is already mapped and populated: the
+  zeroing bandwidth every pre-fault ultimately pays.
+
+Ranks and workers are threads calling ``madvise(MADV_POPULATE_WRITE)`` through ctypes (no GIL
+held), each rank with its own mapping, as separate engine processes would have. Each case runs
+once untimed immediately before its timed run (the VM backs memory lazily, see DESIGN.md) and
+the cases are interleaved (A B C ... A B C ...) for ``reps`` rounds; figures are medians with
+min/max. GiB/s is always C / seconds (the region's bytes, not bytes touched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from offloadpool.bench.stats import machine, summarize
+from offloadpool.region import hugepages, mounts, vm
+from offloadpool.region.errors import CapacityError, RegionError
+from offloadpool.region.provision import provision
+from offloadpool.region.release import release
+from offloadpool.region.request import PoolRequest
+
+GiB = 1 << 30
+MEDIA = ("HugePages-2Mi", "HugePages-1Gi", "MemoryTHP", "Memory")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capacity", default="4Gi", help="region size for every strategy (default 4Gi)")
+    p.add_argument("--ranks", type=int, default=4, help="engine ranks R (default 4)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per case (default 3, >= 3)")
+    p.add_argument("--workers", type=int, default=0, help="offloadpool/memset threads (0 = cores)")
+    p.add_argument("--media", default=",".join(MEDIA), help="offloadpool media to try")
+    p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    p.add_argument("--markdown", help="write a markdown table to this file")
+    p.add_argument("--png", help="write a bar chart to this file (needs matplotlib)")
+
+
+def _threads(jobs: list[Callable[[], None]]) -> float:
+    """Run every job on its own thread at once; seconds until the last finishes."""
+    errors: list[BaseException] = []
+
+    def wrap(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(j,)) for j in jobs]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return seconds
+
+
+class Scratch:
+    """A private tmpfs (4 KiB pages, like /dev/shm) for the engine-style strategies."""
+
+    def __init__(self, base: Path, size: int) -> None:
+        self.dir = base / "scratch"
+        self.dir.mkdir()
+        mounts.mount("tmpfs", self.dir, f"size={size},huge=never,mode=0700")
+
+    def files(self, sizes: list[int]) -> list[tuple[int, int]]:
+        out = []
+        for i, size in enumerate(sizes):
+            fd = os.open(self.dir / f"f{i}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            os.ftruncate(fd, size)
+            out.append((fd, size))
+        return out
+
+    def clear(self, files: list[tuple[int, int]]) -> None:
+        for fd, _ in files:
+            os.close(fd)
+        for f in self.dir.iterdir():
+            f.unlink()
+
+    def close(self) -> None:
+        mounts.umount(self.dir)
+
+
+def _populate_ranges(fd: int, size: int, ranges: list[tuple[int, int]]) -> Callable[[], None]:
+    """A rank: map the whole file (its own mapping) and pre-fault the given (offset, length)s."""
+
+    def job() -> None:
+        addr = vm.map_shared(fd, size)
+        try:
+            for off, length in ranges:
+                if length:
+                    vm.populate_write(addr + off, length)
+        finally:
+            vm.unmap(addr, size)
+
+    return job
+
+
+def _shares(total: int, n: int, page: int = 4096) -> list[tuple[int, int]]:
+    """n contiguous shares rounded up to pages; the last may be short or empty."""
+    step = -(-total // n)
+    step = -(-step // page) * page
+    return [(min(i * step, total), max(0, min(step, total - i * step))) for i in range(n)]
+
+
+def engine_case(kind: str, scratch: Scratch, cap: int, ranks: int) -> float:
+    if kind == "per_rank":
+        files = scratch.files([cap // ranks] * ranks)
+        jobs = [_populate_ranges(fd, size, [(0, size)]) for fd, size in files]
+    elif kind == "segmented":
+        k = max(1, min(32, cap // GiB))
+        files = scratch.files([cap // k] * k)
+        seg = cap // k
+        jobs = []
+        for off, length in _shares(cap, ranks):
+            # rank's logical share, cut at file boundaries; each file mapped by the rank
+            parts: dict[int, list[tuple[int, int]]] = {}
+            pos, end = off, off + length
+            while pos < end:
+                f, within = divmod(pos, seg)
+                n = min(end - pos, seg - within)
+                parts.setdefault(f, []).append((within, n))
+                pos += n
+            for f, ranges in parts.items():
+                jobs.append(_populate_ranges(files[f][0], seg, ranges))
+    else:
+        files = scratch.files([cap])
+        fd = files[0][0]
+        if kind == "engine_baseline":
+            jobs = [_populate_ranges(fd, cap, [(0, cap)]) for _ in range(ranks)]
+        else:  # sharded
+            jobs = [_populate_ranges(fd, cap, [s]) for s in _shares(cap, ranks)]
+    try:
+        return _threads(jobs)
+    finally:
+        scratch.clear(files)
+
+
+def memset_case(scratch: Scratch, cap: int, workers: int) -> float:
+    files = scratch.files([cap])
+    fd = files[0][0]
+    addr = vm.map_shared(fd, cap)
+    try:
+        vm.populate_write(addr, cap)  # already mapped and populated: only the zeroing is timed
+        jobs = [lambda o=o, n=n: vm.memset(addr + o, 0, n) for o, n in _shares(cap, workers)]
+        _threads(jobs)  # warm
+        return _threads(jobs)
+    finally:
+        vm.unmap(addr, cap)
+        scratch.clear(files)
+
+
+@contextmanager
+def reserved_pages(medium: str, cap: int) -> Iterator[None]:
+    """Hold ``cap`` bytes of huge pages in the kernel pool around a hugetlbfs case.
+
+    A Kubernetes node pre-allocates its huge pages (kubelet advertises only those), so the
+    agent's provision finds them in the pool; this does the same for the warm and the timed
+    run of one case, and gives the pages back right after.
+    """
+    from offloadpool.region.media import medium as lookup
+
+    med = lookup(medium)
+    if not med.hugetlb:
+        yield
+        return
+    with hugepages.pool_lock():
+        added = hugepages.grow(med.page_size, cap // med.page_size)
+    try:
+        yield
+    finally:
+        with hugepages.pool_lock():
+            hugepages.shrink(med.page_size, added)
+
+
+def offloadpool_case(root: Path, medium: str, cap: int, workers: int) -> float:
+    req = PoolRequest(name=f"bench-{medium.lower()}", capacity=cap, medium=medium, workers=workers)
+    try:
+        result = provision(req, root)
+    finally:
+        release(root, req.name, force=True)
+    return result.seconds
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _workspace() -> Iterator[Path]:
+    base = Path(tempfile.mkdtemp(prefix="offloadpool-bench-"))
+    try:
+        yield base
+    finally:
+        for m in reversed(mounts.mounts_under(base)):
+            mounts.umount(m.target, lazy=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def run(cap: int, ranks: int, reps: int, workers: int, media: list[str],
+        log: Callable[[str], None] = lambda s: None) -> dict:
+    """Run every case, interleaved, and return the JSON-ready result."""
+    if reps < 1:
+        raise ValueError("reps must be >= 1")
+    workers = workers or len(os.sched_getaffinity(0))
+    samples: dict[str, list[float]] = {}
+    unavailable: dict[str, str] = {}
+    before = {p: hugepages.counters(p).total for p in (2 << 20, GiB) if hugepages.supported(p)}
+    with _workspace() as base:
+        scratch = Scratch(base, cap)
+        root = base / "root"
+        cases: dict[str, tuple[Callable[[], float], Callable[[], object]]] = {
+            k: ((lambda k=k: engine_case(k, scratch, cap, ranks)), _nothing)
+            for k in ("engine_baseline", "sharded", "segmented", "per_rank")
+        }
+        for medium in media:
+            name = f"offloadpool_{medium}"
+            try:  # is the medium available here at this size?
+                with reserved_pages(medium, cap):
+                    offloadpool_case(root, medium, cap, workers)
+            except (CapacityError, RegionError, ValueError) as exc:
+                unavailable[name] = str(exc)
+                continue
+            cases[name] = ((lambda m=medium: offloadpool_case(root, m, cap, workers)),
+                           (lambda m=medium: reserved_pages(m, cap)))
+        cases["memset_limit"] = ((lambda: memset_case(scratch, cap, workers)), _nothing)
+        try:
+            for rep in range(reps):
+                for name, (case, prepared) in cases.items():
+                    with prepared():  # type: ignore[attr-defined]
+                        case()  # warm, untimed, immediately before the timed run
+                        seconds = case()
+                    samples.setdefault(name, []).append(seconds)
+                    log(f"rep {rep + 1}/{reps} {name}: {cap / GiB / seconds:.2f} GiB/s ({seconds:.3f} s)")
+        finally:
+            scratch.close()
+    after = {p: hugepages.counters(p).total for p in before}
+    strategies = {}
+    for name, secs in samples.items():
+        rates = summarize([cap / GiB / s for s in secs])
+        t = summarize(secs)
+        strategies[name] = {
+            "gib_per_s": round(rates.median, 3), "gib_per_s_min": round(rates.minimum, 3),
+            "gib_per_s_max": round(rates.maximum, 3), "seconds": round(t.median, 4),
+            "spread_percent": round(rates.spread_percent, 1), "samples_s": [round(s, 4) for s in secs],
+        }
+    ours = {k: v for k, v in strategies.items() if k.startswith("offloadpool_")}
+    best = max(ours, key=lambda k: ours[k]["gib_per_s"]) if ours else None
+    base_rate = strategies["engine_baseline"]["gib_per_s"]
+    limit = strategies["memset_limit"]["gib_per_s"]
+    return {
+        "strategies": strategies,
+        "best_offloadpool": best,
+        "ratio_vs_engine_baseline": round(ours[best]["gib_per_s"] / base_rate, 2) if best else None,
+        "ratio_vs_memset_limit": round(ours[best]["gib_per_s"] / limit, 2) if best else None,
+        "unavailable": unavailable,
+        "params": {"capacity_bytes": cap, "ranks": ranks, "reps": reps, "workers": workers},
+        "machine": machine(),
+        "hugepages_restored": before == after,
+    }
+
+
+def markdown(result: dict, command: str) -> str:
+    p = result["params"]
+    lines = [
+        f"Command: `{command}`  ",
+        f"Capacity {p['capacity_bytes'] / GiB:g} GiB, {p['ranks']} ranks, {p['workers']} offloadpool/memset "
+        f"threads, {p['reps']} timed reps per case (medians; min-max in brackets).  ",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()),
+        "",
+        "| strategy | GiB/s (median) | min-max GiB/s | seconds (median) | vs engine_baseline |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    base = result["strategies"]["engine_baseline"]["gib_per_s"]
+    for name, s in sorted(result["strategies"].items(), key=lambda kv: kv[1]["gib_per_s"]):
+        lines.append(f"| {name} | {s['gib_per_s']:.2f} | {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} "
+                     f"| {s['seconds']:.3f} | {s['gib_per_s'] / base:.2f}x |")
+    lines += ["", f"ratio_vs_engine_baseline = **{result['ratio_vs_engine_baseline']}**, "
+                  f"ratio_vs_memset_limit = **{result['ratio_vs_memset_limit']}** "
+                  f"(best: {result['best_offloadpool']})"]
+    for name, why in result["unavailable"].items():
+        lines.append(f"\n{name} not measured: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: str, command: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = sorted(result["strategies"].items(), key=lambda kv: kv[1]["gib_per_s"])
+    names = [k for k, _ in items]
+    med = [v["gib_per_s"] for _, v in items]
+    lo = [v["gib_per_s"] - v["gib_per_s_min"] for _, v in items]
+    hi = [v["gib_per_s_max"] - v["gib_per_s"] for _, v in items]
+    colors = ["tab:green" if n.startswith("offloadpool_") else "tab:gray" if n == "memset_limit" else "tab:red"
+              for n in names]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.8))
+    ax.barh(names, med, xerr=[lo, hi], color=colors, capsize=3)
+    for y, v in enumerate(med):
+        ax.text(v, y, f" {v:.2f}", va="center")
+    p = result["params"]
+    ax.set_xlabel("GiB/s (median, min-max whiskers)")
+    ax.set_title(f"populate {p['capacity_bytes'] / GiB:g} GiB, {p['ranks']} ranks, {p['reps']} reps\n{command}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from offloadpool.cli.pool_file import parse_size
+
+    cap = parse_size(args.capacity)
+    if args.reps < 3:
+        print("note: fewer than 3 reps; medians are not meaningful", file=sys.stderr)
+    result = run(cap, args.ranks, args.reps, args.workers, [m for m in args.media.split(",") if m],
+                 log=lambda s: print(s, file=sys.stderr, flush=True))
+    command = (f"offloadpool bench populate --capacity {args.capacity} --ranks {args.ranks} "
+               f"--reps {args.reps}" + (f" --workers {args.workers}" if args.workers else "")
+               + (f" --media {args.media}" if args.media != ",".join(MEDIA) else ""))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(result, command))
+    if args.png:
+        chart(result, args.png, command)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(markdown(result, command))
+    return 0

@@ -1,0 +1,3 @@
+from offloadpool.cli.main import main
+
+raise SystemExit(main())

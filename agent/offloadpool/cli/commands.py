@@ -1,0 +1,71 @@
+"""The provision, status and release subcommands."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+from rich.console import Console
+
+from offloadpool.cli.main import dump
+from offloadpool.cli.pool_file import parse_size, pool_from_flags, read_document, request_from_pool
+from offloadpool.cli.render import populate_bar, status_table, summary
+from offloadpool.region.provision import ProvisionResult, provision
+from offloadpool.region.release import release
+from offloadpool.region.request import PoolRequest
+from offloadpool.region.status import list_pools
+
+POOL_FLAGS = ("name", "capacity", "medium", "layout", "ranks", "slot_size", "max_files", "min_size",
+              "workers", "numa", "uid", "gid", "mode", "engine_id")
+
+
+def request_from_args(args: argparse.Namespace) -> PoolRequest:
+    base = read_document(args.file) if args.file else None
+    pool = pool_from_flags(base, **{k: getattr(args, k) for k in POOL_FLAGS})
+    return request_from_pool(pool)
+
+
+def result_dict(result: ProvisionResult) -> dict:
+    d = asdict(result)
+    d["pool_dir"] = str(result.pool_dir)
+    d["manifest"] = result.manifest.to_dict()
+    return d
+
+
+def provision_cmd(args: argparse.Namespace) -> int:
+    req = request_from_args(args)
+    rate = parse_size(args.rate_limit) if args.rate_limit else None
+    console = Console(stderr=args.json)
+    with populate_bar(console, req.name) as (progress, phase):
+        result = provision(req, args.root, progress=progress, on_phase=phase, rate_limit=rate)
+    if args.json:
+        dump(result_dict(result))
+    else:
+        console.print(summary(result, args.node))
+    return 0
+
+
+def status_cmd(args: argparse.Namespace) -> int:
+    states = list_pools(args.root)
+    if args.json:
+        dump({"root": args.root, "pools": [s.to_dict() for s in states]})
+    else:
+        Console().print(status_table(states) if states else f"no pools under {args.root}")
+    return 0
+
+
+def release_cmd(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    result = release(args.root, args.name, force=args.force)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    if args.json:
+        dump(asdict(result))
+    elif not result.existed:
+        Console().print(f"pool {args.name} does not exist under {args.root}: nothing to release")
+    else:
+        Console().print(
+            f"released pool {args.name}: {result.freed_bytes / (1 << 30):.2f} GiB freed, "
+            f"{result.hugepages_returned} huge page(s) given back to the kernel"
+        )
+    return 0

@@ -1,0 +1,133 @@
+"""``offloadpool``: the node-side engine from a shell.
+
+    offloadpool provision -f POOL.yaml [--root DIR] [--node NAME] [--capacity 4Gi ...]
+    offloadpool status [--root DIR] [--json]
+    offloadpool release NAME [--root DIR] [--force]
+    offloadpool demo [--capacity SIZE] [--keep]
+    offloadpool bench populate [--capacity SIZE] [--ranks R] [--reps N] [--json]
+
+Exit codes: 0 done, 1 error (message on stderr), 2 bad usage/input, 3 the pool is held by an
+engine (the change is pending; nothing was touched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+DEFAULT_ROOT = os.environ.get("OFFLOADPOOL_ROOT", "/run/offloadpool")
+EXIT_ERROR, EXIT_USAGE, EXIT_HELD = 1, 2, 3
+
+
+def _add_pool_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pool fields (override the file)")
+    g.add_argument("--name")
+    g.add_argument("--capacity", help="bytes per node, e.g. 4Gi")
+    g.add_argument("--medium", choices=("HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"))
+    g.add_argument("--layout", choices=("Replicated", "PerRank", "Interleaved"))
+    g.add_argument("--ranks", type=int)
+    g.add_argument("--slot-size", help="Interleaved: bytes per rank per row, e.g. 1Mi")
+    g.add_argument("--max-files", type=int)
+    g.add_argument("--min-size", help="smallest segment file, e.g. 1Gi")
+    g.add_argument("--workers", type=int, help="pre-fault threads (0 = cores available)")
+    g.add_argument("--numa", help="None, Interleave, Spread")
+    g.add_argument("--uid", type=int)
+    g.add_argument("--gid", type=int)
+    g.add_argument("--mode", help='file mode, e.g. "0660"')
+    g.add_argument("--engine-id", help="also expose vllm_offload_<ID>.mmap for stock vLLM")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offloadpool", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("provision", help="provision (or validate, or finish) a pool on this node")
+    p.add_argument("-f", "--file", help="OffloadPool YAML")
+    p.add_argument("--root", default=DEFAULT_ROOT, help=f"host root for pools (default {DEFAULT_ROOT})")
+    p.add_argument("--node", help="node name to show (informational)")
+    p.add_argument("--rate-limit", help="cap the pre-fault at this many bytes/s, e.g. 2Gi")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_pool_flags(p)
+
+    s = sub.add_parser("status", help="show the pools on this node")
+    s.add_argument("--root", default=DEFAULT_ROOT)
+    s.add_argument("--json", action="store_true")
+
+    r = sub.add_parser("release", help="unmount and free a pool (refuses while an engine holds it)")
+    r.add_argument("name")
+    r.add_argument("--root", default=DEFAULT_ROOT)
+    r.add_argument("--force", action="store_true",
+                   help="release even while engines are attached: they keep memory no pool accounts "
+                        "for until they exit, and their next start finds no pool")
+    r.add_argument("--json", action="store_true")
+
+    d = sub.add_parser("demo", help="the main job: provision a pool here, show it, release it")
+    d.add_argument("--capacity", default="4Gi")
+    d.add_argument("--medium", help="default: HugePages-2Mi if the pages can be reserved, else MemoryTHP")
+    d.add_argument("--root", default=DEFAULT_ROOT)
+    d.add_argument("--name", default="demo")
+    d.add_argument("--keep", action="store_true", help="leave the pool provisioned")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bp = bsub.add_parser("populate", help="populate strategies side by side")
+    from offloadpool.bench.populate import add_arguments
+
+    add_arguments(bp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    from offloadpool.region.errors import CapacityError, RegionError
+    from offloadpool.region.lease import LeaseHeld
+    from offloadpool.region.manifest import ManifestError
+
+    try:
+        if args.command == "provision":
+            from offloadpool.cli.commands import provision_cmd
+
+            return provision_cmd(args)
+        if args.command == "status":
+            from offloadpool.cli.commands import status_cmd
+
+            return status_cmd(args)
+        if args.command == "release":
+            from offloadpool.cli.commands import release_cmd
+
+            return release_cmd(args)
+        if args.command == "demo":
+            from offloadpool.cli.demo import demo_cmd
+
+            return demo_cmd(args)
+        if args.command == "bench":
+            from offloadpool.bench.populate import run_cli
+
+            return run_cli(args)
+    except LeaseHeld as exc:
+        err.print(f"[yellow]in use:[/] {exc}; nothing was changed (pending until the engines detach)")
+        return EXIT_HELD
+    except CapacityError as exc:
+        err.print(f"[red]insufficient capacity:[/] {exc}")
+        return EXIT_ERROR
+    except (ValueError, ManifestError) as exc:
+        err.print(f"[red]invalid:[/] {exc}")
+        return EXIT_USAGE
+    except RegionError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        return EXIT_ERROR
+    return EXIT_USAGE
+
+
+def dump(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Rich output for the CLI: a live populate progress bar and summary tables."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from offloadpool.region.errors import fmt_bytes
+from offloadpool.region.provision import ProvisionResult
+from offloadpool.region.status import PoolState
+
+
+def gib(n: int | float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+@contextmanager
+def populate_bar(console: Console, label: str) -> Iterator[tuple]:
+    """Yield (progress_callback, phase_callback) that drive one rich progress bar.
+
+    The progress callback is called from the populating threads; rich's Progress is
+    thread-safe, the lock only keeps ``completed`` monotonic when workers race.
+    """
+    lock = threading.Lock()
+    best = [0]
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False) as bar:
+        task = bar.add_task(label, total=None)
+
+        def progress(done: int, total: int) -> None:
+            with lock:
+                if done > best[0]:
+                    best[0] = done
+                    bar.update(task, completed=done, total=total)
+
+        def phase(name: str) -> None:
+            bar.update(task, description=f"{label}: {name}")
+
+        yield progress, phase
+
+
+def summary(result: ProvisionResult, node: str | None = None) -> Table:
+    m = result.manifest
+    table = Table(title=f"pool {m.pool}" + (f" on node {node}" if node else ""), show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    files = sum(len(r.segments) for r in m.regions)
+    rows = [
+        ("state", "Ready (kept: validated, not re-populated)" if result.reused else "Ready"),
+        ("medium", f"{m.medium} (page {fmt_bytes(m.page_size)})"),
+        ("layout", f"{m.layout.type}, {m.layout.ranks} rank(s), {len(m.regions)} region(s)"),
+        ("capacity", gib(m.total_bytes)),
+        ("segment files", f"{files} ({', '.join(str(len(r.segments)) for r in m.regions)} per region)"),
+        ("populated now", gib(result.populated_bytes)),
+        ("already populated", gib(result.skipped_bytes) if result.skipped_bytes else "-"),
+        ("populate rate", f"{result.gib_per_s:.2f} GiB/s with {result.workers} worker(s)" if not result.reused else "-"),
+        ("wall time", f"{result.seconds:.3f} s"),
+        ("huge page coverage", f"{result.hugepage_coverage_percent:.1f} %"),
+        ("huge pages reserved", str(result.hugepages_added) if result.hugepages_added else "-"),
+        ("pool directory", str(result.pool_dir)),
+    ]
+    if m.compat_file:
+        rows.append(("stock vLLM file", str(result.pool_dir / m.compat_file)))
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def status_table(states: list[PoolState]) -> Table:
+    table = Table(title="offloadpool pools on this node")
+    for col in ("pool", "phase", "medium", "capacity", "populated", "huge pages", "engines", "message"):
+        table.add_column(col)
+    for s in states:
+        table.add_row(s.name, s.phase, s.medium, gib(s.total_bytes), f"{100 * s.progress:.0f} %",
+                      f"{s.hugepage_coverage_percent:.0f} %", str(s.engines_attached), s.message)
+    return table
