@@ -1,0 +1,121 @@
+"""The lease protects attached engines: release and reshaping wait for it, --force says what
+it breaks, and a killed holder frees the pool."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import sys
+
+import pytest
+
+from fixtures.host import hugepage_totals, wait_for
+from offloadpool.region import mounts
+from offloadpool.region.errors import RegionError
+from offloadpool.region.lease import LeaseHeld, count_holders, lease_path
+from offloadpool.region.provision import provision
+from offloadpool.region.release import release
+from offloadpool.region.request import PoolRequest
+from offloadpool.region.status import pool_state
+
+MiB = 1 << 20
+
+HOLDER = r"""
+import sys, time
+from offloadpool.region.lease import Lease
+lease = Lease.shared(sys.argv[1])
+print("held", flush=True)
+time.sleep(3600)
+"""
+
+
+def hold(processes, pool_dir):
+    proc = processes([sys.executable, "-c", HOLDER, str(pool_dir)])
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_release_refuses_while_held_and_succeeds_after_holder_is_killed(pool_root, hugepage_baseline, processes):
+    req = PoolRequest(name="held", capacity=128 * MiB, medium="HugePages-2Mi", min_segment=32 * MiB)
+    provision(req, pool_root)
+    pool_dir = pool_root / req.name
+    engine = hold(processes, pool_dir)
+    assert count_holders(lease_path(pool_dir)) == 1
+    assert pool_state(pool_root, req.name).engines_attached == 1
+
+    with pytest.raises(LeaseHeld, match="held by 1 attached engine"):
+        release(pool_root, req.name)
+    assert pool_state(pool_root, req.name).phase == "Ready"  # untouched
+    assert mounts.mount_at(pool_dir / "mnt") is not None
+
+    engine.send_signal(signal.SIGKILL)
+    engine.wait(timeout=30)
+    wait_for(lambda: count_holders(lease_path(pool_dir)) == 0, 10, "the kernel to drop the flock")
+    result = release(pool_root, req.name)
+    assert result.existed and result.hugepages_returned == 64
+    assert not pool_dir.exists() and mounts.mounts_under(pool_root) == []
+    assert hugepage_totals() == hugepage_baseline
+
+
+def test_spec_change_is_pending_while_held_then_applied(pool_root, hugepage_baseline, processes):
+    old = PoolRequest(name="reshape", capacity=64 * MiB, medium="MemoryTHP")
+    provision(old, pool_root)
+    pool_dir = pool_root / old.name
+    fd = os.open(pool_dir / "mnt" / "r0-s000", os.O_RDWR)
+    m = mmap.mmap(fd, 64 * MiB)
+    m[:5] = b"kept!"
+    m.close()
+    os.close(fd)
+    engine = hold(processes, pool_dir)
+
+    new = PoolRequest(name="reshape", capacity=128 * MiB, medium="HugePages-2Mi")
+    with pytest.raises(LeaseHeld):
+        provision(new, pool_root)
+    state = pool_state(pool_root, old.name)
+    assert state.phase == "Ready" and state.medium == "MemoryTHP" and state.total_bytes == 64 * MiB
+    with open(pool_dir / "mnt" / "r0-s000", "rb") as fh:
+        assert fh.read(5) == b"kept!"
+    # a generation bump with the same shape is applied in place, even while held
+    same = provision(PoolRequest(name="reshape", capacity=64 * MiB, medium="MemoryTHP", generation=2, mode=0o600), pool_root)
+    assert same.reused and same.manifest.generation == 2 and same.manifest.mode == 0o600
+
+    engine.send_signal(signal.SIGKILL)
+    engine.wait(timeout=30)
+    result = provision(new, pool_root)
+    assert result.rebuilt and not result.reused
+    state = pool_state(pool_root, new.name)
+    assert state.phase == "Ready" and state.medium == "HugePages-2Mi" and state.total_bytes == 128 * MiB
+    assert mounts.mount_at(pool_dir / "mnt").fstype == "hugetlbfs"
+    release(pool_root, new.name)
+    assert hugepage_totals() == hugepage_baseline
+
+
+def test_force_release_says_what_it_breaks(pool_root, hugepage_baseline, processes):
+    req = PoolRequest(name="forced", capacity=64 * MiB, medium="HugePages-2Mi")
+    provision(req, pool_root)
+    pool_dir = pool_root / req.name
+    engine = hold(processes, pool_dir)
+    result = release(pool_root, req.name, force=True)
+    assert result.forced and result.engines_broken == 1
+    assert "1 attached engine(s) keep mapping memory that no pool accounts for" in result.warnings[0]
+    assert not pool_dir.exists() and mounts.mounts_under(pool_root) == []
+    engine.send_signal(signal.SIGKILL)
+    engine.wait(timeout=30)
+    assert hugepage_totals() == hugepage_baseline
+
+
+def test_release_refuses_when_a_file_is_still_mapped_without_the_lease(pool_root, hugepage_baseline):
+    """A process that maps a segment without taking the lease still blocks the unmount: the
+    release fails with a reason and leaves the pool intact (manifest put back)."""
+    req = PoolRequest(name="mapped", capacity=64 * MiB, medium="Memory")
+    provision(req, pool_root)
+    fd = os.open(pool_root / req.name / "mnt" / "r0-s000", os.O_RDWR)
+    try:
+        with pytest.raises(RegionError, match="still has files of this pool mapped or open"):
+            release(pool_root, req.name)
+        assert pool_state(pool_root, req.name).phase == "Ready"
+    finally:
+        os.close(fd)
+    assert release(pool_root, req.name).existed
+    assert mounts.mounts_under(pool_root) == []
