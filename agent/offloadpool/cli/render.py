@@ -74,9 +74,10 @@ def summary(result: ProvisionResult, node: str | None = None) -> Table:
 
 def status_table(states: list[PoolState]) -> Table:
     table = Table(title="offloadpool pools on this node")
-    for col in ("pool", "phase", "medium", "capacity", "populated", "huge pages", "engines", "message"):
-        table.add_column(col)
+    for col in ("pool", "phase", "medium", "size", "done", "huge", "engines"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("message")
     for s in states:
-        table.add_row(s.name, s.phase, s.medium, gib(s.total_bytes), f"{100 * s.progress:.0f} %",
-                      f"{s.hugepage_coverage_percent:.0f} %", str(s.engines_attached), s.message)
+        table.add_row(s.name, s.phase, s.medium, gib(s.total_bytes), f"{100 * s.progress:.0f}%",
+                      f"{s.hugepage_coverage_percent:.0f}%", str(s.engines_attached), s.message)
     return table
