@@ -1,0 +1,430 @@
+"""Attach a provisioned pool: validate, take the lease, map every segment into one range.
+
+The order matters:
+
+1. read the manifest and refuse what cannot work (unknown version, not Ready, rank out of
+   range) with an error that says why, before anything is created, mapped or locked;
+2. take the shared lease, so the node cannot re-provision the region under us, and read the
+   manifest again under it (the node may have changed it between 1 and 2);
+3. open every segment and check it against the manifest (present, regular file, exact size);
+4. reserve one contiguous range and map the segments into it back to back.
+
+A failure at any step undoes the earlier ones: nothing stays mapped, open or leased.
+The attachment holds the lease until ``close()``; if the engine dies, the kernel drops it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import os
+import stat
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+from offloadpool.pinning import mapping
+from offloadpool.pinning.backends import get_backend
+from offloadpool.pinning.backends.base import PinBackend
+from offloadpool.pinning.errors import AttachError, PinError
+from offloadpool.pinning.pin import PinRange, PinStats, register_plan, unregister_all
+from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, plan_pin_ranges, split_at
+from offloadpool.region.lease import Lease, LeaseHeld
+from offloadpool.region.manifest import Manifest, Region, load
+
+DEFAULT_LEASE_TIMEOUT = 60.0
+
+
+def _check_request(manifest: Manifest, pool_dir: Path, rank: int) -> Region:
+    """Refuse a pool that is not attachable or a rank it does not have; return the region."""
+    if manifest.state != "Ready":
+        raise AttachError(
+            f"pool {manifest.pool!r} at {pool_dir} is {manifest.state}, not Ready: the node is "
+            f"releasing it; wait for it to be provisioned again"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise AttachError(f"rank must be an int, got {type(rank).__name__}")
+    ranks = manifest.layout.ranks
+    if not 0 <= rank < ranks:
+        raise AttachError(
+            f"rank {rank} is out of range: pool {manifest.pool!r} is laid out "
+            f"{manifest.layout.type} for {ranks} rank{'s' if ranks != 1 else ''} (0..{ranks - 1})"
+        )
+    if manifest.layout.type == "PerRank":
+        region = manifest.regions[rank]
+        if region.rank is not None and region.rank != rank:
+            raise AttachError(f"manifest region {rank} belongs to rank {region.rank}")
+        return region
+    return manifest.regions[0]
+
+
+def _take_lease(pool_dir: Path, timeout: float | None) -> Lease:
+    """Shared lease; waits (up to ``timeout``) only while the node holds it exclusively."""
+    if timeout is None:
+        return Lease.shared(pool_dir, blocking=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Lease.shared(pool_dir, blocking=False)
+        except LeaseHeld:
+            if time.monotonic() >= deadline:
+                raise AttachError(
+                    f"the node holds pool {pool_dir} exclusively (re-provisioning or releasing "
+                    f"it) and did not let go within {timeout:g} s"
+                ) from None
+            time.sleep(0.05)
+
+
+def _open_segments(pool_dir: Path, region: Region) -> list[int]:
+    fds: list[int] = []
+    try:
+        for seg in region.segments:
+            path = pool_dir / seg.file
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise AttachError(
+                    f"segment {seg.file} listed in the manifest is missing from {pool_dir}"
+                ) from None
+            except PermissionError:
+                raise AttachError(
+                    f"no permission to open segment {path}: check the pool's uid/gid/mode for "
+                    f"this pod (uid {os.getuid()}, gid {os.getgid()})"
+                ) from None
+            fds.append(fd)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise AttachError(f"segment {path} is not a regular file")
+            if st.st_size != seg.bytes:
+                raise AttachError(
+                    f"segment {seg.file} is {st.st_size} bytes on disk but the manifest says "
+                    f"{seg.bytes}: the region does not match its manifest"
+                )
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+class _State:
+    """Everything ``close()`` must undo, kept apart from the Attachment so a finalizer can run it."""
+
+    def __init__(self, base: int, size: int, fds: list[int], lease: Lease) -> None:
+        self.base = base
+        self.size = size
+        self.fds = fds
+        self.lease: Lease | None = lease
+        self.backend: PinBackend | None = None
+        self.registered: list[tuple[int, int]] = []
+        self.exports: list[weakref.ref[Any]] = []  # views handed out (ctypes arrays: unhashable)
+        self.mapped = True
+        self.fenced = False
+
+    def live_exports(self) -> int:
+        self.exports = [ref for ref in self.exports if ref() is not None]
+        return len(self.exports)
+
+    def unpin(self) -> list[str]:
+        errors: list[str] = []
+        if self.backend is not None:
+            errors = unregister_all(self.backend, self.registered)
+            self.backend.close()
+            self.backend = None
+        return errors
+
+    def release(self) -> list[str]:
+        """Unpin (reverse order), unmap, close the files, drop the lease. Idempotent."""
+        errors = self.unpin()
+        if self.mapped:
+            self.mapped = False
+            if self.live_exports():
+                mapping.fence(self.base, self.size)
+                self.fenced = True
+            else:
+                mapping.unmap(self.base, self.size)
+        while self.fds:
+            os.close(self.fds.pop())
+        if self.lease is not None:
+            self.lease.close()
+            self.lease = None
+        return errors
+
+
+class Attachment:
+    """A pool region mapped into this process as one contiguous range.
+
+    Use as a context manager (or call ``close()``). Views handed out (``memoryview()``,
+    ``tensor()``, ``slot_view()``) are valid only while the attachment is open; closing with
+    views alive releases the memory anyway and leaves the range inaccessible, so a stale view
+    faults instead of reading foreign memory.
+    """
+
+    def __init__(self, pool_dir: Path, rank: int, manifest: Manifest, region: Region,
+                 state: _State) -> None:
+        self.pool_dir = pool_dir
+        self.rank = rank
+        self.manifest = manifest
+        self.region = region
+        self._state = state
+        self._lock = threading.RLock()
+        self._cancel = threading.Event()
+        self._pin_future: concurrent.futures.Future[PinStats] | None = None
+        self._pin_stats: PinStats | None = None
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _State.release, state)
+
+    # -- geometry -----------------------------------------------------------------------------
+    @property
+    def address(self) -> int:
+        """Virtual address of byte 0 of the region in this process."""
+        return self._state.base
+
+    @property
+    def size(self) -> int:
+        return self.region.bytes
+
+    def __len__(self) -> int:
+        return self.region.bytes
+
+    @property
+    def page_size(self) -> int:
+        return self.manifest.page_size
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def row_geometry(self) -> tuple[int, int, int, int]:
+        """``(rows, row_stride, slot_offset, slot_bytes)`` of this rank's data, in bytes.
+
+        Interleaved: every row holds all ranks' slots; this rank's is at ``rank * slot_bytes``.
+        PerRank: the region holds only this rank's slots, back to back. Replicated: whole rows.
+        """
+        lay = self.manifest.layout
+        if lay.type == "Interleaved" and lay.row_bytes and lay.slot_bytes:
+            return self.size // lay.row_bytes, lay.row_bytes, self.rank * lay.slot_bytes, lay.slot_bytes
+        unit = lay.slot_bytes if lay.type == "PerRank" else lay.row_bytes
+        if unit and self.size % unit == 0:
+            return self.size // unit, unit, 0, unit
+        raise AttachError(f"pool {self.manifest.pool!r} ({lay.type}) records no row geometry")
+
+    def plan(self, max_chunk: int = DEFAULT_MAX_CHUNK,
+             max_ranges: int = DEFAULT_MAX_RANGES) -> list[PinRange]:
+        """The registration calls ``pin()`` would make: the rank's ranges, split at files."""
+        try:
+            _rows, row, slot_off, slot = self.row_geometry()
+        except AttachError:
+            row = slot = self.page_size  # unknown geometry: the whole region in page units
+            slot_off = 0
+        ranges = plan_pin_ranges(self.size, row, slot_off, slot, self.page_size,
+                                 max_chunk=max_chunk, max_ranges=max_ranges)
+        starts = [seg.offset for seg in self.region.segments]
+        pieces = split_at(ranges, starts[1:])
+        out = []
+        seg = 0
+        for off, length in pieces:
+            while seg + 1 < len(starts) and starts[seg + 1] <= off:
+                seg += 1
+            out.append(PinRange(off, length, seg))
+        return out
+
+    # -- pinning ------------------------------------------------------------------------------
+    @property
+    def pinned(self) -> bool:
+        return bool(self._state.registered)
+
+    @property
+    def pin_stats(self) -> PinStats | None:
+        return self._pin_stats
+
+    def pin(self, backend: str | PinBackend = "auto", *, background: bool = False,
+            max_chunk: int = DEFAULT_MAX_CHUNK, max_ranges: int = DEFAULT_MAX_RANGES,
+            device: int = 0) -> PinStats | concurrent.futures.Future[PinStats]:
+        """Register this rank's ranges with ``backend`` ("cuda", "torch", "mlock" or "auto").
+
+        All-or-nothing: on failure everything registered is unregistered in reverse and a
+        ``PinError`` names the chunk and the driver's error. With ``background=True`` returns
+        a ``concurrent.futures.Future`` (so the engine can overlap pinning with its own
+        start-up); the plan, backend choice and limits are still checked before it returns.
+        """
+        with self._lock:
+            if self._closed:
+                raise PinError("attachment is closed")
+            if self._pin_future is not None or self._state.registered:
+                raise PinError("attachment is already pinned (or pinning); unpin() first")
+            plan = self.plan(max_chunk=max_chunk, max_ranges=max_ranges)
+            impl = backend if isinstance(backend, PinBackend) else get_backend(backend, device)
+            try:
+                impl.preflight([r.length for r in plan],
+                               accounted=not self.manifest.medium.startswith("HugePages"))
+            except BaseException:
+                impl.close()
+                raise
+            if not background:
+                return self._run_pin(impl, plan)  # holds the lock; close() cancels via the event
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offloadpool-pin")
+            try:
+                future = pool.submit(self._run_pin, impl, plan)
+            finally:
+                pool.shutdown(wait=False)
+            self._pin_future = future
+            future.add_done_callback(self._pin_finished)
+            return future
+
+    def _pin_finished(self, future: concurrent.futures.Future[PinStats]) -> None:
+        with self._lock:
+            if self._pin_future is future:
+                self._pin_future = None
+
+    def _run_pin(self, impl: PinBackend, plan: list[PinRange]) -> PinStats:
+        names = [seg.file for seg in self.region.segments]
+        first = self.rank % len(names)
+        try:
+            done, stats = register_plan(impl, self._state.base, plan, self._state.fds, names,
+                                        first_segment=first, cancel=self._cancel)
+        except BaseException:
+            impl.close()
+            raise
+        with self._lock:
+            self._state.backend = impl
+            self._state.registered = done
+            self._pin_stats = stats
+        return stats
+
+    def unpin(self) -> None:
+        """Unregister everything, in reverse order of registration."""
+        with self._lock:
+            if self._pin_future is not None:
+                raise PinError("a background pin is still running; wait for its future first")
+            errors = self._state.unpin()
+            self._pin_stats = None
+        if errors:
+            raise PinError("unpinning failed for: " + "; ".join(errors))
+
+    # -- views --------------------------------------------------------------------------------
+    def _export(self, offset: int = 0, length: int | None = None) -> ctypes.Array[Any]:
+        """A ctypes byte array over the mapping that keeps this attachment alive."""
+        if self._closed:
+            raise AttachError("attachment is closed")
+        length = self.size - offset if length is None else length
+        arr = (ctypes.c_ubyte * length).from_address(self._state.base + offset)
+        arr._offloadpool_attachment = self  # type: ignore[attr-defined]
+        self._state.live_exports()  # prune dead ones
+        self._state.exports.append(weakref.ref(arr))
+        return arr
+
+    def memoryview(self) -> memoryview:
+        """A writable byte memoryview of the whole region (format ``B``)."""
+        return memoryview(self._export()).cast("B")
+
+    def slot_memoryview(self, row: int, rank: int | None = None) -> memoryview:
+        """The bytes of ``rank``'s slot (default: this rank) in row ``row``."""
+        rows, stride, slot_off, slot = self.row_geometry()
+        if rank is not None and rank != self.rank:
+            slot_off = self._slot_offset_of(rank)
+        if not 0 <= row < rows:
+            raise IndexError(f"row {row} out of range (0..{rows - 1})")
+        return memoryview(self._export(row * stride + slot_off, slot)).cast("B")
+
+    def _slot_offset_of(self, rank: int) -> int:
+        lay = self.manifest.layout
+        if lay.type != "Interleaved" or not lay.slot_bytes:
+            raise AttachError(f"only an Interleaved layout holds other ranks' slots ({lay.type})")
+        if not 0 <= rank < lay.ranks:
+            raise AttachError(f"rank {rank} out of range (0..{lay.ranks - 1})")
+        return rank * lay.slot_bytes
+
+    def tensor(self, dtype: Any = None) -> Any:
+        """The whole region as a 1-D torch tensor (``torch.frombuffer``; default uint8)."""
+        import torch
+
+        dtype = torch.uint8 if dtype is None else dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if self.size % itemsize:
+            raise ValueError(f"region of {self.size} bytes is not a whole number of {dtype}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about non-resizable buffers
+            return torch.frombuffer(self._export(), dtype=dtype)
+
+    def slot_view(self, rank: int | None = None, dtype: Any = None) -> Any:
+        """``rank``'s slots as a strided 2-D tensor ``(rows, slot_bytes / itemsize)``.
+
+        Rows are ``row_bytes`` apart and the slot starts at ``rank * slot_bytes`` in each, the
+        geometry vLLM's CPU KV tier uses, so ``view[block]`` is that rank's part of a block.
+        """
+        import torch
+
+        rows, stride, slot_off, slot = self.row_geometry()
+        if rank is not None and rank != self.rank:
+            slot_off = self._slot_offset_of(rank)
+        flat = self.tensor(dtype)
+        itemsize = flat.element_size()
+        if stride % itemsize or slot_off % itemsize or slot % itemsize:
+            raise ValueError(f"row {stride}, slot offset {slot_off} and slot {slot} bytes must be "
+                             f"multiples of the element size {itemsize} of {flat.dtype}")
+        return torch.as_strided(flat, (rows, slot // itemsize), (stride // itemsize, 1),
+                                slot_off // itemsize)
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel a running background pin, unpin in reverse, unmap, drop the lease."""
+        self._cancel.set()
+        future = self._pin_future
+        if future is not None:
+            with contextlib.suppress(BaseException):
+                future.result()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._pin_stats = None
+            errors = self._state.release()
+            self._finalizer.detach()
+        if self._state.fenced:
+            warnings.warn(
+                "offloadpool attachment closed while views into it were still alive; they now "
+                "point at an inaccessible range", ResourceWarning, stacklevel=2)
+        if errors:
+            raise PinError("unpinning on close failed for: " + "; ".join(errors))
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"at 0x{self.address:x}"
+        return (f"<Attachment pool={self.manifest.pool!r} rank={self.rank} "
+                f"{self.manifest.layout.type} {self.size} B {state}>")
+
+
+def attach(pool_dir: str | os.PathLike[str], rank: int = 0, *,
+           lease_timeout: float | None = DEFAULT_LEASE_TIMEOUT) -> Attachment:
+    """Map this rank's region of the pool at ``pool_dir`` and hold the pool's shared lease.
+
+    Replicated: the one region. PerRank: region ``rank``. Interleaved: the one region, in
+    which this rank's data is its slot of every row (see ``Attachment.row_geometry``).
+    Raises ``ManifestError``/``AttachError`` (a subclass) before anything is mapped.
+    """
+    pool_dir = Path(pool_dir)
+    _check_request(load(pool_dir), pool_dir, rank)  # clear errors before creating anything
+    with contextlib.ExitStack() as undo:
+        lease = _take_lease(pool_dir, lease_timeout)
+        undo.callback(lease.close)
+        manifest = load(pool_dir)  # authoritative: read under the lease
+        region = _check_request(manifest, pool_dir, rank)
+        fds = _open_segments(pool_dir, region)
+        undo.callback(lambda: [os.close(fd) for fd in fds])
+        alignment = max(manifest.page_size, manifest.alignment)
+        base = mapping.reserve(region.bytes, alignment)
+        undo.callback(mapping.unmap, base, region.bytes)
+        mapping.map_segments(base, [(s.offset, s.bytes, fd) for s, fd in zip(region.segments, fds)])
+        state = _State(base, region.bytes, fds, lease)
+        undo.pop_all()
+    return Attachment(pool_dir, rank, manifest, region, state)

@@ -1,0 +1,35 @@
+"""What a pinning backend is: register and unregister host ranges, one call each."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class PinBackend(ABC):
+    """Registers host memory ranges so a device can DMA to and from them.
+
+    ``register``/``unregister`` raise ``BackendError`` whose message carries the driver's or
+    the kernel's own error. The orchestration (chunk order, per-file locks, rollback) lives in
+    ``offloadpool.pinning.pin``; a backend only knows how to make one call.
+    """
+
+    name: str = "?"
+
+    def preflight(self, lengths: Sequence[int], accounted: bool) -> None:
+        """Refuse, before any memory is touched, a plan that cannot succeed (default: accept).
+
+        ``accounted`` is False for hugetlbfs memory, which the kernel never counts as locked.
+        """
+
+    def activate(self) -> None:
+        """Prepare the calling thread (a CUDA context must be current in the pinning thread)."""
+
+    @abstractmethod
+    def register(self, addr: int, length: int) -> None: ...
+
+    @abstractmethod
+    def unregister(self, addr: int, length: int) -> None: ...
+
+    def close(self) -> None:
+        """Release what the backend itself holds (a retained CUDA context)."""
