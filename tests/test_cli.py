@@ -106,7 +106,7 @@ def test_bench_populate_json_schema():
     out = cli("bench", "populate", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi", "--json")
     result = json.loads(out.stdout)
     for name in ("engine_baseline", "sharded", "segmented", "per_rank", "offloadpool_Memory",
-                 "offloadpool_HugePages-2Mi", "memset_limit"):
+                 "offloadpool_HugePages-2Mi", "memset_limit", "memset_bulk"):
         s = result["strategies"][name]
         assert s["gib_per_s"] > 0 and s["seconds"] > 0 and len(s["samples_s"]) == 1
     assert result["best_offloadpool"] in ("offloadpool_Memory", "offloadpool_HugePages-2Mi")

@@ -30,6 +30,21 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+def _check_mount_limit() -> None:
+    """The pool needs one more mount; fs.mount-max caps mounts per mount namespace."""
+    try:
+        limit = int(open("/proc/sys/fs/mount-max").read())
+        with open("/proc/self/mountinfo") as fh:
+            used = sum(1 for _ in fh)
+    except (OSError, ValueError):
+        return
+    if used + 1 > limit:
+        raise CapacityError(
+            f"the pool needs its own mount, but this mount namespace already has {used} mounts "
+            f"and fs.mount-max is {limit}"
+        )
+
+
 def headroom(mem_total: int) -> int:
     """Memory left to the rest of the node: 5% of RAM, at most 1 GiB."""
     return min(GiB, mem_total // 20)
@@ -50,6 +65,7 @@ class CapacityReport:
 def check(plan: Plan, *, credit_bytes: int = 0, credit_pages: int = 0) -> CapacityReport:
     """Raise CapacityError unless ``plan`` fits; ``credit_bytes``/``credit_pages`` are memory
     and huge pages about to be freed (an existing pool this one replaces)."""
+    _check_mount_limit()
     info = meminfo()
     avail = info.get("MemAvailable", info.get("MemFree", 0)) + credit_bytes
     room = headroom(info.get("MemTotal", avail))
