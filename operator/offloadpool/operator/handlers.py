@@ -45,13 +45,15 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Lo
     logger.info("offloadpool operator: agent DaemonSets in namespace %s", runtime.config.namespace)
 
 
+# Event handlers are async on purpose: they run in the event loop, where the asyncio wake-up
+# Events live (kopf would run a sync handler in a worker thread).
 @kopf.index("", "v1", "nodes")
-def node_index(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeInfo]:
+async def node_index(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeInfo]:
     return {name: NodeInfo.from_body(body, RESOURCE_PREFIX)}
 
 
 @kopf.on.event("", "v1", "nodes")
-def node_event(event: dict[str, Any], body: kopf.Body, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def node_event(event: dict[str, Any], body: kopf.Body, name: str, memo: kopf.Memo, **_: Any) -> None:
     runtime = _runtime(memo)
     info = None if event.get("type") == "DELETED" else NodeInfo.from_body(body, RESOURCE_PREFIX)
     if runtime.node_changed(info, name):
@@ -59,13 +61,13 @@ def node_event(event: dict[str, Any], body: kopf.Body, name: str, memo: kopf.Mem
 
 
 @kopf.on.event(GROUP, VERSION, NODE_PLURAL)
-def node_object_event(spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+async def node_object_event(spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
     if spec.get("pool"):
         _runtime(memo).trigger(spec["pool"])
 
 
 @kopf.on.event(GROUP, VERSION, POOL_PLURAL)
-def pool_event(name: str, memo: kopf.Memo, **_: Any) -> None:
+async def pool_event(name: str, memo: kopf.Memo, **_: Any) -> None:
     _runtime(memo).trigger(name)
 
 

@@ -1,0 +1,100 @@
+"""The Helm chart, with the real helm: lint, template, the same CRDs and RBAC rules as the
+repository's crds/ and deploy/, and a real install against the real API server."""
+
+from __future__ import annotations
+
+import filecmp
+import secrets
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "offloadpool"
+DEPLOY = REPO / "deploy"
+
+
+def docs_of(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if isinstance(d, dict)]
+
+
+def deploy_docs() -> list[dict[str, Any]]:
+    return [d for p in sorted(DEPLOY.glob("*.yaml")) for d in docs_of(p.read_text())]
+
+
+def by_kind_and_app(docs: list[dict[str, Any]], kind: str, app: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["labels"]["app.kubernetes.io/name"] == app]
+    return doc
+
+
+def test_chart_crds_are_the_repository_crds() -> None:
+    """crds/ is the source of truth; the chart ships byte-identical copies (cp crds/*.yaml
+    charts/offloadpool/crds/ after changing them)."""
+    repo = sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
+    chart = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    assert repo and chart == repo
+    match, mismatch, errors = filecmp.cmpfiles(REPO / "crds", CHART / "crds", repo, shallow=False)
+    assert not mismatch and not errors, f"chart CRDs differ from crds/: {mismatch + errors}"
+
+
+@pytest.fixture(scope="module")
+def rendered(control_plane: Any) -> list[dict[str, Any]]:
+    out = control_plane.helm("template", "op", str(CHART), "--namespace", "offloadpool-system").stdout
+    return docs_of(out)
+
+
+@pytest.mark.controlplane
+def test_helm_lint(control_plane: Any) -> None:
+    out = control_plane.helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.controlplane
+@pytest.mark.parametrize(("kind", "app"), [("ClusterRole", "offloadpool-operator"), ("Role", "offloadpool-operator"),
+                                           ("ClusterRole", "offloadpool-agent")])
+def test_chart_rbac_rules_are_the_deploy_rules(rendered: list[dict[str, Any]], kind: str, app: str) -> None:
+    assert by_kind_and_app(rendered, kind, app)["rules"] == by_kind_and_app(deploy_docs(), kind, app)["rules"]
+
+
+@pytest.mark.controlplane
+def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], control_plane: Any) -> None:
+    dep = by_kind_and_app(rendered, "Deployment", "offloadpool-operator")
+    assert dep["spec"]["strategy"] == {"type": "Recreate"} and dep["spec"]["replicas"] == 1
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["offloadpool-operator"] and "--standalone" in c["args"]
+    assert "--agent-service-account=offloadpool-agent" in c["args"]
+    assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
+    kinds = sorted({d["kind"] for d in rendered})
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "ServiceAccount"]
+    peered = docs_of(control_plane.helm("template", "op", str(CHART), "--set", "operator.peering=offloadpool").stdout)
+    args = by_kind_and_app(peered, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--peering=offloadpool" in args and "--standalone" not in args
+
+
+@pytest.mark.controlplane
+def test_helm_install_into_a_fresh_namespace(crds_installed: Any) -> None:
+    cp = crds_installed
+    release = f"op{secrets.token_hex(3)}"
+    ns = f"offloadpool-{release}"
+    cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", timeout=120)
+    try:
+        status = cp.helm("status", release, "--namespace", ns).stdout
+        assert "STATUS: deployed" in status, status
+        cp.kubectl("get", "deployment", f"{release}-operator", "-n", ns)
+        agent = f"system:serviceaccount:{ns}:offloadpool-agent"
+        operator = f"system:serviceaccount:{ns}:{release}-operator"
+
+        def can(who: str, *args: str) -> bool:
+            out = cp.kubectl("auth", "can-i", *args, f"--as={who}", check=False)
+            return out.stdout.strip() == "yes"
+
+        assert can(agent, "patch", "offloadpoolnodes", "--subresource=status")
+        assert not can(agent, "patch", "nodes")
+        assert can(operator, "patch", "nodes", "--subresource=status")
+        assert can(operator, "create", "daemonsets", "-n", ns)
+        assert not can(operator, "create", "daemonsets", "-n", "default")
+    finally:
+        cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
+        cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -1,0 +1,97 @@
+"""The agent DaemonSet: rendered per medium (pure), accepted by the real API server, and its
+pods created by the real DaemonSet controller on the selected Nodes only."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client
+
+from offloadpool.operator.config import OperatorConfig
+from offloadpool.operator.daemonset import HASH_ANNOTATION, render
+from operator_world import NAMESPACE, World, operator_proc, wait_for, world  # noqa: F401
+
+POOL = {"metadata": {"name": "kv", "uid": "0b5e5f8e-0000-4000-8000-000000000001"},
+        "spec": {"capacity": "4Gi", "nodeSelector": {"gpu": "h100"},
+                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}}
+CONFIG = OperatorConfig(namespace=NAMESPACE, agent_image="example.org/offloadpool:test",
+                        agent_memory_overhead="256Mi", agent_cpu_request="100m")
+
+
+def with_medium(medium: str) -> dict:
+    return {**POOL, "spec": {**POOL["spec"], "medium": medium}}
+
+
+@pytest.mark.parametrize(("medium", "requests", "limits"), [
+    ("HugePages-2Mi", {"hugepages-2Mi": "4Gi", "memory": "256Mi", "cpu": "100m"}, {"hugepages-2Mi": "4Gi", "memory": "256Mi"}),
+    ("HugePages-1Gi", {"hugepages-1Gi": "4Gi", "memory": "256Mi", "cpu": "100m"}, {"hugepages-1Gi": "4Gi", "memory": "256Mi"}),
+    ("Memory", {"memory": "4352Mi", "cpu": "100m"}, {"memory": "4352Mi"}),
+    ("MemoryTHP", {"memory": "4352Mi", "cpu": "100m"}, {"memory": "4352Mi"}),
+])
+def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
+    ds = render(with_medium(medium), CONFIG)
+    pod = ds["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    assert agent["resources"] == {"requests": requests, "limits": limits}
+    assert agent["command"] == ["offloadpool-agent"] and agent["args"] == ["--pool", "kv"]
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert (env["POOL_NAME"]["value"], env["OFFLOADPOOL_ROOT"]["value"], env["OFFLOADPOOL_HTTP_PORT"]["value"]) == (
+        "kv", "/var/lib/offloadpool", "9475")
+    assert agent["volumeMounts"] == [{"name": "host-root", "mountPath": "/var/lib/offloadpool", "mountPropagation": "Bidirectional"}]
+    assert pod["volumes"] == [{"name": "host-root", "hostPath": {"path": "/var/lib/offloadpool", "type": "DirectoryOrCreate"}}]
+    assert agent["securityContext"]["privileged"] is True
+    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert agent["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert agent["ports"] == [{"name": "http", "containerPort": 9475, "protocol": "TCP"}]
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"] == POOL["spec"]["tolerations"]
+    assert pod["serviceAccountName"] == "offloadpool-agent"
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    owner = ds["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("OffloadPool", "kv", POOL["metadata"]["uid"], True)
+    assert ds["metadata"]["name"] == "offloadpool-agent-kv" and ds["metadata"]["namespace"] == NAMESPACE
+
+
+def test_render_hash_follows_content() -> None:
+    a, b = render(with_medium("Memory"), CONFIG), render(with_medium("Memory"), CONFIG)
+    assert a == b
+    c = render({**POOL, "spec": {**POOL["spec"], "medium": "Memory", "capacity": "8Gi"}}, CONFIG)
+    assert a["metadata"]["annotations"][HASH_ANNOTATION] != c["metadata"]["annotations"][HASH_ANNOTATION]
+
+
+@pytest.mark.controlplane
+@pytest.mark.parametrize("medium", ["HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"])
+def test_api_server_accepts_rendered_daemonset(operator_rbac, control_plane, medium: str) -> None:
+    """Server-side dry run: privileged + Bidirectional, huge-page requests == limits, probes..."""
+    apps = client.AppsV1Api(control_plane.api_client())
+    body = render(with_medium(medium), CONFIG)
+    created = apps.create_namespaced_daemon_set(NAMESPACE, client.V1DaemonSet.from_dict(body), dry_run="All")
+    assert created.spec.template.spec.containers[0].volume_mounts[0].mount_propagation == "Bidirectional"
+
+
+@pytest.mark.controlplane
+def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World, operator_proc) -> None:
+    w = world
+    group = w.name("g")
+    selected = {w.add_node(f"d{i}", {"offloadpool-test/group": group}) for i in range(2)}
+    w.add_node("d9", {"offloadpool-test/group": "other"})
+    pool = w.create_pool("ds", {"capacity": "64Mi", "medium": "HugePages-2Mi",
+                                "nodeSelector": {"offloadpool-test/group": group},
+                                "tolerations": [{"operator": "Exists"}]})
+
+    def pod_nodes() -> set[str]:
+        pods = w.core.list_namespaced_pod(NAMESPACE, label_selector=f"offloadpool.io/pool={pool}").items
+        found = set()
+        for pod in pods:
+            terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+            found |= {v for t in terms for f in (t.match_fields or []) for v in f.values}
+        return found
+
+    assert wait_for("one agent pod per selected node", lambda: pod_nodes() == selected or None, timeout=90)
+    pods = w.core.list_namespaced_pod(NAMESPACE, label_selector=f"offloadpool.io/pool={pool}").items
+    for pod in pods:
+        (agent,) = pod.spec.containers
+        assert agent.resources.requests["hugepages-2Mi"] == "64Mi"
+        assert pod.spec.service_account_name == "offloadpool-agent"
+        assert pod.metadata.owner_references[0].kind == "DaemonSet"

@@ -1,0 +1,47 @@
+"""RBAC split, asked of the real authorizer: only the operator writes Nodes; the agent reads
+pools and OffloadPoolNodes and writes only OffloadPoolNode status and Events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from operator_world import NAMESPACE
+
+pytestmark = pytest.mark.controlplane
+
+AGENT = f"system:serviceaccount:{NAMESPACE}:offloadpool-agent"
+OPERATOR = f"system:serviceaccount:{NAMESPACE}:offloadpool-operator"
+
+ALLOWED = [
+    (AGENT, "get offloadpools"), (AGENT, "watch offloadpools"), (AGENT, "list offloadpoolnodes"),
+    (AGENT, "patch offloadpoolnodes --subresource=status"), (AGENT, "update offloadpoolnodes --subresource=status"),
+    (AGENT, "create events -n default"),
+    (OPERATOR, "patch nodes"), (OPERATOR, "patch nodes --subresource=status"), (OPERATOR, "watch nodes"),
+    (OPERATOR, "create offloadpoolnodes"), (OPERATOR, "delete offloadpoolnodes"),
+    (OPERATOR, "patch offloadpools"), (OPERATOR, "patch offloadpools --subresource=status"),
+    (OPERATOR, f"create daemonsets -n {NAMESPACE}"), (OPERATOR, f"update daemonsets -n {NAMESPACE}"),
+    (OPERATOR, "create events -n default"),
+]
+DENIED = [
+    (AGENT, "patch nodes"), (AGENT, "patch nodes --subresource=status"), (AGENT, "update offloadpools"),
+    (AGENT, "patch offloadpools --subresource=status"), (AGENT, "patch offloadpoolnodes"),
+    (AGENT, "create offloadpoolnodes"), (AGENT, "delete offloadpoolnodes"), (AGENT, "get secrets -n default"),
+    (OPERATOR, "patch offloadpoolnodes --subresource=status"), (OPERATOR, "create daemonsets -n default"),
+    (OPERATOR, "delete nodes"), (OPERATOR, "get secrets -n default"), (OPERATOR, "create pods -n default"),
+]
+
+
+def can(cp: Any, who: str, what: str) -> str:
+    return cp.kubectl("auth", "can-i", *what.split(), f"--as={who}", check=False).stdout.strip()
+
+
+@pytest.mark.parametrize(("who", "what"), ALLOWED)
+def test_allowed(operator_rbac: Any, control_plane: Any, who: str, what: str) -> None:
+    assert can(control_plane, who, what) == "yes"
+
+
+@pytest.mark.parametrize(("who", "what"), DENIED)
+def test_denied(operator_rbac: Any, control_plane: Any, who: str, what: str) -> None:
+    assert can(control_plane, who, what) == "no"
