@@ -11,8 +11,9 @@ Strategies, all for the same capacity C, in one run (see docs/bench-populate.md)
   create, populate with the default worker count, manifest), for every medium this node has;
 * ``memset_limit`` - W threads ``memset`` over memory that is already mapped and populated, in
   2 MiB calls (page by page, as the kernel zeroes what it faults in): the zeroing bandwidth every
-  pre-fault ultimately pays; ``memset_bulk`` - the same in one call per thread, where glibc uses
-  non-temporal stores that no fault path uses (context, not a target).
+  pre-fault ultimately pays; ``memset_bulk`` - the same in one call per thread: a single
+  gigabyte-long ``rep stosb`` lets the CPU stream (cache-bypassing) stores, which no fault path
+  can do, since the kernel clears each page separately (context, not a target).
 
 Ranks and workers are threads calling ``madvise(MADV_POPULATE_WRITE)`` through ctypes (no GIL
 held), each rank with its own mapping, as separate engine processes would have. Each case runs
@@ -168,8 +169,8 @@ def memset_case(scratch: Scratch, cap: int, workers: int, unit: int | None) -> f
 
     ``unit`` = 2 MiB: memset called per 2 MiB, the way the kernel zeroes a page it faults in
     (one page at a time, ordinary cached stores): the zeroing limit a pre-fault can approach.
-    ``unit`` = None: one call per thread share; glibc then switches to non-temporal stores
-    (above its ~L3-sized threshold), which no page fault path uses - reported for context.
+    ``unit`` = None: one call per thread share; one huge ``rep stosb`` lets the CPU switch to
+    streaming stores, which no page fault path can use - reported for context.
     """
     files = scratch.files([cap])
     fd = files[0][0]
