@@ -194,3 +194,8 @@ def without_indices(text: str) -> str:
     own messages use ``[]``. Comparing without indices checks the same field is named.
     """
     return _INDEX.sub("", text)
+
+
+def names_field(message: str, field_path: str) -> bool:
+    """True when ``message`` names ``field_path`` itself, not just a longer path starting so."""
+    return re.search(re.escape(field_path) + r"(?![\w.\[])", message) is not None

@@ -19,7 +19,9 @@ POOL_PLURAL = "offloadpools"
 NODE_PLURAL = "offloadpoolnodes"
 PLURALS = {POOL_KIND: POOL_PLURAL, NODE_KIND: NODE_PLURAL}
 SHORT_NAMES = {POOL_KIND: ("op", "opool"), NODE_KIND: ("opn",)}
-CATEGORY = "offloadpool"
+#: ``kubectl get offloadpool-all`` lists both kinds. Not ``offloadpool``: kubectl resolves a
+#: category before a singular name, so that would break ``kubectl get offloadpool <name>``.
+CATEGORY = "offloadpool-all"
 CRD_NAMES = {kind: f"{plural}.{GROUP}" for kind, plural in PLURALS.items()}
 
 #: A pool's name becomes a directory, a label key suffix and an extended resource name, and is

@@ -1,0 +1,169 @@
+"""The real API server enforces the CRDs: examples accepted, invalid pools rejected naming the
+field, defaults applied, OffloadPoolNode invariants held.
+
+Everything here goes through a real kube-apiserver (the session's `control_plane`), with the
+CRDs applied by `kubectl apply --server-side` exactly as users install them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes.client.exceptions import ApiException
+
+from crd_cases import INVALID_POOLS, InvalidPool, names_field
+from fixtures.crds import CustomObjects, api_error
+from offloadpool.api import NODE_PLURAL, POOL_PLURAL, OffloadPoolSpec
+
+pytestmark = pytest.mark.controlplane
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def test_crds_are_served_with_short_names_and_category(crds_installed: Any) -> None:
+    out = crds_installed.kubectl("api-resources", "--api-group=offloadpool.io", "-o", "wide").stdout
+    lines = {line.split()[0]: line for line in out.splitlines()[1:] if line.strip()}
+    assert set(lines) == {"offloadpools", "offloadpoolnodes"}, out
+    assert "op,opool" in lines["offloadpools"] and "offloadpool-all" in lines["offloadpools"]
+    assert "opn" in lines["offloadpoolnodes"] and "offloadpool-all" in lines["offloadpoolnodes"]
+    assert "false" in lines["offloadpools"].split()  # NAMESPACED: cluster-scoped
+    # The category lists both kinds at once; the singular still names one kind.
+    crds_installed.kubectl("get", "offloadpool-all")
+    missing = crds_installed.kubectl("get", "offloadpool", "no-such-pool", check=False)
+    assert 'offloadpools.offloadpool.io "no-such-pool" not found' in missing.stderr, missing.stderr
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_is_accepted(example: Path, cr_objects: CustomObjects) -> None:
+    name = yaml.safe_load(example.read_text())["metadata"]["name"]
+    cr_objects.track(POOL_PLURAL, name)
+    out = cr_objects.control_plane.kubectl(
+        "apply", "--server-side", "--field-manager=examples", "--validate=strict", "-f", str(example)
+    )
+    assert "serverside-applied" in out.stdout, out.stdout
+    stored = json.loads(cr_objects.control_plane.kubectl("get", "offloadpool", name, "-o", "json").stdout)
+    assert stored["spec"]["capacity"] == yaml.safe_load(example.read_text())["spec"]["capacity"]
+
+
+@pytest.mark.parametrize("case", INVALID_POOLS, ids=[c.id for c in INVALID_POOLS])
+def test_invalid_pool_is_rejected_naming_the_field(case: InvalidPool, cr_objects: CustomObjects) -> None:
+    body = case.body(case.id)
+    with pytest.raises(ApiException) as info:
+        cr_objects.create(POOL_PLURAL, body)
+    status, message, causes = api_error(info.value)
+    assert status in (400, 422), (status, message)
+    assert names_field(message, case.field), f"message does not name {case.field!r}: {message}"
+    with pytest.raises(ApiException) as gone:
+        cr_objects.get(POOL_PLURAL, body["metadata"]["name"])
+    assert gone.value.status == 404
+
+
+def test_enough_distinct_invalid_pools() -> None:
+    assert len({c.id for c in INVALID_POOLS}) >= 25
+    assert len({c.field for c in INVALID_POOLS}) >= 20
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"capacity": "64Mi", "medium": "Memory"},
+        {"capacity": 67108864},
+        {"capacity": "128Mi", "medium": "MemoryTHP", "layout": {"type": "PerRank", "ranks": 2}},
+        {"capacity": "64Mi", "medium": "Memory", "segments": {"maxFiles": 4}, "prefault": {"numa": "Spread"}},
+    ],
+    ids=["memory", "integer-capacity", "perrank", "partial-objects"],
+)
+def test_defaults_are_applied_by_the_api_server(spec: dict[str, Any], cr_objects: CustomObjects) -> None:
+    created = cr_objects.create(
+        POOL_PLURAL,
+        {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": "defaults"}, "spec": spec},
+    )
+    stored = cr_objects.get(POOL_PLURAL, "defaults")
+    expected = OffloadPoolSpec.model_validate(spec).model_dump(by_alias=True, exclude_none=True)
+    assert created["spec"] == stored["spec"] == expected
+    assert stored["spec"]["segments"]["minSize"] == "1Gi"
+    assert stored["spec"]["consumers"] == {"uid": 0, "gid": 0, "mode": "0660"}
+
+
+def test_valid_edge_values_are_accepted(cr_objects: CustomObjects) -> None:
+    """The rules reject exactly what they should: the boundary values themselves pass."""
+    cases = {
+        "edge-max-files": {"capacity": "2Mi", "segments": {"maxFiles": 32, "minSize": "2Mi"}},
+        "edge-one-gi-page": {"capacity": "1Gi", "medium": "HugePages-1Gi"},
+        "edge-one-thp-page": {"capacity": "2Mi", "medium": "MemoryTHP", "segments": {"minSize": "2Mi"}},
+        "edge-4ki": {"capacity": 4096, "medium": "Memory", "segments": {"minSize": "4Ki"}},
+        "edge-ranks-256": {"capacity": "512Mi", "layout": {"type": "PerRank", "ranks": 256}},
+        "edge-ids": {"capacity": "2Mi", "consumers": {"uid": 2**31 - 1, "gid": 2**31 - 1, "mode": "0777"}},
+        "edge-workers": {"capacity": "2Mi", "prefault": {"workers": 256}},
+        "edge-row-is-capacity": {
+            "capacity": "4Mi", "layout": {"type": "Interleaved", "ranks": 2, "slotSize": "2Mi"}},
+        "edge-odd-slot": {
+            "capacity": 3 * 2**21, "medium": "HugePages-2Mi",
+            "layout": {"type": "Interleaved", "ranks": 3, "slotSize": 1048576}},
+        "p" * 40: {"capacity": "2Mi"},
+        "edge-tolerations": {
+            "capacity": "2Mi",
+            "tolerations": [{"operator": "Exists"}, {"key": "k", "value": "v", "effect": "NoExecute",
+                                                     "tolerationSeconds": 30}],
+        },
+        "edge-compat-interleaved": {
+            "capacity": "8Mi", "layout": {"type": "Interleaved", "ranks": 2},
+            "segments": {"maxFiles": 1}, "compat": {"vllm": {"engineId": "a.B_c-1"}},
+        },
+    }
+    for name, spec in cases.items():
+        OffloadPoolSpec.model_validate(spec)  # the models agree
+        cr_objects.create(
+            POOL_PLURAL,
+            {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": name}, "spec": spec},
+        )
+
+
+def _node_body(name: str, pool: str = "kv", node: str = "gpu-1") -> dict[str, Any]:
+    return {
+        "apiVersion": "offloadpool.io/v1alpha1",
+        "kind": "OffloadPoolNode",
+        "metadata": {"name": name},
+        "spec": {"pool": pool, "nodeName": node},
+    }
+
+
+def test_node_object_name_must_be_pool_dot_node(cr_objects: CustomObjects) -> None:
+    with pytest.raises(ApiException) as info:
+        cr_objects.create(NODE_PLURAL, _node_body("kv-gpu-1"))
+    assert "metadata.name" in api_error(info.value)[1]
+    cr_objects.create(NODE_PLURAL, _node_body("kv.gpu-1"))
+
+
+def test_node_object_spec_is_immutable(cr_objects: CustomObjects) -> None:
+    cr_objects.create(NODE_PLURAL, _node_body("kv.gpu-2", node="gpu-2"))
+    for patch, field in (({"spec": {"nodeName": "gpu-3"}}, "spec.nodeName"), ({"spec": {"pool": "other"}}, "spec.pool")):
+        with pytest.raises(ApiException) as info:
+            cr_objects.patch(NODE_PLURAL, "kv.gpu-2", patch)
+        message = api_error(info.value)[1]
+        assert f"{field} is immutable" in message, message
+
+
+@pytest.mark.parametrize(
+    ("status", "field"),
+    [
+        ({"phase": "Sleeping"}, "status.phase"),
+        ({"progress": 101}, "status.progress"),
+        ({"hugePageCoverage": -1}, "status.hugePageCoverage"),
+        ({"bytesTotal": 10, "bytesPopulated": 11}, "status.bytesPopulated"),
+        ({"heartbeat": "yesterday"}, "status.heartbeat"),
+        ({"enginesAttached": -1}, "status.enginesAttached"),
+    ],
+    ids=["phase", "progress", "coverage", "populated-beyond-total", "heartbeat", "engines"],
+)
+def test_node_status_is_validated(status: dict[str, Any], field: str, cr_objects: CustomObjects) -> None:
+    cr_objects.create(NODE_PLURAL, _node_body("kv.gpu-4", node="gpu-4"))
+    with pytest.raises(ApiException) as info:
+        cr_objects.patch_status(NODE_PLURAL, "kv.gpu-4", {"status": status})
+    message = api_error(info.value)[1]
+    assert field in message, message
