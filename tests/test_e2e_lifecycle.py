@@ -55,8 +55,14 @@ class E2E:
     def name(self, base: str) -> str:
         return f"{base}-{self.tag}"
 
+    @property
+    def run_label(self) -> dict[str, str]:
+        """Every node of this test carries it; pools select it, so no pool sees another test's nodes."""
+        return {"e2e.offloadpool.io/run": self.tag}
+
     def create_pool(self, base: str, spec: dict[str, Any]) -> str:
         name = self.name(base)
+        spec = {**spec, "nodeSelector": {**self.run_label, **(spec.get("nodeSelector") or {})}}
         self.custom.create_cluster_custom_object(GROUP, VERSION, "offloadpools", {
             "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": name}, "spec": spec})
         self.pools.append(name)
@@ -126,6 +132,7 @@ class E2E:
     # -- nodes and memory --------------------------------------------------------------------
     def add_nodes(self, count: int, labels: dict[str, str] | None = None, **kw: Any) -> list[SimNode]:
         start = len(self.cluster.nodes)
+        labels = {**self.run_label, **(labels or {})}
         return [self.cluster.add_node(f"n{start + i}-{self.tag}", labels, **kw) for i in range(count)]
 
     def pool_dir(self, node: SimNode, pool: str) -> Path:
