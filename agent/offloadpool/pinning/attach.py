@@ -341,34 +341,38 @@ class Attachment:
 
     def tensor(self, dtype: Any = None) -> Any:
         """The whole region as a 1-D torch tensor (``torch.frombuffer``; default uint8)."""
+        return self._frombuffer(0, self.size, dtype)
+
+    def _frombuffer(self, offset: int, length: int, dtype: Any) -> Any:
         import torch
 
         dtype = torch.uint8 if dtype is None else dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if self.size % itemsize:
-            raise ValueError(f"region of {self.size} bytes is not a whole number of {dtype}")
+        if length % itemsize:
+            raise ValueError(f"{length} bytes are not a whole number of {dtype}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about non-resizable buffers
-            return torch.frombuffer(self._export(), dtype=dtype)
+            return torch.frombuffer(self._export(offset, length), dtype=dtype)
 
     def slot_view(self, rank: int | None = None, dtype: Any = None) -> Any:
         """``rank``'s slots as a strided 2-D tensor ``(rows, slot_bytes / itemsize)``.
 
         Rows are ``row_bytes`` apart and the slot starts at ``rank * slot_bytes`` in each, the
         geometry vLLM's CPU KV tier uses, so ``view[block]`` is that rank's part of a block.
+        The tensor's storage starts at the rank's first slot, so ``is_pinned()`` (which torch
+        answers for the storage's first byte) reflects this rank's own registration.
         """
         import torch
 
         rows, stride, slot_off, slot = self.row_geometry()
         if rank is not None and rank != self.rank:
             slot_off = self._slot_offset_of(rank)
-        flat = self.tensor(dtype)
-        itemsize = flat.element_size()
+        itemsize = torch.empty((), dtype=torch.uint8 if dtype is None else dtype).element_size()
         if stride % itemsize or slot_off % itemsize or slot % itemsize:
             raise ValueError(f"row {stride}, slot offset {slot_off} and slot {slot} bytes must be "
-                             f"multiples of the element size {itemsize} of {flat.dtype}")
-        return torch.as_strided(flat, (rows, slot // itemsize), (stride // itemsize, 1),
-                                slot_off // itemsize)
+                             f"multiples of the element size {itemsize}")
+        flat = self._frombuffer(slot_off, (rows - 1) * stride + slot, dtype)
+        return torch.as_strided(flat, (rows, slot // itemsize), (stride // itemsize, 1), 0)
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:

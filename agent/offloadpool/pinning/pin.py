@@ -76,8 +76,10 @@ def register_plan(
         order = order[k:] + order[:k]
     done: list[tuple[int, int]] = []
     current: PinRange | None = None
+    active = False
     try:
         backend.activate()
+        active = True
         for seg in order:
             fd = lock_fds[seg]
             current = None
@@ -97,7 +99,7 @@ def register_plan(
                 fcntl.flock(fd, fcntl.LOCK_UN)
     except BaseException as exc:
         n_done = len(done)
-        rollback_errors = unregister_all(backend, done)
+        rollback_errors = _unregister(backend, done)
         if isinstance(exc, PinCancelled):
             raise
         if isinstance(exc, (BackendError, OSError)) and current is None:
@@ -116,6 +118,9 @@ def register_plan(
             raise PinError(msg, offset=current.offset, length=current.length,
                            segment=segment_names[current.segment], backend=backend.name) from exc
         raise
+    finally:
+        if active:
+            backend.deactivate()
     stats = PinStats(
         bytes_registered=sum(length for _, length in done),
         ranges=len(plan),
@@ -128,6 +133,19 @@ def register_plan(
 
 def unregister_all(backend: PinBackend, registered: list[tuple[int, int]]) -> list[str]:
     """Unregister in reverse order; return the errors (it keeps going past failures)."""
+    if not registered:
+        return []
+    try:
+        backend.activate()
+    except BackendError as exc:
+        return [f"cannot unregister {len(registered)} ranges: {exc}"]
+    try:
+        return _unregister(backend, registered)
+    finally:
+        backend.deactivate()
+
+
+def _unregister(backend: PinBackend, registered: list[tuple[int, int]]) -> list[str]:
     errors = []
     while registered:
         addr, length = registered.pop()

@@ -23,7 +23,14 @@ class PinBackend(ABC):
         """
 
     def activate(self) -> None:
-        """Prepare the calling thread (a CUDA context must be current in the pinning thread)."""
+        """Prepare the calling thread for a batch of calls (make a CUDA context current).
+
+        Paired with ``deactivate``, which restores whatever the thread had before, so pinning
+        from the engine's own thread never changes its current context or device.
+        """
+
+    def deactivate(self) -> None:
+        """Undo ``activate``."""
 
     @abstractmethod
     def register(self, addr: int, length: int) -> None: ...

@@ -76,10 +76,16 @@ class CudaDriverBackend(PinBackend):
         return values
 
     def activate(self) -> None:
-        """Make a context current in this thread (the engine's own, or the primary context)."""
-        (current,) = self._call("cuCtxGetCurrent")
-        if current is None or int(current) == 0:
-            self._call("cuCtxSetCurrent", self._ctx)
+        """Push the retained primary context for this batch of calls.
+
+        Pushing (rather than setting) leaves the thread's own context stack as it was after
+        ``deactivate``; with ``CU_MEMHOSTREGISTER_PORTABLE`` the registration holds in every
+        context of the process anyway, whichever device the engine itself uses.
+        """
+        self._call("cuCtxPushCurrent", self._ctx)
+
+    def deactivate(self) -> None:
+        self._call("cuCtxPopCurrent")
 
     def register(self, addr: int, length: int) -> None:
         self._call("cuMemHostRegister", addr, length, self._flags)

@@ -44,9 +44,17 @@ class TorchRuntimeBackend(PinBackend):
         self._device = device
         self._cudart = torch.cuda.cudart()  # initialises CUDA in torch
         self._lib = _loaded_cudart()
+        self._guard: Any = None
 
     def activate(self) -> None:
-        self._torch.cuda.set_device(self._device)
+        """Select the device for this batch only (the engine's current device is restored)."""
+        self._guard = self._torch.cuda.device(self._device)
+        self._guard.__enter__()
+
+    def deactivate(self) -> None:
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.__exit__(None, None, None)
 
     def _clear_last_error(self) -> str:
         if self._lib is None:
