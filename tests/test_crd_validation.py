@@ -8,6 +8,7 @@ CRDs applied by `kubectl apply --server-side` exactly as users install them.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,39 @@ def test_node_status_is_validated(status: dict[str, Any], field: str, cr_objects
         cr_objects.patch_status(NODE_PLURAL, "kv.gpu-4", {"status": status})
     message = api_error(info.value)[1]
     assert field in message, message
+
+
+def _explain(control_plane: Any, field: str, expected: str) -> str:
+    """`kubectl explain` output once the API server's OpenAPI includes the CRD.
+
+    The OpenAPI document is rebuilt asynchronously after a CRD is Established, so a fresh
+    control plane may briefly explain without our schema; wait (bounded) for it to appear.
+    """
+    out = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        proc = control_plane.kubectl("explain", field, check=False)
+        out = proc.stdout + proc.stderr
+        if expected in out:
+            break
+        time.sleep(1)
+    return out
+
+
+def test_kubectl_explain_shows_the_descriptions(crds_installed: Any) -> None:
+    expected = "Bytes of offload memory every selected node holds"
+    assert expected in _explain(crds_installed, "offloadpool.spec.capacity", expected)
+    out = _explain(crds_installed, "opn.status.phase", "Populating")
+    assert "Populating" in out and "Draining" in out, out
+
+
+def test_plain_kubectl_apply_rejects_a_typo_naming_it(cr_objects: CustomObjects) -> None:
+    """What a user sees by default: kubectl's default validation is the server's Strict."""
+    doc = yaml.safe_dump(
+        {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": "typo"},
+         "spec": {"capacity": "64Mi", "medium": "Memory", "segments": {"maxfiles": 4}}}
+    )
+    cr_objects.track(POOL_PLURAL, "typo")
+    out = cr_objects.control_plane.kubectl("apply", "-f", "-", input=doc, check=False)
+    assert out.returncode != 0
+    assert 'unknown field "spec.segments.maxfiles"' in out.stderr, out.stderr
