@@ -1,0 +1,294 @@
+"""``offloadpool bench startup``: what an engine pays at start-up for its host KV tier.
+
+Two cases, same capacity C, in one run (see docs/bench-startup.md):
+
+* ``engine_built`` - what engines do today: create a file in a tmpfs mount (4 KiB pages, like
+  ``/dev/shm``), size it, map it, pre-fault all of it from one thread
+  (``MADV_POPULATE_WRITE``, what ``MAP_POPULATE`` does), then pin it in <= 64 GiB calls;
+* ``attach_provisioned`` - with offloadpool: the node provisioned the pool before the engine
+  started (untimed here, as on a node); the engine attaches it (manifest, lease, one mapping
+  of every segment) and pins it with the same backend. Measured for every medium the node
+  can provide (hugetlbfs 2 MiB / 1 GiB, tmpfs with THP, plain tmpfs).
+
+Pinning uses ``mlock`` on a CPU machine and the CUDA driver (``cuMemHostRegister``) where a
+GPU is usable (``--backend`` overrides). On a GPU the run holds a CUDA context for its whole
+duration, as an engine has one before it pins, so context creation is not counted.
+
+Method (DESIGN.md, "How it is tested"): one medium at a time (so at most two regions are in
+memory), its cases interleaved (engine_built, attach_provisioned, engine_built, ...), each run
+once untimed immediately before its timed run; medians with min-max over ``reps``. The ratio
+is engine_built over attach_provisioned from the same block of runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from offloadpool.bench.stats import machine, summarize
+from offloadpool.pinning import PinStats, attach, get_backend
+from offloadpool.pinning.backends.base import PinBackend
+from offloadpool.pinning.pin import unregister_all
+from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, row_chunks
+from offloadpool.region import hugepages, mounts, vm
+from offloadpool.region.errors import RegionError
+from offloadpool.region.provision import provision
+from offloadpool.region.release import release
+from offloadpool.region.request import PoolRequest
+
+GiB = 1 << 30
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MEDIA = ("HugePages-2Mi", "HugePages-1Gi", "MemoryTHP", "Memory")
+TARGETS = {"HugePages-2Mi": 20.0, "HugePages-1Gi": 20.0, "Memory": 3.0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capacity", default="2Gi", help="region size for every case (default 2Gi)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per case (default 3)")
+    p.add_argument("--media", default=",".join(MEDIA), help="media to attach from (comma list)")
+    p.add_argument("--backend", default="auto",
+                   help="pinning backend: auto (cuda if usable, else torch, else mlock), cuda, torch, mlock")
+    p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    p.add_argument("--markdown", help="also write the markdown table to this file")
+
+
+# -- the two cases -------------------------------------------------------------------------------
+def _pin_whole(backend: PinBackend, addr: int, size: int) -> list[tuple[int, int]]:
+    done: list[tuple[int, int]] = []
+    backend.activate()
+    try:
+        for off, length in row_chunks(size, PAGE, PAGE, DEFAULT_MAX_CHUNK):
+            backend.register(addr + off, length)
+            done.append((addr + off, length))
+    except BaseException:
+        backend.deactivate()
+        unregister_all(backend, done)
+        raise
+    backend.deactivate()
+    return done
+
+
+def engine_built(scratch: Path, cap: int, backend_name: str) -> dict[str, float]:
+    """Create, size, map, pre-fault (one thread) and pin a fresh tmpfs file; then clean up."""
+    path = scratch / "vllm_offload_bench.mmap"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    addr = 0
+    backend = None
+    done: list[tuple[int, int]] = []
+    try:
+        os.ftruncate(fd, cap)
+        addr = vm.map_shared(fd, cap)
+        vm.populate_write(addr, cap)
+        t1 = time.perf_counter()
+        backend = get_backend(backend_name)
+        done = _pin_whole(backend, addr, cap)
+        t2 = time.perf_counter()
+    finally:
+        if backend is not None:
+            unregister_all(backend, done)
+            backend.close()
+        if addr:
+            vm.unmap(addr, cap)
+        os.close(fd)
+        path.unlink()
+    return {"seconds": t2 - t0, "populate_s": t1 - t0, "pin_s": t2 - t1}
+
+
+def attach_provisioned(pool_dir: Path, backend_name: str) -> dict[str, float]:
+    """Attach a provisioned pool and pin it; then detach (not part of start-up)."""
+    t0 = time.perf_counter()
+    region = attach(pool_dir)
+    try:
+        t1 = time.perf_counter()
+        stats = region.pin(backend_name)
+        t2 = time.perf_counter()
+    finally:
+        region.close()
+    assert isinstance(stats, PinStats)
+    return {"seconds": t2 - t0, "attach_s": t1 - t0, "pin_s": t2 - t1,
+            "bytes_registered": float(stats.bytes_registered)}
+
+
+# -- workspace -----------------------------------------------------------------------------------
+@contextmanager
+def _workspace(cap: int) -> Iterator[tuple[Path, Path]]:
+    """A private tmpfs (4 KiB pages, like /dev/shm) for engine_built and a root for pools."""
+    base = Path(tempfile.mkdtemp(prefix="offloadpool-bench-startup-"))
+    scratch = base / "shm"
+    scratch.mkdir()
+    try:
+        mounts.mount("tmpfs", scratch, f"size={cap + (64 << 20)},huge=never,mode=0700")
+        yield scratch, base / "root"
+    finally:
+        for m in reversed(mounts.mounts_under(base)):
+            mounts.umount(m.target, lazy=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@contextmanager
+def _cuda_context_held(backend_name: str) -> Iterator[str]:
+    """Resolve "auto" and keep that backend (a retained CUDA context) alive for the run."""
+    keeper = get_backend(backend_name)
+    try:
+        yield keeper.name
+    finally:
+        keeper.close()
+
+
+# -- the run -------------------------------------------------------------------------------------
+def run(cap: int, reps: int = 3, media: list[str] | None = None, backend: str = "auto",
+        log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run both cases for every available medium, interleaved; return the JSON-ready result."""
+    if reps < 1:
+        raise ValueError("reps must be >= 1")
+    media = list(MEDIA if media is None else media)
+    for m in media:
+        if m not in MEDIA:
+            raise ValueError(f"unknown medium {m!r}; known: {', '.join(MEDIA)}")
+    before = {p: hugepages.counters(p).total for p in (2 << 20, GiB) if hugepages.supported(p)}
+    samples: dict[str, list[dict[str, float]]] = {}
+    blocks: dict[str, dict[str, list[float]]] = {}
+    unavailable: dict[str, str] = {}
+    with ExitStack() as stack:
+        backend_name = stack.enter_context(_cuda_context_held(backend))
+        scratch, root = stack.enter_context(_workspace(cap))
+        for medium in media:
+            name = f"bench-startup-{medium.lower()}"
+            try:
+                pool = provision(PoolRequest(name=name, capacity=cap, medium=medium), root).pool_dir
+            except (RegionError, ValueError, OSError) as exc:
+                unavailable[medium] = str(exc)
+                release(root, name, force=True)
+                log(f"{medium}: not available here: {exc}")
+                continue
+            try:
+                cases: dict[str, Callable[[], dict[str, float]]] = {
+                    "engine_built": lambda: engine_built(scratch, cap, backend_name),
+                    f"attach_provisioned[{medium}]": lambda p=pool: attach_provisioned(p, backend_name),
+                }
+                block: dict[str, list[float]] = {}
+                for rep in range(reps):
+                    for case_name, case in cases.items():
+                        case()  # warm, untimed, immediately before the timed run
+                        result = case()
+                        samples.setdefault(case_name, []).append(result)
+                        block.setdefault(case_name, []).append(result["seconds"])
+                        log(f"{medium} rep {rep + 1}/{reps} {case_name}: {result['seconds']:.4f} s")
+                blocks[medium] = block
+            finally:
+                release(root, name, force=True)
+    after = {p: hugepages.counters(p).total for p in before}
+    return _summarise(cap, reps, backend_name, samples, blocks, unavailable, before == after)
+
+
+def _summarise(cap: int, reps: int, backend_name: str, samples: dict[str, list[dict[str, float]]],
+               blocks: dict[str, dict[str, list[float]]], unavailable: dict[str, str],
+               restored: bool) -> dict[str, Any]:
+    cases: dict[str, Any] = {}
+    for case_name, runs in samples.items():
+        secs = summarize([r["seconds"] for r in runs])
+        pin = summarize([r["pin_s"] for r in runs])
+        entry = {
+            "seconds": round(secs.median, 5), "seconds_min": round(secs.minimum, 5),
+            "seconds_max": round(secs.maximum, 5), "spread_percent": round(secs.spread_percent, 1),
+            "pin_s": round(pin.median, 5),
+            "registration_gib_per_s": round(cap / GiB / pin.median, 2) if pin.median else None,
+            "samples_s": [round(r["seconds"], 5) for r in runs],
+        }
+        for phase in ("populate_s", "attach_s"):
+            if phase in runs[0]:
+                entry[phase] = round(summarize([r[phase] for r in runs]).median, 5)
+        cases[case_name] = entry
+    per_medium: dict[str, Any] = {}
+    for medium, block in blocks.items():
+        eng = summarize(block["engine_built"]).median
+        att = summarize(block[f"attach_provisioned[{medium}]"]).median
+        per_medium[medium] = {
+            "engine_built_s": round(eng, 5), "attach_provisioned_s": round(att, 5),
+            "ratio": round(eng / att, 1),
+            "registration_gib_per_s": cases[f"attach_provisioned[{medium}]"]["registration_gib_per_s"],
+            "target_ratio": TARGETS.get(medium),
+        }
+    best = min(per_medium, key=lambda m: per_medium[m]["attach_provisioned_s"]) if per_medium else None
+    return {
+        "cases": cases,
+        "per_medium": per_medium,
+        "best_medium": best,
+        "ratio_engine_built_vs_attach": per_medium[best]["ratio"] if best else None,
+        "backend": backend_name,
+        "unavailable": unavailable,
+        "params": {"capacity_bytes": cap, "reps": reps},
+        "machine": machine(),
+        "hugepages_restored": restored,
+    }
+
+
+def markdown(result: dict[str, Any], command: str) -> str:
+    p = result["params"]
+    lines = [
+        f"Command: `{command}`  ",
+        f"Capacity {p['capacity_bytes'] / GiB:g} GiB, pinning backend `{result['backend']}`, "
+        f"{p['reps']} timed reps per case (medians; min-max in brackets).  ",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()),
+        "",
+        "| medium | engine_built s | attach_provisioned s | ratio | attach s | pin s | registration GiB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for medium, m in result["per_medium"].items():
+        a = result["cases"][f"attach_provisioned[{medium}]"]
+        lines.append(
+            f"| {medium} | {m['engine_built_s']:.3f} | {m['attach_provisioned_s']:.4f} "
+            f"[{a['seconds_min']:.4f}-{a['seconds_max']:.4f}] | **{m['ratio']:g}x** "
+            f"| {a['attach_s']:.4f} | {a['pin_s']:.4f} | {m['registration_gib_per_s']} |")
+    e = result["cases"].get("engine_built")
+    if e:
+        lines += ["", f"engine_built over all blocks: {e['seconds']:.3f} s "
+                      f"[{e['seconds_min']:.3f}-{e['seconds_max']:.3f}], of which pre-fault "
+                      f"{e['populate_s']:.3f} s and pin {e['pin_s']:.3f} s "
+                      f"({e['registration_gib_per_s']} GiB/s registration)."]
+    lines += ["", f"ratio_engine_built_vs_attach = **{result['ratio_engine_built_vs_attach']}** "
+                  f"(best medium: {result['best_medium']})"]
+    for medium, why in result["unavailable"].items():
+        lines.append(f"\n{medium} not measured: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from offloadpool.cli.pool_file import parse_size
+
+    cap = parse_size(args.capacity)
+    if args.reps < 3:
+        print("note: fewer than 3 reps; medians are not meaningful", file=sys.stderr)
+    media = [m for m in args.media.split(",") if m]
+    result = run(cap, args.reps, media, args.backend,
+                 log=lambda s: print(s, file=sys.stderr, flush=True))
+    command = (f"offloadpool bench startup --capacity {args.capacity} --reps {args.reps}"
+               + (f" --media {args.media}" if args.media != ",".join(MEDIA) else "")
+               + (f" --backend {args.backend}" if args.backend != "auto" else ""))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(result, command))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(markdown(result, command))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point without the ``offloadpool`` CLI: ``python -m offloadpool.bench.startup``."""
+    parser = argparse.ArgumentParser(prog="offloadpool bench startup", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The start-up benchmark runs end to end and reports what the docs quote (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+
+from fixtures.pinning_pools import MiB, run_python
+
+from offloadpool.bench.startup import markdown, run
+from offloadpool.region import mounts
+
+
+def test_startup_bench_reports_every_case_and_cleans_up() -> None:
+    result = run(64 * MiB, reps=1, media=["HugePages-2Mi", "Memory"], backend="mlock")
+    assert result["backend"] == "mlock"
+    assert set(result["cases"]) == {"engine_built", "attach_provisioned[HugePages-2Mi]",
+                                    "attach_provisioned[Memory]"}
+    assert set(result["per_medium"]) == {"HugePages-2Mi", "Memory"}
+    assert result["best_medium"] in result["per_medium"]
+    assert result["ratio_engine_built_vs_attach"] == result["per_medium"][result["best_medium"]]["ratio"]
+    for name, case in result["cases"].items():
+        assert case["seconds"] > 0 and case["pin_s"] > 0
+        # engine_built runs once per medium block (the ratio compares runs made side by side)
+        assert len(case["samples_s"]) == (2 if name == "engine_built" else 1)
+    assert result["hugepages_restored"] is True
+    assert not [m for m in mounts.mounts() if "offloadpool-bench-startup-" in m.target]
+    text = markdown(result, "offloadpool bench startup --capacity 64Mi --reps 1")
+    assert "ratio_engine_built_vs_attach" in text and "| Memory |" in text
+    json.dumps(result)
+
+
+def test_startup_bench_entry_point_prints_json() -> None:
+    out = run_python(
+        "from offloadpool.bench.startup import main; "
+        "main(['--capacity', '64Mi', '--reps', '1', '--media', 'Memory', '--backend', 'mlock', '--json'])"
+    )
+    result = json.loads(out.stdout)
+    assert result["per_medium"]["Memory"]["ratio"] > 0
+    assert "registration_gib_per_s" in result["per_medium"]["Memory"]
