@@ -208,7 +208,9 @@ class Attachment:
         lay = self.manifest.layout
         if lay.type == "Interleaved" and lay.row_bytes and lay.slot_bytes:
             return self.size // lay.row_bytes, lay.row_bytes, self.rank * lay.slot_bytes, lay.slot_bytes
-        unit = lay.slot_bytes if lay.type == "PerRank" else lay.row_bytes
+        # PerRank/Replicated record their block size as row_bytes (a PerRank region holds only
+        # its own rank's blocks, back to back); older writers may have used slot_bytes.
+        unit = lay.row_bytes or (lay.slot_bytes if lay.type == "PerRank" else None)
         if unit and self.size % unit == 0:
             return self.size // unit, unit, 0, unit
         raise AttachError(f"pool {self.manifest.pool!r} ({lay.type}) records no row geometry")
