@@ -75,7 +75,8 @@ def test_auto_picks_cuda_on_a_gpu_machine() -> None:
 
 
 def round_trip(view: Any) -> None:
-    """Random bytes: first half of the rows H2D, back D2H into the second half; byte-exact."""
+    """Random bytes: the first half of the rows H2D, back D2H into the second half, row by row
+    (each row is contiguous pinned memory, so these are real asynchronous DMA copies)."""
     import torch
 
     rows = view.shape[0]
@@ -85,8 +86,9 @@ def round_trip(view: Any) -> None:
     dst.zero_()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        on_gpu = src.to("cuda", non_blocking=True)
-        dst.copy_(on_gpu, non_blocking=True)
+        on_gpu = [src[i].to("cuda", non_blocking=True) for i in range(half)]
+        for i in range(half):
+            dst[i].copy_(on_gpu[i], non_blocking=True)
     stream.synchronize()
     assert torch.equal(src, dst)
 
