@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -147,6 +148,10 @@ class E2E:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
         return proc
 
+    def add_pool_node_label(self, node: SimNode, labels: dict[str, str]) -> None:
+        """Label a node into a pool's selector (so its agent starts now, not at creation)."""
+        self.cluster.label_node(node.name, labels)
+
     # -- cleanup -----------------------------------------------------------------------------
     def delete_pools(self) -> None:
         for e in self.engines:
@@ -174,6 +179,32 @@ def e2e(sim_cluster: SimCluster, offloadpool_operator: OperatorProcess) -> Itera
         yield env
     finally:
         env.delete_pools()
+
+
+@contextmanager
+def other_tenant_holds_free_hugepages(where: Path) -> Iterator[int]:
+    """Reserve every free, unreserved 2 MiB page with a hugetlbfs ``min_size`` mount (as another
+    tenant of the node would hold them) until the block ends; yields the number of pages held."""
+    where.mkdir(parents=True, exist_ok=True)
+    for _ in range(5):
+        pages = int((HP / "free_hugepages").read_text()) - int((HP / "resv_hugepages").read_text())
+        if pages <= 0:
+            mounted = False
+            break
+        size = pages * 2 * MiB
+        mounted = subprocess.run(["mount", "-t", "hugetlbfs", "-o", f"pagesize=2M,size={size},min_size={size}",
+                                  "tenant", str(where)], capture_output=True).returncode == 0
+        if mounted:
+            break
+    else:
+        raise AssertionError("could not reserve the machine's free huge pages for the shortfall scenario")
+    try:
+        left = int((HP / "free_hugepages").read_text()) - int((HP / "resv_hugepages").read_text())
+        assert left < 32, f"{left} unreserved 2 MiB pages left: the shortfall cannot be shown"
+        yield pages
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(where)], check=True)
 
 
 def hugetlb_mount(path: Path) -> bool:
@@ -248,7 +279,8 @@ def test_agent_killed_mid_populate_is_finished_by_its_replacement(e2e: E2E) -> N
         st = os.statvfs(mnt)
         return (st.f_blocks - st.f_bfree) * st.f_frsize
     agent = e2e.cluster.agent(node.name, timeout=120)
-    wait_for("populate under way", lambda: populating() > 0, 120, interval=0.005)
+    # a quarter in: the engine's journal has recorded finished parts by then
+    wait_for("populate a quarter done", lambda: populating() >= capacity // 4, 120, interval=0.005)
     os.kill(agent.pid, signal.SIGSTOP)  # freeze it mid-populate, then check it really was mid-way
     used = populating()
     assert 0 < used < capacity, f"populate was not caught mid-way ({used} of {capacity} bytes)"
@@ -287,8 +319,14 @@ def test_deletion_waits_for_an_attached_engine(e2e: E2E) -> None:
     time.sleep(3)  # the finalizer must keep holding while the engine is attached
     obj = e2e.pool(pool)
     assert obj is not None and obj["metadata"].get("deletionTimestamp"), "pool went away under an attached engine"
-    why = json.dumps(obj.get("status"))
-    assert a.name in why and ("LeaseHeld" in why or "engine" in why), f"the pool does not say why it waits: {why}"
+
+    def says_why() -> str | None:
+        why = json.dumps(e2e.pool_status(pool))
+        return why if a.name in why and "LeaseHeld" in why and b.name not in why else None
+    try:
+        wait_for("the pool saying which node waits and why", says_why, 30)
+    except AssertionError:
+        raise AssertionError(f"the pool does not say why it waits: {json.dumps(e2e.pool_status(pool))}") from None
     assert mounts_under(e2e.pool_dir(a, pool) / "mnt"), "memory released under an attached engine"
     assert not e2e.pool_dir(b, pool).exists(), "the free node was not released"
 
@@ -308,14 +346,16 @@ def test_node_without_huge_pages_fails_and_a_deleted_node_leaves(e2e: E2E) -> No
                                   "segments": {"minSize": "16Mi"}})
     e2e.wait_pool_ready(pool, 2)
 
-    # a node whose huge page pool is fixed and has no free pages for this pool
-    free = int((HP / "free_hugepages").read_text()) - int((HP / "resv_hugepages").read_text())
-    assert free < 32, f"the machine has {free} unreserved 2 MiB pages: the shortfall cannot be shown"
-    c = e2e.add_nodes(1, label, hugepages_fixed=True)[0]
-    st = e2e.wait_node_phase(pool, c.name, "Failed")
+    # a node whose huge page pool is fixed at boot and whose free pages other tenants hold
+    c = e2e.add_nodes(1, hugepages_fixed=True)[0]  # selected only once labelled, below
+    with other_tenant_holds_free_hugepages(c.root / "tenant"):
+        e2e.add_pool_node_label(c, label)
+        st = e2e.wait_node_phase(pool, c.name, "Failed")
     assert st["reason"] == "InsufficientHugePages", st
     assert "short by" in st["message"] and "32" in st["message"], st["message"]
-    assert not e2e.pool_dir(c, pool).exists() and not mounts_under(c.root), "half-built pool left on the failed node"
+    assert not mounts_under(c.root / "var"), "half-built pool left mounted on the failed node"
+    # the agent retries every few seconds (memory may free up); between tries nothing is there
+    wait_for("nothing half-built on the failed node", lambda: not e2e.pool_dir(c, pool).exists(), 15, interval=0.05)
     pst = wait_for("pool counts 2 ready + 1 failed", lambda: (s := e2e.pool_status(pool)).get("failedNodes") == 1
                    and s.get("readyNodes") == 2 and s.get("desiredNodes") == 3 and s, 60)
     assert any(f["node"] == c.name and "short by" in f.get("message", "") for f in pst.get("failingNodes", [])), pst

@@ -78,12 +78,16 @@ class Agent:
     def pool_dir(self) -> Path:
         return self.root / self.pool_name
 
-    def local_generation(self) -> int | None:
-        """Generation of the complete region on this node (None if there is none)."""
+    def _manifest(self) -> manifest_mod.Manifest | None:
         try:
-            return manifest_mod.load(self.pool_dir).generation
+            return manifest_mod.load(self.pool_dir)
         except manifest_mod.ManifestError:
             return None
+
+    def local_generation(self) -> int | None:
+        """Generation of the complete region on this node (None if there is none)."""
+        m = self._manifest()
+        return None if m is None else m.generation
 
     def engines_attached(self) -> int:
         return count_holders(lease_path(self.pool_dir))
@@ -177,19 +181,22 @@ class Agent:
             self._beat()
             return self.heartbeat_seconds
         self.released = False
-        self._phase("Provisioning", reason=None, message=None, observedGeneration=self._observed(),
-                    bytesTotal=req.capacity, bytesPopulated=0, progress=0)
         try:
+            # no status before the engine says it builds: a region that is reused, or that an
+            # engine holds, must never show "Provisioning" (the memory is not being touched)
             result = provision(req, self.root, progress=self._progress, workers=req.workers or None,
-                               on_phase=self._on_phase)
+                               on_phase=lambda phase: self._on_phase(phase, req))
         except LeaseHeld as exc:
             # a newer spec cannot replace a region an engine holds: keep the old one, say why
             self.metrics.error("LeaseHeld")
-            old = self.local_generation()
+            old = self._manifest()
+            fields: dict[str, Any] = {}
+            if old is not None:
+                fields = dict(bytesTotal=old.total_bytes, bytesPopulated=old.total_bytes, progress=100)
             self._phase("Ready" if old is not None else "Pending", reason="LeaseHeld",
                         message=f"generation {req.generation} pending: {exc}",
-                        pendingGeneration=req.generation, observedGeneration=old,
-                        enginesAttached=self.engines_attached())
+                        pendingGeneration=req.generation, observedGeneration=old.generation if old else None,
+                        enginesAttached=self.engines_attached(), **fields)
             self._event("Normal", "LeaseHeld", f"generation {req.generation} waits: {exc}")
             return self.retry_seconds
         except CapacityError as exc:
@@ -233,8 +240,6 @@ class Agent:
         if self.released and self.status.phase == "Released":
             self._beat()
             return self.heartbeat_seconds
-        if self.status.phase != "Draining":
-            self._phase("Draining", reason=d.reason, message=d.message)
         try:
             release(self.root, self.pool_name)  # idempotent: a pool never built is "released"
         except LeaseHeld as exc:
@@ -265,17 +270,18 @@ class Agent:
         return self.heartbeat_seconds
 
     # -- reporting helpers -------------------------------------------------------------------
-    def _observed(self) -> int | None:
-        return self.local_generation()
-
     def _phase(self, phase: str, **fields: Any) -> None:
         self.metrics.phase(phase)
         self.status.set(phase=phase, **fields)
 
-    def _on_phase(self, phase: str) -> None:
+    def _on_phase(self, phase: str, req: PoolRequest) -> None:
         """The engine's own phase changes (Provisioning, Populating, Ready) as they happen."""
-        if phase in ("Provisioning", "Populating") and phase != self.status.phase:
-            self._phase(phase)
+        if phase == "Provisioning":
+            self._phase("Provisioning", reason=None, message=None, pendingGeneration=None,
+                        observedGeneration=self.local_generation(),
+                        bytesTotal=req.capacity, bytesPopulated=0, progress=0)
+        elif phase == "Populating" and self.status.phase != "Populating":
+            self._phase("Populating")
 
     def _progress(self, done: int, total: int) -> None:
         self.last_tick = time.monotonic()
