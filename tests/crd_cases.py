@@ -10,9 +10,14 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import yaml
+
 from offloadpool.api import API_VERSION, POOL_KIND
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 
 
 @dataclass(frozen=True)
@@ -199,3 +204,27 @@ def without_indices(text: str) -> str:
 def names_field(message: str, field_path: str) -> bool:
     """True when ``message`` names ``field_path`` itself, not just a longer path starting so."""
     return re.search(re.escape(field_path) + r"(?![\w.\[])", message) is not None
+
+
+@dataclass(frozen=True)
+class ExamplePool:
+    id: str
+    path: Path
+    doc: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.doc["metadata"]["name"])
+
+
+def example_pools() -> list[ExamplePool]:
+    """Every OffloadPool document anywhere under examples/ (other kinds, e.g. Pods, skipped)."""
+    found = []
+    for path in sorted(EXAMPLES_DIR.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == POOL_KIND:
+                found.append(ExamplePool(f"{path.relative_to(EXAMPLES_DIR)}:{doc['metadata']['name']}", path, doc))
+    return found
+
+
+EXAMPLE_POOLS = example_pools()

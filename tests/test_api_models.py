@@ -6,15 +6,13 @@ No control plane here; tests/test_crd_*.py hold the models against the real API 
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from crd_cases import INVALID_POOLS, InvalidPool, names_field, without_indices
+from crd_cases import EXAMPLE_POOLS, INVALID_POOLS, ExamplePool, InvalidPool, names_field, without_indices
 from offloadpool.api import (
     GROUP,
     MEDIA,
@@ -34,8 +32,6 @@ from offloadpool.api import (
     split_node_object_name,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
 # -- quantities ----------------------------------------------------------------------------
@@ -171,9 +167,9 @@ def test_assignment_is_validated() -> None:
         spec.capacity = "64GB"
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_examples_are_valid_for_the_models(example: Path) -> None:
-    obj = yaml.safe_load(example.read_text())
+@pytest.mark.parametrize("example", EXAMPLE_POOLS, ids=[p.id for p in EXAMPLE_POOLS])
+def test_examples_are_valid_for_the_models(example: ExamplePool) -> None:
+    obj = example.doc
     pool = OffloadPool.model_validate(obj)
     assert pool.name == obj["metadata"]["name"]
     # Everything the user wrote comes back as written (defaults are only added).

@@ -8,11 +8,10 @@ must equal the server's. Statuses written from the models come back equal too.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
+from crd_cases import EXAMPLE_POOLS, ExamplePool
 from fixtures.crds import CustomObjects
 from offloadpool.api import (
     NODE_PLURAL,
@@ -28,16 +27,16 @@ from offloadpool.api import (
 
 pytestmark = pytest.mark.controlplane
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_round_trips_through_the_api_server(example: Path, cr_objects: CustomObjects) -> None:
-    source = yaml.safe_load(example.read_text())
-    name = source["metadata"]["name"]
+@pytest.mark.parametrize("example", EXAMPLE_POOLS, ids=[p.id for p in EXAMPLE_POOLS])
+def test_example_round_trips_through_the_api_server(example: ExamplePool, cr_objects: CustomObjects) -> None:
+    source = example.doc
+    name = example.name
     cr_objects.track(POOL_PLURAL, name)
-    cr_objects.control_plane.kubectl("apply", "--server-side", "--field-manager=roundtrip", "-f", str(example))
+    cr_objects.control_plane.kubectl(
+        "apply", "--server-side", "--field-manager=roundtrip", "-f", "-", input=yaml.safe_dump(source)
+    )
     served = cr_objects.get(POOL_PLURAL, name)
 
     pool = OffloadPool.model_validate(served)

@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from crd_cases import INVALID_POOLS, InvalidPool, names_field
+from crd_cases import EXAMPLE_POOLS, EXAMPLES_DIR, INVALID_POOLS, ExamplePool, InvalidPool, names_field
 from fixtures.crds import CustomObjects, api_error
 from offloadpool.api import NODE_PLURAL, POOL_PLURAL, OffloadPoolSpec
 
 pytestmark = pytest.mark.controlplane
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
 def test_crds_are_served_with_short_names_and_category(crds_installed: Any) -> None:
@@ -39,16 +36,28 @@ def test_crds_are_served_with_short_names_and_category(crds_installed: Any) -> N
     assert 'offloadpools.offloadpool.io "no-such-pool" not found' in missing.stderr, missing.stderr
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_is_accepted(example: Path, cr_objects: CustomObjects) -> None:
-    name = yaml.safe_load(example.read_text())["metadata"]["name"]
-    cr_objects.track(POOL_PLURAL, name)
+def test_examples_cover_the_documented_cases() -> None:
+    """Each top-level example file holds a pool; together they show every layout and medium."""
+    top_level = {p.path for p in EXAMPLE_POOLS if p.path.parent == EXAMPLES_DIR}
+    assert top_level == set(EXAMPLES_DIR.glob("*.yaml"))
+    assert len(EXAMPLE_POOLS) >= 6
+    specs = [p.doc["spec"] for p in EXAMPLE_POOLS]
+    assert {s.get("layout", {}).get("type", "Replicated") for s in specs} == {"Replicated", "PerRank", "Interleaved"}
+    assert {s.get("medium", "HugePages-2Mi") for s in specs} == {"HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"}
+    assert any(s.get("reclaimPolicy") == "Retain" for s in specs)
+    assert any("compat" in s for s in specs)
+
+
+@pytest.mark.parametrize("example", EXAMPLE_POOLS, ids=[p.id for p in EXAMPLE_POOLS])
+def test_example_is_accepted(example: ExamplePool, cr_objects: CustomObjects) -> None:
+    cr_objects.track(POOL_PLURAL, example.name)
     out = cr_objects.control_plane.kubectl(
-        "apply", "--server-side", "--field-manager=examples", "--validate=strict", "-f", str(example)
+        "apply", "--server-side", "--field-manager=examples", "--validate=strict", "-f", "-",
+        input=yaml.safe_dump(example.doc),
     )
     assert "serverside-applied" in out.stdout, out.stdout
-    stored = json.loads(cr_objects.control_plane.kubectl("get", "offloadpool", name, "-o", "json").stdout)
-    assert stored["spec"]["capacity"] == yaml.safe_load(example.read_text())["spec"]["capacity"]
+    stored = json.loads(cr_objects.control_plane.kubectl("get", "offloadpool", example.name, "-o", "json").stdout)
+    assert stored["spec"]["capacity"] == example.doc["spec"]["capacity"]
 
 
 @pytest.mark.parametrize("case", INVALID_POOLS, ids=[c.id for c in INVALID_POOLS])
