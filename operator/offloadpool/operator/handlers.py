@@ -37,6 +37,23 @@ def _nodes(node_index: kopf.Index) -> list[NodeInfo]:
     return [info for store in node_index.values() for info in store]
 
 
+async def _sleep(wake: asyncio.Event | None, stopped: kopf.DaemonStopped, timeout: float) -> bool:
+    """Sleep until ``wake`` is set, the daemon is stopped, or ``timeout``; True when woken."""
+
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    waiters = [asyncio.ensure_future(until_stopped())]
+    if wake is not None:
+        waiters.append(asyncio.ensure_future(wake.wait()))
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    return wake is not None and wake.is_set()
+
+
 @kopf.on.startup()
 def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     operator_settings.configure(settings)
@@ -81,11 +98,8 @@ async def pool_daemon(
     wake = runtime.trigger(name)
     failures = 0
     while not stopped:
-        try:
-            await asyncio.wait_for(wake.wait(), timeout=config.resync_seconds)
-            await asyncio.sleep(config.debounce_seconds)
-        except asyncio.TimeoutError:
-            pass
+        if await _sleep(wake, stopped, config.resync_seconds):
+            await _sleep(None, stopped, config.debounce_seconds)
         if stopped:
             break
         wake.clear()
