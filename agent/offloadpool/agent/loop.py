@@ -71,6 +71,7 @@ class Agent:
         self.last_tick = time.monotonic()
         self._pool_node: dict[str, Any] | None = None
         self._last_event: tuple[str, str] | None = None
+        self._failures = 0
         self.thread: threading.Thread | None = None
 
     # -- pool directory ----------------------------------------------------------------------
@@ -153,8 +154,7 @@ class Agent:
         try:
             decision = decide(pool, pool_node, self.local_generation(), self.workers)
         except SpecError as exc:
-            self._fail("InvalidSpec", str(exc))
-            return self.retry_seconds
+            return self._fail("InvalidSpec", str(exc))
         act = {
             Action.IDLE: self._idle,
             Action.WAIT: self._idle,
@@ -200,15 +200,14 @@ class Agent:
             self._event("Normal", "LeaseHeld", f"generation {req.generation} waits: {exc}")
             return self.retry_seconds
         except CapacityError as exc:
-            self._fail("InsufficientHugePages" if req.medium in HUGE_MEDIA else "InsufficientMemory", str(exc))
-            return self.retry_seconds
+            return self._fail("InsufficientHugePages" if req.medium in HUGE_MEDIA else "InsufficientMemory", str(exc))
         except RegionError as exc:
-            self._fail("ProvisionFailed", str(exc))
-            return self.retry_seconds
+            return self._fail("ProvisionFailed", str(exc))
         m = result.manifest
         total = int(m.total_bytes)
         self.metrics.provisioned(total, int(result.populated_bytes), float(result.seconds), float(result.gib_per_s))
         self.applied = Applied(req, total)
+        self._failures = 0
         if result.reused:
             message = f"validated the existing region ({total} bytes); nothing re-populated"
         else:
@@ -251,8 +250,7 @@ class Agent:
             self._event("Warning", "LeaseHeld", f"release waits for {n} attached engine(s)")
             return self.retry_seconds
         except RegionError as exc:
-            self._fail("ReleaseFailed", str(exc))
-            return self.retry_seconds
+            return self._fail("ReleaseFailed", str(exc))
         self.released = True
         self.applied = None
         self.metrics.released()
@@ -290,12 +288,19 @@ class Agent:
             self.metrics.phase("Populating")
         self.status.progress(done, total)
 
-    def _fail(self, reason: str, message: str) -> None:
+    def _fail(self, reason: str, message: str) -> float:
+        """Report Failed; return the delay before the next try.
+
+        Failures are retried (memory may free up, an admin may fix the node) with a backoff that
+        doubles up to a minute, so a node that cannot host the pool costs the API server little.
+        """
         log.error("%s: %s", reason, message)
         self.metrics.error(reason)
         self.applied = None
+        self._failures += 1
         self._phase("Failed", reason=reason, message=message[:1024])
         self._event("Warning", reason, message)
+        return min(self.retry_seconds * 2 ** (self._failures - 1), max(60.0, self.retry_seconds))
 
     def _event(self, type_: str, reason: str, note: str) -> None:
         """One event per distinct (reason, note): a retry loop must not flood the namespace."""
