@@ -133,6 +133,13 @@ def test_unresponsive_agent_and_reselection(world: World, operator_proc) -> None
     wait_for("tolerated node joins", lambda: set(w.node_objects(pool)) == {a, b, tainted})
     st = wait_for("2 of 3 not ready", lambda: (lambda s: s if s.get("desiredNodes") == 3 else None)(status(w, pool)))
     assert st["readyNodes"] == 1
+    # A Ready node that stops matching: its object goes, its marks go, and an Event says so.
+    wait_for("a marked", lambda: w.marked(pool, a) == (True, True))
+    w.core.patch_node(a, {"metadata": {"labels": {"offloadpool-test/group": "elsewhere"}}}, _content_type=MERGE)
+    wait_for("a leaves", lambda: set(w.node_objects(pool)) == {b, tainted})
+    wait_for("a unmarked", lambda: w.marked(pool, a) == (False, False))
+    wait_for("NodeDeselected event", lambda: "NodeDeselected" in w.event_reasons(pool))
+    assert status(w, pool)["desiredNodes"] == 2
 
 
 def test_rollout_node_by_node_survives_kill9(world: World, operator_proc) -> None:

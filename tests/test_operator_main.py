@@ -1,0 +1,55 @@
+"""The ``offloadpool-operator`` command: refuses to start without a peering mode, and serves
+kopf's liveness endpoint once running against the real API server."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.cluster import wait_for
+from fixtures.operator_process import OperatorProcess
+from offloadpool.operator.main import config_from_args, parse_args
+
+EXE = str(Path(sys.executable).parent / "offloadpool-operator")
+
+
+def test_needs_standalone_or_peering() -> None:
+    out = subprocess.run([EXE, "--namespace", "x"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--standalone or --peering" in out.stderr
+    out = subprocess.run([EXE, "--standalone", "--peering", "p"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not allowed with" in out.stderr
+
+
+def test_flags_reach_the_config() -> None:
+    cfg = config_from_args(parse_args(["--standalone", "--namespace", "ops", "--agent-image", "img:1",
+                                       "--heartbeat-timeout", "0", "--agent-memory-overhead", "1Gi"]))
+    assert (cfg.namespace, cfg.agent_image, cfg.heartbeat_timeout_seconds, cfg.agent_memory_overhead) == (
+        "ops", "img:1", 0.0, "1Gi")
+
+
+@pytest.mark.controlplane
+def test_liveness_endpoint(crds_installed: Any, operator_rbac: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    op = OperatorProcess(crds_installed, operator_rbac, Path(tempfile.mkdtemp(prefix="offloadpool-operator-")),
+                         extra_args=("--liveness", f"http://127.0.0.1:{port}/healthz")).start()
+    try:
+        def healthy() -> bool:
+            assert op.alive(), op.log()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+
+        wait_for("the operator's /healthz", healthy, timeout=60)
+    finally:
+        op.stop()
