@@ -38,7 +38,7 @@ from offloadpool.pinning import PinStats, attach, get_backend
 from offloadpool.pinning.backends.base import PinBackend
 from offloadpool.pinning.pin import unregister_all
 from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, row_chunks
-from offloadpool.region import hugepages, mounts, vm
+from offloadpool.region import mounts, vm
 from offloadpool.region.errors import RegionError
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
@@ -154,7 +154,7 @@ def run(cap: int, reps: int = 3, media: list[str] | None = None, backend: str = 
     for m in media:
         if m not in MEDIA:
             raise ValueError(f"unknown medium {m!r}; known: {', '.join(MEDIA)}")
-    before = {p: hugepages.counters(p).total for p in (2 << 20, GiB) if hugepages.supported(p)}
+    pages_added = pages_returned = 0
     samples: dict[str, list[dict[str, float]]] = {}
     blocks: dict[str, dict[str, list[float]]] = {}
     unavailable: dict[str, str] = {}
@@ -164,7 +164,9 @@ def run(cap: int, reps: int = 3, media: list[str] | None = None, backend: str = 
         for medium in media:
             name = f"bench-startup-{medium.lower()}"
             try:
-                pool = provision(PoolRequest(name=name, capacity=cap, medium=medium), root).pool_dir
+                provisioned = provision(PoolRequest(name=name, capacity=cap, medium=medium), root)
+                pool = provisioned.pool_dir
+                pages_added += provisioned.hugepages_added
             except (RegionError, ValueError, OSError) as exc:
                 unavailable[medium] = str(exc)
                 release(root, name, force=True)
@@ -185,9 +187,11 @@ def run(cap: int, reps: int = 3, media: list[str] | None = None, backend: str = 
                         log(f"{medium} rep {rep + 1}/{reps} {case_name}: {result['seconds']:.4f} s")
                 blocks[medium] = block
             finally:
-                release(root, name, force=True)
-    after = {p: hugepages.counters(p).total for p in before}
-    return _summarise(cap, reps, backend_name, samples, blocks, unavailable, before == after)
+                pages_returned += release(root, name, force=True).hugepages_returned
+    # What this run added to the kernel's huge page pool it gave back (counted per pool, not
+    # from the global counters, which other processes may change meanwhile).
+    return _summarise(cap, reps, backend_name, samples, blocks, unavailable,
+                      pages_added == pages_returned)
 
 
 def _summarise(cap: int, reps: int, backend_name: str, samples: dict[str, list[dict[str, float]]],
