@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -197,7 +197,9 @@ def reserved_pages(medium: str, cap: int) -> Iterator[None]:
 
     A Kubernetes node pre-allocates its huge pages (kubelet advertises only those), so the
     agent's provision finds them in the pool; this does the same for the warm and the timed
-    run of one case, and gives the pages back right after.
+    run of one case, and gives the pages back right after. 1 GiB pages need physically
+    contiguous gigabytes, which a busy machine may not have again later: they are taken once
+    for the whole run instead.
     """
     from offloadpool.region.media import medium as lookup
 
@@ -255,27 +257,39 @@ def run(cap: int, ranks: int, reps: int, workers: int, media: list[str],
             k: ((lambda k=k: engine_case(k, scratch, cap, ranks)), _nothing)
             for k in ("engine_baseline", "sharded", "segmented", "per_rank")
         }
+        held = ExitStack()  # 1 GiB pages: taken once for the whole run (see run_wide)
         for medium in media:
             name = f"offloadpool_{medium}"
+            run_wide = medium == "HugePages-1Gi"
             try:  # is the medium available here at this size?
-                with reserved_pages(medium, cap):
+                if run_wide:
+                    held.enter_context(reserved_pages(medium, cap))
+                with (_nothing() if run_wide else reserved_pages(medium, cap)):
                     offloadpool_case(root, medium, cap, workers)
             except (CapacityError, RegionError, ValueError) as exc:
                 unavailable[name] = str(exc)
                 continue
             cases[name] = ((lambda m=medium: offloadpool_case(root, m, cap, workers)),
-                           (lambda m=medium: reserved_pages(m, cap)))
+                           _nothing if run_wide else (lambda m=medium: reserved_pages(m, cap)))
         cases["memset_limit"] = ((lambda: memset_case(scratch, cap, workers, ZERO_UNIT)), _nothing)
         cases["memset_bulk"] = ((lambda: memset_case(scratch, cap, workers, None)), _nothing)
         try:
             for rep in range(reps):
-                for name, (case, prepared) in cases.items():
-                    with prepared():  # type: ignore[attr-defined]
-                        case()  # warm, untimed, immediately before the timed run
-                        seconds = case()
+                for name, (case, prepared) in list(cases.items()):
+                    try:
+                        with prepared():  # type: ignore[attr-defined]
+                            case()  # warm, untimed, immediately before the timed run
+                            seconds = case()
+                    except (CapacityError, RegionError) as exc:
+                        # e.g. huge pages taken by another tenant mid-run: drop the case, say why
+                        unavailable[name] = f"failed in rep {rep + 1}: {exc}"
+                        del cases[name]
+                        samples.pop(name, None)
+                        continue
                     samples.setdefault(name, []).append(seconds)
                     log(f"rep {rep + 1}/{reps} {name}: {cap / GiB / seconds:.2f} GiB/s ({seconds:.3f} s)")
         finally:
+            held.close()
             scratch.close()
     after = {p: hugepages.counters(p).total for p in before}
     strategies = {}
