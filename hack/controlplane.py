@@ -4,7 +4,7 @@ plus kubectl and helm) for offloadpool's tests.
 
 Why this exists: offloadpool is never tested against a mock of Kubernetes. Every test that talks
 to Kubernetes talks to real binaries, built here from their published Go modules at pinned
-versions, so the suite needs nothing but Go, a C-free toolchain and a package registry.
+versions, so the suite needs nothing but Go (no C compiler) and the Go module proxy.
 
     python3 hack/controlplane.py build [--check]   build what is missing into the cache
     python3 hack/controlplane.py paths              print the cache layout as JSON
