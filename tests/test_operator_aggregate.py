@@ -167,3 +167,38 @@ def test_counts_are_consistent(pool, timeout):
     assert sum(a.serving for a in step.advance) <= 1
     assert not (step.in_flight and any(a.serving for a in step.advance))
     assert {a.node for a in step.advance} <= set(selected)
+
+
+def test_node_marks_follow_readiness() -> None:
+    from offloadpool.operator.nodes import label_patch, resource_patch
+    from offloadpool.operator.selection import NodeInfo
+
+    def node(labels=None, capacity=None, allocatable=None) -> NodeInfo:
+        return NodeInfo.from_body({"metadata": {"name": "n", "labels": labels or {}},
+                                   "status": {"capacity": capacity or {}, "allocatable": allocatable or {}}}, "offloadpool.io/")
+
+    bare = node()
+    assert label_patch("p", bare, True) == {"metadata": {"labels": {"pool.offloadpool.io/p": "ready"}}}
+    assert resource_patch("p", bare, True) == {"status": {"capacity": {"offloadpool.io/p": "1"}, "allocatable": {"offloadpool.io/p": "1"}}}
+    assert label_patch("p", bare, False) is None and resource_patch("p", bare, False) is None
+    marked = node({"pool.offloadpool.io/p": "ready"}, {"offloadpool.io/p": "1"}, {"offloadpool.io/p": "1"})
+    assert label_patch("p", marked, True) is None and resource_patch("p", marked, True) is None
+    assert resource_patch("p", marked, False) == {"status": {"capacity": {"offloadpool.io/p": None}, "allocatable": {"offloadpool.io/p": None}}}
+    # a kubelet that re-registered the node zeroed the resource: advertise it again
+    zeroed = node({"pool.offloadpool.io/p": "ready"}, {"offloadpool.io/p": "0"}, {"offloadpool.io/p": "0"})
+    assert resource_patch("p", zeroed, True) is not None
+
+
+def test_selection_follows_the_daemonset_controller() -> None:
+    from offloadpool.operator.selection import NodeInfo, selects
+
+    gpu = NodeInfo("g", {"gpu": "h100"}, ({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+                                          {"key": "node.kubernetes.io/not-ready", "effect": "NoExecute"},
+                                          {"key": "soft", "effect": "PreferNoSchedule"}))
+    assert not selects({"nodeSelector": {"gpu": "h100"}}, gpu)  # taint not tolerated
+    assert selects({"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}, gpu)
+    assert selects({"tolerations": [{"key": "nvidia.com/gpu", "value": "present"}]}, gpu)
+    assert not selects({"tolerations": [{"key": "nvidia.com/gpu", "value": "other"}]}, gpu)
+    assert not selects({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}]}, gpu)
+    assert selects({"tolerations": [{"operator": "Exists"}]}, gpu)
+    assert not selects({"nodeSelector": {"gpu": "a100"}, "tolerations": [{"operator": "Exists"}]}, gpu)

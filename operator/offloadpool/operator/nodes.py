@@ -73,7 +73,9 @@ def label_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None
 def resource_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None:
     """The status patch that makes the node advertise the pool's resource iff ``ready``."""
     name = extended_resource_name(pool)
-    if (name in node.resources) == ready:
+    if ready and name in node.resources:
+        return None
+    if not ready and name not in node.resource_keys:
         return None
     value = EXTENDED_RESOURCE_CAPACITY if ready else None
     return {"status": {"capacity": {name: value}, "allocatable": {name: value}}}
@@ -81,4 +83,4 @@ def resource_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | N
 
 def carries_pool(pool: str, node: NodeInfo) -> bool:
     """The node has the pool's label or resource (so a pass must look at it)."""
-    return pool_label_key(pool) in node.labels or extended_resource_name(pool) in node.resources
+    return pool_label_key(pool) in node.labels or extended_resource_name(pool) in node.resource_keys

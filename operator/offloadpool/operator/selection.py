@@ -31,19 +31,26 @@ class NodeInfo:
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, Any], ...] = ()
-    #: Extended resources in status.capacity (only the offloadpool.io/ ones are kept).
+    #: offloadpool.io/ extended resources advertised as 1 in both capacity and allocatable.
     resources: frozenset[str] = frozenset()
+    #: offloadpool.io/ extended resources present at all (a kubelet that re-registers a node
+    #: zeroes extended resources it does not manage: present but "0" must be re-advertised).
+    resource_keys: frozenset[str] = frozenset()
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], resource_prefix: str) -> "NodeInfo":
         meta = body.get("metadata") or {}
         spec = body.get("spec") or {}
-        capacity = (body.get("status") or {}).get("capacity") or {}
+        status = body.get("status") or {}
+        capacity = status.get("capacity") or {}
+        allocatable = status.get("allocatable") or {}
+        keys = {k for k in (*capacity, *allocatable) if k.startswith(resource_prefix)}
         return cls(
             name=meta["name"],
             labels=dict(meta.get("labels") or {}),
             taints=tuple(dict(t) for t in spec.get("taints") or ()),
-            resources=frozenset(k for k in capacity if k.startswith(resource_prefix)),
+            resources=frozenset(k for k in keys if str(capacity.get(k)) == "1" and str(allocatable.get(k)) == "1"),
+            resource_keys=frozenset(keys),
         )
 
 
