@@ -98,3 +98,10 @@ def test_helm_install_into_a_fresh_namespace(crds_installed: Any) -> None:
     finally:
         cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
         cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.mark.controlplane
+def test_plain_manifests_are_accepted(operator_rbac: Any, control_plane: Any) -> None:
+    """deploy/ (namespace, RBAC, the operator Deployment) passes the API server's validation."""
+    out = control_plane.kubectl("apply", "--dry-run=server", "-f", str(DEPLOY))
+    assert "deployment.apps/offloadpool-operator" in out.stdout, out.stdout
