@@ -150,9 +150,45 @@ class BuildError(RuntimeError):
     """The control plane binaries could not be built (missing Go, network, compile error)."""
 
 
+GO_MIN = (1, 26)  # k8s.io/kubernetes v1.37.2's go.mod says `go 1.26.0`
+
+
+def _version_of(go: str) -> str | None:
+    env = dict(os.environ, GOTOOLCHAIN="local")
+    try:
+        out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True, env=env,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    version = out.stdout.strip()
+    m = re.match(r"go(\d+)\.(\d+)", version)
+    if out.returncode != 0 or not m or (int(m[1]), int(m[2])) < GO_MIN:
+        return None
+    return version
+
+
+def find_go() -> tuple[str, str]:
+    """(path, version) of a Go >= 1.26: the one on PATH, else the toolchain hack/test.sh
+    bootstrapped into ``$OFFLOADPOOL_CACHE/go/`` (so pytest run directly finds it too)."""
+    candidates = [shutil.which("go")]
+    candidates += sorted((str(p) for p in cache_root().parent.glob("go/go*/bin/go")),
+                         reverse=True)
+    for go in filter(None, candidates):
+        version = _version_of(go)
+        if version:
+            return go, version
+    raise BuildError(
+        f"no Go >= {GO_MIN[0]}.{GO_MIN[1]} on PATH or in {cache_root().parent / 'go'}: the "
+        "control plane is built from source; run `bash hack/test.sh` once (it fetches Go) "
+        "or install Go"
+    )
+
+
 def go_env() -> dict[str, str]:
     """The environment every `go` call runs with: local toolchain only, static binaries."""
     env = dict(os.environ)
+    go, _ = find_go()
+    env["PATH"] = f"{Path(go).parent}{os.pathsep}{env.get('PATH', '')}"
     env["GOTOOLCHAIN"] = "local"
     # Static, libc-free binaries like upstream release builds; no C compiler needed.
     env["CGO_ENABLED"] = "0"
@@ -161,17 +197,8 @@ def go_env() -> dict[str, str]:
 
 
 def go_version() -> str:
-    """`go1.26.8`, or BuildError when no Go is installed."""
-    go = shutil.which("go")
-    if go is None:
-        raise BuildError(
-            "no `go` on PATH: the control plane is built from source; install Go >= 1.26 "
-            "(hack/test.sh does this on a fresh machine)"
-        )
-    out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True, env=go_env())
-    if out.returncode != 0 or not out.stdout.strip().startswith("go"):
-        raise BuildError(f"`go env GOVERSION` failed: {out.stderr.strip()}")
-    return out.stdout.strip()
+    """`go1.26.8`, or BuildError when no suitable Go is installed."""
+    return find_go()[1]
 
 
 def cache_root() -> Path:
@@ -206,7 +233,18 @@ class Layout:
 
 
 def layout(go: str | None = None) -> Layout:
-    return Layout(cache_root() / cache_key(go or go_version()))
+    """The cache layout for the Go that would build now. Without a Go, a complete cache built
+    earlier by any Go for these same pins still serves (running needs no compiler)."""
+    if go is None:
+        try:
+            go = go_version()
+        except BuildError:
+            pattern = cache_key("go*").replace("go*", "*")
+            for key_dir in sorted(cache_root().glob(pattern), reverse=True):
+                if not Layout(key_dir).missing():
+                    return Layout(key_dir)
+            raise
+    return Layout(cache_root() / cache_key(go))
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
@@ -324,10 +362,10 @@ def _build_lock(lay: Layout) -> Iterator[None]:
 
 def ensure_built() -> Path:
     """Build every missing binary; return the bin dir. Does nothing when all exist."""
-    go = go_version()
-    lay = layout(go)
+    lay = layout()
     if not lay.missing():
         return lay.bin_dir
+    go = go_version()
     total = time.monotonic()
     env = go_env()
     with _build_lock(lay):
@@ -722,17 +760,16 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_paths(args: argparse.Namespace) -> int:
-    go = go_version()
-    lay = layout(go)
+    lay = layout()
     print(json.dumps({
         "cache_root": str(cache_root()),
-        "key": cache_key(go),
+        "key": lay.key_dir.name,
         "bin_dir": str(lay.bin_dir),
         "src_dir": str(lay.src_dir),
         "binaries": {b: str(lay.binary(b)) for b in BINARIES},
         "missing": lay.missing(),
         "versions": {"kubernetes": KUBERNETES_VERSION, "etcd": ETCD_VERSION,
-                     "helm": HELM_VERSION, "go": go},
+                     "helm": HELM_VERSION, "go": lay.key_dir.name.split("_")[-2]},
     }, indent=2))
     return 0
 
