@@ -692,6 +692,10 @@ class ControlPlane:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def pids(self) -> list[int]:
+        """Process (and process group) ids of the running components."""
+        return [p.proc.pid for p in self._procs]
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ({p.log_path}) ---\n{p.log_tail()}" for p in self._procs)
 

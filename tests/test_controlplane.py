@@ -8,6 +8,7 @@ checked here on its own, where a failure points at the platform and not at offlo
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -172,3 +173,27 @@ def test_api_client_talks_to_the_server_as_admin(control_plane: ControlPlaneHand
     with control_plane.api_client() as api:
         names = [ns.metadata.name for ns in client.CoreV1Api(api).list_namespace().items]
     assert "kube-system" in names
+
+
+def test_a_stopped_control_plane_leaves_nothing_running(control_plane: ControlPlaneHandle,
+                                                        tmp_path: Path) -> None:
+    """What the session fixture does at teardown, checked on a second, short-lived instance."""
+    import socket
+    from urllib.parse import urlparse
+
+    from fixtures.controlplane import load_hack_controlplane
+
+    hack = load_hack_controlplane()
+    plane = hack.ControlPlane(control_plane.bin_dir, tmp_path / "second")
+    try:
+        plane.start()
+        pids = plane.pids()
+        assert len(pids) == 3
+        port = urlparse(plane.server).port
+    finally:
+        plane.stop()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # neither the process nor anything in its group is left
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
