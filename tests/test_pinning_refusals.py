@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from fixtures.pinning_pools import MiB, PoolFactory, traces_of, vm_locked_bytes
+from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of, vm_locked_bytes
 
 from offloadpool.pinning import AttachError, ManifestError, PinError, attach
 from offloadpool.region.lease import Lease, count_holders, lease_path
@@ -121,4 +121,28 @@ def test_closed_attachment_refuses_pins_and_views(make_pool: PoolFactory) -> Non
         att.pin("mlock")
     with pytest.raises(AttachError, match="closed"):
         att.memoryview()
+    assert_untouched(pool)
+
+
+NOBODY = """
+import json, os, sys
+from offloadpool.pinning import AttachError, attach
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+try:
+    attach(sys.argv[1])
+    print(json.dumps("attached?!"))
+except AttachError as exc:
+    print(json.dumps(str(exc)))
+"""
+
+
+def test_pod_without_the_pools_uid_gid_mode(make_pool: PoolFactory) -> None:
+    """An engine running as a uid the pool does not admit (files root:root 0660) gets a clear
+    refusal naming the fix, not a bare PermissionError."""
+    pool = make_pool("kv", mode=0o660)
+    message = json.loads(run_python(NOBODY, str(pool)).stdout)
+    assert "cannot take the pool lease" in message and "uid/gid/mode" in message
+    assert "uid 65534" in message
     assert_untouched(pool)

@@ -34,7 +34,7 @@ from offloadpool.pinning.errors import AttachError, PinError
 from offloadpool.pinning.pin import PinRange, PinStats, register_plan, unregister_all
 from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, plan_pin_ranges, split_at
 from offloadpool.region.lease import Lease, LeaseHeld
-from offloadpool.region.manifest import Manifest, Region, load
+from offloadpool.region.manifest import LEASE_NAME, Manifest, Region, load
 
 DEFAULT_LEASE_TIMEOUT = 60.0
 
@@ -64,13 +64,18 @@ def _check_request(manifest: Manifest, pool_dir: Path, rank: int) -> Region:
 
 def _take_lease(pool_dir: Path, timeout: float | None) -> Lease:
     """Shared lease; waits (up to ``timeout``) only while the node holds it exclusively."""
-    if timeout is None:
-        return Lease.shared(pool_dir, blocking=True)
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
-            return Lease.shared(pool_dir, blocking=False)
+            return Lease.shared(pool_dir, blocking=deadline is None)
+        except OSError as exc:  # EACCES/EROFS: the pod cannot open the lease read-write
+            raise AttachError(
+                f"cannot take the pool lease {pool_dir / LEASE_NAME}: {exc.strerror}; the pod "
+                f"must mount the pool directory read-write and match the pool's uid/gid/mode "
+                f"(uid {os.getuid()}, gid {os.getgid()})"
+            ) from None
         except LeaseHeld:
+            assert deadline is not None
             if time.monotonic() >= deadline:
                 raise AttachError(
                     f"the node holds pool {pool_dir} exclusively (re-provisioning or releasing "
