@@ -5,6 +5,7 @@
     offloadpool release NAME [--root DIR] [--force]
     offloadpool demo [--capacity SIZE] [--keep]
     offloadpool bench populate [--capacity SIZE] [--ranks R] [--reps N] [--json]
+    offloadpool bench startup [--capacity SIZE] [--reps N] [--backend B] [--json]
 
 Exit codes: 0 done, 1 error (message on stderr), 2 bad usage/input, 3 the pool is held by an
 engine (the change is pending; nothing was touched).
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     from offloadpool.bench.populate import add_arguments
 
     add_arguments(bp)
+    bs = bsub.add_parser("startup", help="engine start-up: build the region vs attach a provisioned one")
+    from offloadpool.bench.startup import add_arguments as add_startup_arguments
+
+    add_startup_arguments(bs)
     return parser
 
 
@@ -106,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             from offloadpool.cli.demo import demo_cmd
 
             return demo_cmd(args)
+        if args.command == "bench" and args.bench == "startup":
+            from offloadpool.bench.startup import run_cli as startup_cli
+
+            return startup_cli(args)
         if args.command == "bench":
             from offloadpool.bench.populate import run_cli
 
