@@ -37,3 +37,13 @@ def test_startup_bench_entry_point_prints_json() -> None:
     result = json.loads(out.stdout)
     assert result["per_medium"]["Memory"]["ratio"] > 0
     assert "registration_gib_per_s" in result["per_medium"]["Memory"]
+
+
+def test_cli_subcommand() -> None:
+    out = run_python(
+        "import sys; from offloadpool.cli.main import main; "
+        "sys.exit(main(['bench', 'startup', '--capacity', '64Mi', '--reps', '1', '--media', 'Memory', "
+        "'--backend', 'mlock', '--json']))"
+    )
+    result = json.loads(out.stdout)
+    assert result["best_medium"] == "Memory" and result["backend"] == "mlock"
