@@ -187,3 +187,16 @@ def test_too_little_memory_fails_with_the_shortfall_and_builds_nothing(env: dict
     assert st["reason"] == "InsufficientMemory"
     assert "short by" in st["message"], st["message"]
     assert not (env["root"] / pool).exists() and not mounts_under(env["root"])
+
+
+def test_retain_reports_released_and_keeps_the_memory(env: dict[str, Any]) -> None:
+    pool, node = "agent-retain", "node-z"
+    create(env, pool, node, {"capacity": "64Mi", "medium": "Memory", "reclaimPolicy": "Retain"})
+    name = f"{pool}.{node}"
+    start_agent(env, pool, node)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    env["custom"].delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
+    st = wait_for("Released", lambda: (s := status(env, name)).get("phase") == "Released" and s, timeout=30)
+    assert st["reason"] == "Retained" and "Retain" in st["message"]
+    pool_dir = env["root"] / pool
+    assert mounts_under(pool_dir / "mnt") and (pool_dir / "manifest.json").exists(), "Retain gave the memory back"
