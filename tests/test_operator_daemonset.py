@@ -8,7 +8,7 @@ from kubernetes import client
 
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.daemonset import HASH_ANNOTATION, render
-from operator_world import NAMESPACE, World, operator_proc, wait_for, world  # noqa: F401
+from operator_world import MERGE, NAMESPACE, World, operator_proc, wait_for, world  # noqa: F401
 
 POOL = {"metadata": {"name": "kv", "uid": "0b5e5f8e-0000-4000-8000-000000000001"},
         "spec": {"capacity": "4Gi", "nodeSelector": {"gpu": "h100"},
@@ -95,3 +95,27 @@ def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World, o
         assert agent.resources.requests["hugepages-2Mi"] == "64Mi"
         assert pod.spec.service_account_name == "offloadpool-agent"
         assert pod.metadata.owner_references[0].kind == "DaemonSet"
+
+    # Capacity grows: the agent about to apply it gets a pod with the new limits; the agent of a
+    # node where an engine is attached is left alone (OnDelete: never restarted under an engine).
+    engaged, free = sorted(selected)
+    w.report_ready(pool, engaged, enginesAttached=1)
+    before = {n: p for p in pods for n in [p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+                                           .node_selector_terms[0].match_fields[0].values[0]]}
+    w.custom.patch_cluster_custom_object("offloadpool.io", "v1alpha1", "offloadpools", pool, {"spec": {"capacity": "128Mi"}},
+                                         _content_type=MERGE)
+
+    def pod_on(node: str):
+        for p in w.core.list_namespaced_pod(NAMESPACE, label_selector=f"offloadpool.io/pool={pool}").items:
+            terms = p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+            if terms[0].match_fields[0].values[0] == node and p.metadata.deletion_timestamp is None:
+                return p
+        return None
+
+    new = wait_for("a new agent pod with the new limits on the free node", lambda: (lambda p: p if p and
+                   p.spec.containers[0].resources.limits["hugepages-2Mi"] == "128Mi" else None)(pod_on(free)), timeout=90)
+    assert new.metadata.uid != before[free].metadata.uid
+    assert "AgentReplaced" in w.event_reasons(pool)
+    kept = pod_on(engaged)
+    assert kept.metadata.uid == before[engaged].metadata.uid
+    assert kept.spec.containers[0].resources.limits["hugepages-2Mi"] == "64Mi"

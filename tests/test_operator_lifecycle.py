@@ -171,7 +171,7 @@ def test_rollout_node_by_node_survives_kill9(world: World, operator_proc) -> Non
     wait_for("DaemonSet requests the new capacity", lambda: w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE)
              .spec.template.spec.containers[0].resources.limits["memory"] == "384Mi")
     uids = {n: o["metadata"]["uid"] for n, o in w.node_objects(pool).items()}
-    ds_rv = w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE).metadata.resource_version
+    ds_generation = w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE).metadata.generation
 
     # kill -9 while a is in flight; nothing advances without an operator.
     operator_proc.kill9()
@@ -189,6 +189,6 @@ def test_rollout_node_by_node_survives_kill9(world: World, operator_proc) -> Non
     assert a in conds(w.pool(pool))["Progressing"]["message"]
     # No duplicate work: same objects, the DaemonSet untouched by the second operator.
     assert {n: o["metadata"]["uid"] for n, o in w.node_objects(pool).items()} == uids
-    assert w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE).metadata.resource_version == ds_rv
+    assert w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE).metadata.generation == ds_generation
     log = operator_proc.log(200000).split("--- operator run 2")[1]
     assert "created" not in log and f"advanced {a}" not in log, log[-3000:]

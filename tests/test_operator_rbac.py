@@ -22,7 +22,7 @@ ALLOWED = [
     (OPERATOR, "create offloadpoolnodes"), (OPERATOR, "delete offloadpoolnodes"),
     (OPERATOR, "patch offloadpools"), (OPERATOR, "patch offloadpools --subresource=status"),
     (OPERATOR, f"create daemonsets -n {NAMESPACE}"), (OPERATOR, f"update daemonsets -n {NAMESPACE}"),
-    (OPERATOR, "create events -n default"),
+    (OPERATOR, "create events -n default"), (OPERATOR, f"delete pods -n {NAMESPACE}"),
 ]
 DENIED = [
     (AGENT, "patch nodes"), (AGENT, "patch nodes --subresource=status"), (AGENT, "update offloadpools"),
@@ -30,6 +30,7 @@ DENIED = [
     (AGENT, "create offloadpoolnodes"), (AGENT, "delete offloadpoolnodes"), (AGENT, "get secrets -n default"),
     (OPERATOR, "patch offloadpoolnodes --subresource=status"), (OPERATOR, "create daemonsets -n default"),
     (OPERATOR, "delete nodes"), (OPERATOR, "get secrets -n default"), (OPERATOR, "create pods -n default"),
+    (OPERATOR, "delete pods -n default"), (OPERATOR, f"create pods -n {NAMESPACE}"),
 ]
 
 

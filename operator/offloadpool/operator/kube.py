@@ -106,12 +106,13 @@ class Kube:
                 raise
 
     # -- DaemonSets --------------------------------------------------------------------
-    def apply_daemonset(self, body: Mapping[str, Any]) -> str:
+    def apply_daemonset(self, body: Mapping[str, Any]) -> tuple[str, int | None]:
         """Create the DaemonSet, or replace it when what we render changed.
 
-        Returns "created", "updated" or "unchanged". A replace (not a merge patch) so that
-        removed tolerations or nodeSelector keys really go; the rendered hash annotation makes
-        it a no-op when nothing changed, so passes never write for nothing.
+        Returns ("created" | "updated" | "unchanged", the DaemonSet's generation). A replace
+        (not a merge patch) so that removed tolerations or nodeSelector keys really go; the
+        rendered hash annotation makes it a no-op when nothing changed, so passes never write
+        for nothing.
         """
         meta = body["metadata"]
         try:
@@ -120,16 +121,32 @@ class Kube:
             if exc.status != 404:
                 raise
             try:
-                self.apps.create_namespaced_daemon_set(meta["namespace"], V1DaemonSet.from_dict(dict(body)))
-                return "created"
+                made = self.apps.create_namespaced_daemon_set(meta["namespace"], V1DaemonSet.from_dict(dict(body)))
+                return "created", made.metadata.generation
             except ApiException as exc2:
                 if exc2.status != 409:
                     raise
-                return "unchanged"
+                return "unchanged", None
         annotations = current.metadata.annotations or {}
         if annotations.get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]:
-            return "unchanged"
+            return "unchanged", current.metadata.generation
         replacement = dict(body)
         replacement["metadata"] = {**meta, "resourceVersion": current.metadata.resource_version}
-        self.apps.replace_namespaced_daemon_set(meta["name"], meta["namespace"], V1DaemonSet.from_dict(replacement))
-        return "updated"
+        made = self.apps.replace_namespaced_daemon_set(meta["name"], meta["namespace"], V1DaemonSet.from_dict(replacement))
+        return "updated", made.metadata.generation
+
+    # -- agent pods --------------------------------------------------------------------
+    def list_agent_pods(self, namespace: str, selector: Mapping[str, str]) -> list[Any]:
+        label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
+        return self.core.list_namespaced_pod(namespace, label_selector=label_selector).items
+
+    def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
+        """Delete exactly that pod (uid precondition); True when deleted now."""
+        try:
+            self.core.delete_namespaced_pod(
+                name, namespace, body=kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid)))
+            return True
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise

@@ -80,8 +80,9 @@ class Reconciler:
         timeout = self.config.heartbeat_timeout_seconds
         existing = {n.name: n for n in node_infos}
 
+        ds_generation: int | None = None
         if not deleting:
-            outcome = self.kube.apply_daemonset(daemonset.render(pool, self.config))
+            outcome, ds_generation = self.kube.apply_daemonset(daemonset.render(pool, self.config))
             if outcome != "unchanged":
                 result.writes.append(f"{outcome} DaemonSet {daemonset.daemonset_name(name)}")
                 self.emit(pool, Event("Normal", f"DaemonSet{outcome.capitalize()}",
@@ -93,6 +94,8 @@ class Reconciler:
         if not deleting:
             self._sync_node_objects(pool, generation, selected, views, existing, result)
             self._roll_out(pool, generation, selected, views, now, timeout, result)
+            if ds_generation is not None:
+                self._replace_outdated_agents(pool, generation, ds_generation, selected, views, result)
 
         agg = aggregate(
             generation=generation,
@@ -170,6 +173,49 @@ class Reconciler:
             result.writes.append(f"advanced {adv.node} to generation {generation}")
             if adv.serving:
                 self.emit(pool, Event("Normal", "RolloutAdvanced", f"generation {generation} released to node {adv.node}"))
+
+    def _replace_outdated_agents(
+        self,
+        pool: Mapping[str, Any],
+        generation: int,
+        ds_generation: int,
+        selected: Sequence[str],
+        views: Mapping[str, NodeView],
+        result: PassResult,
+    ) -> None:
+        """Give a node that is about to apply a new pool generation an agent pod with the
+        matching resources.
+
+        The DaemonSet is OnDelete, so its pods keep the requests/limits of the template they
+        were made from. A capacity increase applied by such a pod would exceed its memory or
+        huge-page limit. So when a node may apply the pool's generation (its target allows it)
+        and has not yet, and no engine is attached there (an agent is never restarted under an
+        engine), its pod is deleted if it is from an older template; the DaemonSet controller
+        makes a new one. The region on the node is untouched: the agent exits on SIGTERM
+        without touching memory and its successor resumes. Image-only template changes (same
+        pool generation) never restart agents: they reach a node when its pod is next deleted.
+        """
+        name = pool["metadata"]["name"]
+        candidates = {
+            node for node in selected
+            if node in views
+            and (views[node].target_generation or generation) >= generation
+            and views[node].observed_generation != generation
+            and views[node].engines_attached == 0
+        }
+        if not candidates:
+            return
+        for pod in self.kube.list_agent_pods(self.config.namespace, daemonset.selector_labels(name)):
+            node = daemonset.pod_node(pod)
+            if node not in candidates or pod.metadata.deletion_timestamp is not None:
+                continue
+            if (pod.metadata.labels or {}).get("pod-template-generation") == str(ds_generation):
+                continue
+            if self.kube.delete_pod(self.config.namespace, pod.metadata.name, pod.metadata.uid):
+                result.writes.append(f"replaced agent pod {pod.metadata.name} on {node}")
+                self.emit(pool, Event("Normal", "AgentReplaced",
+                                      f"agent pod {pod.metadata.name} on node {node} replaced: generation {generation} "
+                                      "needs the DaemonSet's current requests and limits"))
 
     def _sync_node_marks(
         self, pool: str, ready: frozenset[str], existing: Mapping[str, NodeInfo], result: PassResult
