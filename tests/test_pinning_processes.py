@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
 from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of, vm_locked_bytes
@@ -133,7 +134,8 @@ sys.stdin.readline()
 
 
 @pytest.mark.parametrize("medium", ["Memory", "HugePages-2Mi"])
-def test_registration_waits_for_the_file_lock(make_pool: PoolFactory, medium: str) -> None:
+def test_registration_waits_for_the_file_lock(make_pool: PoolFactory, medium: str,
+                                              locked: Callable[[], int]) -> None:
     """Another process registering segment 0 (holding its lock: an flock on the segment file
     itself, which works on tmpfs and hugetlbfs alike) holds up our registration of that file;
     nothing is locked until the other lets go."""
@@ -148,30 +150,31 @@ def test_registration_waits_for_the_file_lock(make_pool: PoolFactory, medium: st
             future = att.pin("mlock", background=True)
             time.sleep(1.0)
             assert not future.done(), "registration did not wait for the segment's lock"
-            assert vm_locked_bytes() == 0
+            assert locked() == 0
             assert locker.stdin is not None
             locker.stdin.write("\n")
             locker.stdin.flush()
             stats = future.result(timeout=60)
             assert isinstance(stats, PinStats) and stats.bytes_registered == 64 * MiB
-            assert vm_locked_bytes() == counted
-        assert vm_locked_bytes() == 0
+            assert locked() == counted
+        assert locked() == 0
     finally:
         locker.kill()
         locker.wait()
 
 
-def test_background_pin_returns_a_future(make_pool: PoolFactory) -> None:
+def test_background_pin_returns_a_future(make_pool: PoolFactory, locked: Callable[[], int]) -> None:
     pool = make_pool("kv", capacity=128 * MiB)
     with attach(pool) as att:
         future = att.pin("mlock", background=True)
         stats = future.result(timeout=60)
         assert stats.bytes_registered == 128 * MiB and att.pinned and att.pin_stats == stats
-        assert vm_locked_bytes() == 128 * MiB
-    assert vm_locked_bytes() == 0 and traces_of(pool) == []
+        assert locked() == 128 * MiB
+    assert locked() == 0 and traces_of(pool) == []
 
 
-def test_close_during_background_pin_leaves_nothing_locked(make_pool: PoolFactory) -> None:
+def test_close_during_background_pin_leaves_nothing_locked(make_pool: PoolFactory,
+                                                           locked: Callable[[], int]) -> None:
     pool = make_pool("kv", capacity=256 * MiB)
     att = attach(pool)
     future = att.pin("mlock", background=True, max_chunk=1 * MiB)  # 256 calls: room to cancel
@@ -179,5 +182,5 @@ def test_close_during_background_pin_leaves_nothing_locked(make_pool: PoolFactor
     assert future.done()
     exc = future.exception()
     assert exc is None or isinstance(exc, PinCancelled)
-    assert vm_locked_bytes() == 0 and traces_of(pool) == []
+    assert locked() == 0 and traces_of(pool) == []
     assert count_holders(lease_path(pool)) == 0
