@@ -213,4 +213,11 @@ def test_close_with_live_views_fences_the_range(make_pool: PoolFactory) -> None:
     start = f"{att.address:x}-"
     fenced = [line for line in maps.splitlines() if line.startswith(start)]
     assert fenced and " ---p " in fenced[0], fenced
+    view.release()
     del view
+    import gc
+
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    fence = f"{att.address:x}-{att.address + att.size:x} ---p "
+    assert not [line for line in maps.splitlines() if line.startswith(fence)], "fence not lifted"

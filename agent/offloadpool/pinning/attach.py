@@ -134,6 +134,12 @@ class _State:
         self.exports = [ref for ref in self.exports if ref() is not None]
         return len(self.exports)
 
+    def export_died(self) -> None:
+        """A view's buffer is gone: once the last one goes, lift a fence left by close()."""
+        if self.fenced and not self.live_exports():
+            self.fenced = False
+            mapping.unmap(self.base, self.size)
+
     def unpin(self) -> list[str]:
         errors: list[str] = []
         if self.backend is not None:
@@ -165,8 +171,8 @@ class Attachment:
 
     Use as a context manager (or call ``close()``). Views handed out (``memoryview()``,
     ``tensor()``, ``slot_view()``) are valid only while the attachment is open; closing with
-    views alive releases the memory anyway and leaves the range inaccessible, so a stale view
-    faults instead of reading foreign memory.
+    views alive releases the memory anyway and leaves the range inaccessible (until the last
+    view is gone), so a stale view faults instead of reading foreign memory.
     """
 
     def __init__(self, pool_dir: Path, rank: int, manifest: Manifest, region: Region,
@@ -323,6 +329,7 @@ class Attachment:
         arr._offloadpool_attachment = self  # type: ignore[attr-defined]
         self._state.live_exports()  # prune dead ones
         self._state.exports.append(weakref.ref(arr))
+        weakref.finalize(arr, self._state.export_died)
         return arr
 
     def memoryview(self) -> memoryview:
