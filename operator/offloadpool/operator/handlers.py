@@ -84,8 +84,9 @@ async def node_object_event(spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, POOL_PLURAL)
-async def pool_event(name: str, memo: kopf.Memo, **_: Any) -> None:
-    _runtime(memo).trigger(name)
+async def pool_event(event: dict[str, Any], name: str, memo: kopf.Memo, **_: Any) -> None:
+    if event.get("type") != "DELETED":
+        _runtime(memo).trigger(name)
 
 
 @kopf.daemon(GROUP, VERSION, POOL_PLURAL, initial_delay=0)
