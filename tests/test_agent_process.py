@@ -129,6 +129,12 @@ def hold_lease(state: dict[str, Any], pool_dir: Path) -> subprocess.Popen[str]:
     return proc
 
 
+def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     pool, node = "agent-life", "node-x"
     create(env, pool, node, {"capacity": "64Mi", "medium": "Memory", "segments": {"minSize": "16Mi"}})
@@ -150,6 +156,12 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     # an engine attaches: the heartbeat reports it, from the lease alone
     engine = hold_lease(env, pool_dir)
     wait_for("enginesAttached 1", lambda: status(env, name).get("enginesAttached") == 1, timeout=30)
+    metrics = metric_values(agent.metrics())
+    labels = (("node", node), ("pool", pool))
+    assert metrics[("offloadpool_populated_bytes_total", labels)] == 64 * MiB
+    assert metrics[("offloadpool_region_bytes", labels)] == 64 * MiB
+    assert metrics[("offloadpool_populate_seconds", labels)] > 0
+    assert metrics[("offloadpool_engines_attached", labels)] == 1
 
     # SIGTERM: the agent leaves promptly; the memory stays
     t0 = time.monotonic()
