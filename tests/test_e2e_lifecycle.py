@@ -140,12 +140,16 @@ class E2E:
         return node.host_path(HOST_ROOT) / pool
 
     def hold_lease(self, node: SimNode, pool: str) -> subprocess.Popen[str]:
-        """An engine on ``node``: a separate process holding the pool's lease until it exits."""
-        code = ("import sys; from offloadpool.region.lease import Lease; "
-                f"l = Lease.shared({str(self.pool_dir(node, pool))!r}); print('held', flush=True); sys.stdin.read()")
+        """An engine on ``node``: a separate process that attaches the pool with the pinning
+        helper (maps it, holds the shared lease), writes into it and pins it with mlock, until
+        it exits."""
+        code = ("import sys; from offloadpool.pinning import attach; "
+                f"r = attach({str(self.pool_dir(node, pool))!r}, rank=0); "
+                "r.memoryview()[:6] = b'engine'; r.pin(backend='mlock'); "
+                "print('held', flush=True); sys.stdin.read()")
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.engines.append(proc)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held", "the engine could not attach"
         return proc
 
     def add_pool_node_label(self, node: SimNode, labels: dict[str, str]) -> None:
