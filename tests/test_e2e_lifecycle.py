@@ -252,10 +252,16 @@ def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
     assert f"pool.offloadpool.io/{pool}" not in (node4.metadata.labels or {})
     assert f"offloadpool.io/{pool}" not in (node4.status.capacity or {})
 
-    events = e2e.cp.kubectl("get", "events", "-A", "-o", "json").stdout
-    reasons = {e["reason"] for e in json.loads(events)["items"]
-               if e["involvedObject"].get("name", "").startswith(pool)}
-    assert reasons, "no events recorded about the pool or its nodes"
+    def events_by_kind() -> dict[str, set[str]]:
+        items = json.loads(e2e.cp.kubectl("get", "events", "-A", "-o", "json").stdout)["items"]
+        out: dict[str, set[str]] = {}
+        for e in items:
+            if e["involvedObject"].get("name", "").startswith(pool):
+                out.setdefault(e["involvedObject"]["kind"], set()).add(e["reason"])
+        return out
+    events = wait_for("events from the operator (pool) and the agents (OffloadPoolNodes)",
+                      lambda: (ev := events_by_kind()).get("OffloadPool") and ev.get("OffloadPoolNode") and ev, 30)
+    assert "Ready" in events["OffloadPoolNode"], events
 
     table = e2e.cp.kubectl("get", "offloadpools,offloadpoolnodes").stdout
     assert pool in table and sum(f"{pool}." in line and "Ready" in line for line in table.splitlines()) == 3, table

@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pool", help="OffloadPool name (env POOL_NAME)")
     p.add_argument("--node", help="this node's name (env NODE_NAME, downward API spec.nodeName)")
-    p.add_argument("--namespace", help="namespace for events (env POD_NAMESPACE)")
+    p.add_argument("--namespace", help="the pod's namespace, for logs (env POD_NAMESPACE)")
     p.add_argument("--root", help=f"host root holding pool directories (env OFFLOADPOOL_ROOT, default {DEFAULT_ROOT})")
     p.add_argument("--http-port", type=int, help=f"port of /healthz, /readyz, /metrics (env OFFLOADPOOL_HTTP_PORT, default {DEFAULT_HTTP_PORT})")
     p.add_argument("--heartbeat-seconds", type=float, help="status heartbeat period (env OFFLOADPOOL_HEARTBEAT_SECONDS, default 10)")

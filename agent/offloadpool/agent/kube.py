@@ -18,6 +18,8 @@ GROUP = "offloadpool.io"
 VERSION = "v1alpha1"
 POOLS = "offloadpools"
 POOL_NODES = "offloadpoolnodes"
+#: events about cluster-scoped objects must live here (API server validation)
+EVENT_NAMESPACE = "default"
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +82,14 @@ class KubeAccess:
         """Record a core/v1 Event about ``obj`` (our OffloadPoolNode); failures are logged, never fatal.
 
         core/v1 (not events.k8s.io) because that is what kopf and kubectl describe use, so the
-        operator's and the agent's events read as one story.
+        operator's and the agent's events read as one story. The OffloadPoolNode is
+        cluster-scoped, and the API server accepts events about cluster-scoped objects only in
+        the ``default`` namespace, so that is where they go (as kopf's do).
         """
         meta = obj.get("metadata", {})
         stamp = _dt.datetime.now(_dt.timezone.utc)
         body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{meta.get('name', 'offloadpool')}.", namespace=self.namespace),
+            metadata=client.V1ObjectMeta(generate_name=f"{meta.get('name', 'offloadpool')}.", namespace=EVENT_NAMESPACE),
             involved_object=client.V1ObjectReference(
                 api_version=f"{GROUP}/{VERSION}",
                 kind=kind,
@@ -104,6 +108,6 @@ class KubeAccess:
             reporting_instance=self.node_object[:128],
         )
         try:
-            self.core.create_namespaced_event(self.namespace, body)
+            self.core.create_namespaced_event(EVENT_NAMESPACE, body)
         except ApiException as exc:
-            log.warning("could not record event %s: %s %s", reason, exc.status, exc.reason)
+            log.warning("could not record event %s: %s %s %s", reason, exc.status, exc.reason, (exc.body or "")[:300])

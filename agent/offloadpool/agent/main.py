@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("offloadpool-agent %s: pool %s on node %s, root %s", __version__, cfg.pool, cfg.node_name, cfg.root)
+    log.info("offloadpool-agent %s: pool %s on node %s, root %s, pod namespace %s", __version__, cfg.pool, cfg.node_name, cfg.root, cfg.namespace)
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
