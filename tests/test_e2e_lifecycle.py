@@ -238,6 +238,9 @@ def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
         assert agent.argv[1:] == ["--pool", pool] and agent.env["NODE_NAME"] == n.name
         assert agent.get("/readyz")[0] == 200
     assert not e2e.pool_dir(other, pool).exists() and not e2e.cluster.agents_on(other.name)
+    # the pods' readiness probes (/readyz on the agents' port) make the DaemonSet tell the same story
+    wait_for("DaemonSet 3/3 ready", lambda: (ds := e2e.daemonsets(pool)) and ds[0].status.desired_number_scheduled == 3
+             and ds[0].status.number_ready == 3, 60)
 
     def labelled() -> bool:
         for n in gpu:
