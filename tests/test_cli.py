@@ -12,13 +12,13 @@ from offloadpool.region import mounts
 MiB = 1 << 20
 
 
-def test_provision_from_file_with_overrides_status_release(pool_root, hugepage_baseline):
-    root = str(pool_root)
+def test_provision_from_file_with_overrides_status_release(region_root, hugepage_baseline):
+    root = str(region_root)
     out = cli("provision", "-f", str(REPO / "examples" / "vllm-compat.yaml"), "--capacity", "64Mi",
               "--root", root, "--node", "node-a", "--json")
     result = json.loads(out.stdout)
     pool_dir = Path(result["pool_dir"])
-    assert pool_dir == pool_root / "vllm-stock"
+    assert pool_dir == region_root / "vllm-stock"
     manifest = result["manifest"]
     assert manifest["total_bytes"] == 64 * MiB and manifest["medium"] == "Memory"
     assert manifest["compat_file"] == "mnt/vllm_offload_llama-70b-tp4.mmap"
@@ -38,67 +38,67 @@ def test_provision_from_file_with_overrides_status_release(pool_root, hugepage_b
 
     out = cli("release", "vllm-stock", "--root", root)
     assert "released pool vllm-stock" in out.stdout
-    assert not pool_dir.exists() and mounts.mounts_under(pool_root) == []
+    assert not pool_dir.exists() and mounts.mounts_under(region_root) == []
     out = cli("release", "vllm-stock", "--root", root)
     assert "nothing to release" in out.stdout
 
 
-def test_provision_flags_only_prints_summary(pool_root, hugepage_baseline):
-    out = cli("provision", "--root", str(pool_root), "--name", "flags", "--capacity", "128Mi",
+def test_provision_flags_only_prints_summary(region_root, hugepage_baseline):
+    out = cli("provision", "--root", str(region_root), "--name", "flags", "--capacity", "128Mi",
               "--medium", "HugePages-2Mi", "--layout", "PerRank", "--ranks", "2", "--min-size", "32Mi",
               "--uid", "1000", "--gid", "1000", "--mode", "0600")
     assert "pool flags" in out.stdout and "Ready" in out.stdout and "4 (2, 2 per region)" in out.stdout
-    st = os.stat(pool_root / "flags" / "mnt" / "r1-s001")
+    st = os.stat(region_root / "flags" / "mnt" / "r1-s001")
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, 0o600)
-    cli("release", "flags", "--root", str(pool_root))
+    cli("release", "flags", "--root", str(region_root))
     assert hugepage_totals() == hugepage_baseline
 
 
-def test_bad_input_names_the_field_and_creates_nothing(pool_root, tmp_path):
+def test_bad_input_names_the_field_and_creates_nothing(region_root, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("apiVersion: offloadpool.io/v1alpha1\nkind: OffloadPool\nmetadata: {name: bad}\n"
                    "spec: {capacity: 3Mi, medium: HugePages-2Mi}\n")
-    out = cli("provision", "-f", str(bad), "--root", str(pool_root), check=False)
+    out = cli("provision", "-f", str(bad), "--root", str(region_root), check=False)
     assert out.returncode == 2 and "spec.capacity" in out.stderr
-    out = cli("provision", "--root", str(pool_root), "--capacity", "1Gi", check=False)
+    out = cli("provision", "--root", str(region_root), "--capacity", "1Gi", check=False)
     assert out.returncode == 2 and "needs a name" in out.stderr
-    out = cli("provision", "--root", str(pool_root), "--name", "x", "--capacity", "64Mi", "--layout", "PerRank",
+    out = cli("provision", "--root", str(region_root), "--name", "x", "--capacity", "64Mi", "--layout", "PerRank",
               check=False)
     assert out.returncode == 2 and "spec.layout.ranks" in out.stderr
-    assert list(pool_root.iterdir()) == []
+    assert list(region_root.iterdir()) == []
 
 
-def test_release_of_held_pool_exits_3(pool_root, processes):
+def test_release_of_held_pool_exits_3(region_root, processes):
     import sys
 
-    cli("provision", "--root", str(pool_root), "--name", "held", "--capacity", "64Mi", "--medium", "Memory")
+    cli("provision", "--root", str(region_root), "--name", "held", "--capacity", "64Mi", "--medium", "Memory")
     holder = processes([sys.executable, "-c", "import sys,time\nfrom offloadpool.region.lease import Lease\n"
                         "l=Lease.shared(sys.argv[1]); print('held', flush=True); time.sleep(3600)",
-                        str(pool_root / "held")])
+                        str(region_root / "held")])
     assert holder.stdout.readline().strip() == "held"
-    out = cli("release", "held", "--root", str(pool_root), check=False)
+    out = cli("release", "held", "--root", str(region_root), check=False)
     assert out.returncode == 3 and "in use" in out.stderr
-    out = cli("release", "held", "--root", str(pool_root), "--force")
+    out = cli("release", "held", "--root", str(region_root), "--force")
     assert "keep mapping memory that no pool accounts for" in out.stderr
-    assert not (pool_root / "held").exists()
+    assert not (region_root / "held").exists()
 
 
-def test_demo_provisions_summarises_and_cleans_up(pool_root, hugepage_baseline):
-    out = cli("demo", "--capacity", "256Mi", "--root", str(pool_root))
+def test_demo_provisions_summarises_and_cleans_up(region_root, hugepage_baseline):
+    out = cli("demo", "--capacity", "256Mi", "--root", str(region_root))
     assert "offloadpool demo" in out.stdout
     assert "huge page coverage" in out.stdout and "populate rate" in out.stdout
     assert "kept the region" in out.stdout
     assert "mounts left: 0, pool directory left: False" in out.stdout
-    assert list(pool_root.iterdir()) == [] and mounts.mounts_under(pool_root) == []
+    assert list(region_root.iterdir()) == [] and mounts.mounts_under(region_root) == []
     assert hugepage_totals() == hugepage_baseline
 
 
-def test_demo_keep_leaves_a_ready_pool(pool_root):
-    out = cli("demo", "--capacity", "128Mi", "--medium", "MemoryTHP", "--root", str(pool_root), "--keep")
+def test_demo_keep_leaves_a_ready_pool(region_root):
+    out = cli("demo", "--capacity", "128Mi", "--medium", "MemoryTHP", "--root", str(region_root), "--keep")
     assert "kept: release it with" in out.stdout
-    status = json.loads(cli("status", "--root", str(pool_root), "--json").stdout)
+    status = json.loads(cli("status", "--root", str(region_root), "--json").stdout)
     assert [(p["name"], p["phase"], p["medium"]) for p in status["pools"]] == [("demo", "Ready", "MemoryTHP")]
-    cli("release", "demo", "--root", str(pool_root))
+    cli("release", "demo", "--root", str(region_root))
 
 
 def test_bench_populate_json_schema():

@@ -22,11 +22,11 @@ def far_too_much() -> int:
 
 
 @pytest.mark.parametrize("medium", ["HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"])
-def test_shortfall_fails_before_anything_is_created(pool_root, hugepage_baseline, medium):
+def test_shortfall_fails_before_anything_is_created(region_root, hugepage_baseline, medium):
     size = far_too_much()
     req = PoolRequest(name="huge", capacity=size, medium=medium)
     with pytest.raises(CapacityError) as info:
-        provision(req, pool_root)
+        provision(req, region_root)
     message = str(info.value)
     assert f"({size} bytes)" in message, message  # what was asked
     assert "short by" in message and re.search(r"short by [\d.]+ GiB \(\d+ bytes\)", message), message
@@ -36,17 +36,17 @@ def test_shortfall_fails_before_anything_is_created(pool_root, hugepage_baseline
         assert "free and unreserved" in message, message
     else:
         assert "available" in message, message
-    assert list(pool_root.iterdir()) == []
-    assert mounts.mounts_under(pool_root) == []
+    assert list(region_root.iterdir()) == []
+    assert mounts.mounts_under(region_root) == []
     assert hugepage_totals() == hugepage_baseline
 
 
-def test_cli_reports_shortfall_with_exit_code(pool_root, hugepage_baseline):
+def test_cli_reports_shortfall_with_exit_code(region_root, hugepage_baseline):
     from fixtures.host import cli
 
-    out = cli("provision", "--root", str(pool_root), "--name", "big", "--capacity", f"{far_too_much() // GiB}Gi",
+    out = cli("provision", "--root", str(region_root), "--name", "big", "--capacity", f"{far_too_much() // GiB}Gi",
               "--medium", "HugePages-1Gi", check=False)
     assert out.returncode == 1
     assert "insufficient capacity" in out.stderr and "short by" in out.stderr
-    assert list(pool_root.iterdir()) == []
+    assert list(region_root.iterdir()) == []
     assert hugepage_totals() == hugepage_baseline

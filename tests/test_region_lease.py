@@ -36,32 +36,32 @@ def hold(processes, pool_dir):
     return proc
 
 
-def test_release_refuses_while_held_and_succeeds_after_holder_is_killed(pool_root, hugepage_baseline, processes):
+def test_release_refuses_while_held_and_succeeds_after_holder_is_killed(region_root, hugepage_baseline, processes):
     req = PoolRequest(name="held", capacity=128 * MiB, medium="HugePages-2Mi", min_segment=32 * MiB)
-    added = provision(req, pool_root).hugepages_added  # 64 unless free pages were already there
-    pool_dir = pool_root / req.name
+    added = provision(req, region_root).hugepages_added  # 64 unless free pages were already there
+    pool_dir = region_root / req.name
     engine = hold(processes, pool_dir)
     assert count_holders(lease_path(pool_dir)) == 1
-    assert pool_state(pool_root, req.name).engines_attached == 1
+    assert pool_state(region_root, req.name).engines_attached == 1
 
     with pytest.raises(LeaseHeld, match="held by 1 attached engine"):
-        release(pool_root, req.name)
-    assert pool_state(pool_root, req.name).phase == "Ready"  # untouched
+        release(region_root, req.name)
+    assert pool_state(region_root, req.name).phase == "Ready"  # untouched
     assert mounts.mount_at(pool_dir / "mnt") is not None
 
     engine.send_signal(signal.SIGKILL)
     engine.wait(timeout=30)
     wait_for(lambda: count_holders(lease_path(pool_dir)) == 0, 10, "the kernel to drop the flock")
-    result = release(pool_root, req.name)
+    result = release(region_root, req.name)
     assert result.existed and result.hugepages_returned == added
-    assert not pool_dir.exists() and mounts.mounts_under(pool_root) == []
+    assert not pool_dir.exists() and mounts.mounts_under(region_root) == []
     assert hugepage_totals() == hugepage_baseline
 
 
-def test_spec_change_is_pending_while_held_then_applied(pool_root, hugepage_baseline, processes):
+def test_spec_change_is_pending_while_held_then_applied(region_root, hugepage_baseline, processes):
     old = PoolRequest(name="reshape", capacity=64 * MiB, medium="MemoryTHP")
-    provision(old, pool_root)
-    pool_dir = pool_root / old.name
+    provision(old, region_root)
+    pool_dir = region_root / old.name
     fd = os.open(pool_dir / "mnt" / "r0-s000", os.O_RDWR)
     m = mmap.mmap(fd, 64 * MiB)
     m[:5] = b"kept!"
@@ -71,51 +71,51 @@ def test_spec_change_is_pending_while_held_then_applied(pool_root, hugepage_base
 
     new = PoolRequest(name="reshape", capacity=128 * MiB, medium="HugePages-2Mi")
     with pytest.raises(LeaseHeld):
-        provision(new, pool_root)
-    state = pool_state(pool_root, old.name)
+        provision(new, region_root)
+    state = pool_state(region_root, old.name)
     assert state.phase == "Ready" and state.medium == "MemoryTHP" and state.total_bytes == 64 * MiB
     with open(pool_dir / "mnt" / "r0-s000", "rb") as fh:
         assert fh.read(5) == b"kept!"
     # a generation bump with the same shape is applied in place, even while held
-    same = provision(PoolRequest(name="reshape", capacity=64 * MiB, medium="MemoryTHP", generation=2, mode=0o600), pool_root)
+    same = provision(PoolRequest(name="reshape", capacity=64 * MiB, medium="MemoryTHP", generation=2, mode=0o600), region_root)
     assert same.reused and same.manifest.generation == 2 and same.manifest.mode == 0o600
 
     engine.send_signal(signal.SIGKILL)
     engine.wait(timeout=30)
-    result = provision(new, pool_root)
+    result = provision(new, region_root)
     assert result.rebuilt and not result.reused
-    state = pool_state(pool_root, new.name)
+    state = pool_state(region_root, new.name)
     assert state.phase == "Ready" and state.medium == "HugePages-2Mi" and state.total_bytes == 128 * MiB
     assert mounts.mount_at(pool_dir / "mnt").fstype == "hugetlbfs"
-    release(pool_root, new.name)
+    release(region_root, new.name)
     assert hugepage_totals() == hugepage_baseline
 
 
-def test_force_release_says_what_it_breaks(pool_root, hugepage_baseline, processes):
+def test_force_release_says_what_it_breaks(region_root, hugepage_baseline, processes):
     req = PoolRequest(name="forced", capacity=64 * MiB, medium="HugePages-2Mi")
-    provision(req, pool_root)
-    pool_dir = pool_root / req.name
+    provision(req, region_root)
+    pool_dir = region_root / req.name
     engine = hold(processes, pool_dir)
-    result = release(pool_root, req.name, force=True)
+    result = release(region_root, req.name, force=True)
     assert result.forced and result.engines_broken == 1
     assert "1 attached engine(s) keep mapping memory that no pool accounts for" in result.warnings[0]
-    assert not pool_dir.exists() and mounts.mounts_under(pool_root) == []
+    assert not pool_dir.exists() and mounts.mounts_under(region_root) == []
     engine.send_signal(signal.SIGKILL)
     engine.wait(timeout=30)
     assert hugepage_totals() == hugepage_baseline
 
 
-def test_release_refuses_when_a_file_is_still_mapped_without_the_lease(pool_root, hugepage_baseline):
+def test_release_refuses_when_a_file_is_still_mapped_without_the_lease(region_root, hugepage_baseline):
     """A process that maps a segment without taking the lease still blocks the unmount: the
     release fails with a reason and leaves the pool intact (manifest put back)."""
     req = PoolRequest(name="mapped", capacity=64 * MiB, medium="Memory")
-    provision(req, pool_root)
-    fd = os.open(pool_root / req.name / "mnt" / "r0-s000", os.O_RDWR)
+    provision(req, region_root)
+    fd = os.open(region_root / req.name / "mnt" / "r0-s000", os.O_RDWR)
     try:
         with pytest.raises(RegionError, match="still has files of this pool mapped or open"):
-            release(pool_root, req.name)
-        assert pool_state(pool_root, req.name).phase == "Ready"
+            release(region_root, req.name)
+        assert pool_state(region_root, req.name).phase == "Ready"
     finally:
         os.close(fd)
-    assert release(pool_root, req.name).existed
-    assert mounts.mounts_under(pool_root) == []
+    assert release(region_root, req.name).existed
+    assert mounts.mounts_under(region_root) == []

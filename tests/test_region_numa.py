@@ -43,25 +43,25 @@ def numa_maps_line(path, size) -> str:
     ("Spread", "bind:", None),
     ("None", "default", [[], []]),
 ])
-def test_numa_policies(pool_root, hugepage_baseline, medium, policy, shown, nodes):
+def test_numa_policies(region_root, hugepage_baseline, medium, policy, shown, nodes):
     online = online_nodes()
     req = PoolRequest(name="numa", capacity=64 * MiB, medium=medium, numa=policy, layout_type="PerRank", ranks=2)
-    provision(req, pool_root)
-    state = pool_state(pool_root, req.name)
+    provision(req, region_root)
+    state = pool_state(region_root, req.name)
     expected = nodes if nodes is not None else (
         [list(online)] * 2 if policy == "Interleave" else [[online[i % len(online)]] for i in range(2)])
     assert [list(n) for n in state.numa_nodes] == expected
-    line = numa_maps_line(pool_root / req.name / "mnt" / "r1-s000", 32 * MiB)
+    line = numa_maps_line(region_root / req.name / "mnt" / "r1-s000", 32 * MiB)
     if medium != "HugePages-2Mi":
         assert shown in line, line  # tmpfs keeps the policy on the file for every later mapping
     placed = expected[1] or online
     counts = {int(tok[1:].split("=")[0]): int(tok.split("=")[1]) for tok in line.split() if tok[:1] == "N" and "=" in tok}
     assert counts and set(counts) <= set(placed), line
-    release(pool_root, req.name)
+    release(region_root, req.name)
 
 
-def test_offline_node_is_refused_before_anything_exists(pool_root):
+def test_offline_node_is_refused_before_anything_exists(region_root):
     bad = max(online_nodes()) + 1
     with pytest.raises(RequestError, match=f"node\\(s\\) \\[{bad}\\] that are not online"):
-        provision(PoolRequest(name="numa", capacity=64 * MiB, medium="Memory", numa=str(bad)), pool_root)
-    assert list(pool_root.iterdir()) == []
+        provision(PoolRequest(name="numa", capacity=64 * MiB, medium="Memory", numa=str(bad)), region_root)
+    assert list(region_root.iterdir()) == []

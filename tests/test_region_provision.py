@@ -86,12 +86,12 @@ def read_probes_elsewhere(probes) -> list[str]:
 
 @pytest.mark.parametrize("layout", ["Replicated", "PerRank", "Interleaved"])
 @pytest.mark.parametrize("medium", ["HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"])
-def test_provision_keep_release(pool_root, hugepage_baseline, medium, layout):
+def test_provision_keep_release(region_root, hugepage_baseline, medium, layout):
     req = request(medium, layout)
     expected = plan(req)
     seen = []
-    result = provision(req, pool_root, progress=lambda done, total: seen.append((done, total)))
-    pool_dir = pool_root / req.name
+    result = provision(req, region_root, progress=lambda done, total: seen.append((done, total)))
+    pool_dir = region_root / req.name
 
     # what was planned is what exists
     assert not result.reused and result.populated_bytes == req.capacity
@@ -112,7 +112,7 @@ def test_provision_keep_release(pool_root, hugepage_baseline, medium, layout):
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1234, 2345, 0o640)
     assert seen and seen[-1] == (req.capacity, req.capacity)
 
-    state = pool_state(pool_root, req.name)
+    state = pool_state(region_root, req.name)
     assert state.phase == "Ready" and state.populated_bytes == req.capacity
     assert state.engines_attached == 0
     if expected.medium.hugetlb:
@@ -121,21 +121,21 @@ def test_provision_keep_release(pool_root, hugepage_baseline, medium, layout):
         assert state.hugepage_coverage_percent > 0
     else:
         assert state.hugepage_coverage_percent == 0
-    assert [s.name for s in list_pools(pool_root)] == [req.name]
+    assert [s.name for s in list_pools(region_root)] == [req.name]
 
     # byte-exact through one mapping, read back through a fresh one in another process
     probes = write_probes(pool_dir, manifest)
     assert read_probes_elsewhere(probes) == [h for *_, h in probes]
 
     # a second provision of the same spec keeps the region and its data
-    again = provision(req, pool_root)
+    again = provision(req, region_root)
     assert again.reused and again.populated_bytes == 0
     assert read_probes_elsewhere(probes) == [h for *_, h in probes]
 
     # release leaves no mount, no file and no reserved huge page
-    rel = release(pool_root, req.name)
+    rel = release(region_root, req.name)
     assert rel.existed and not rel.forced
     assert not pool_dir.exists()
-    assert mounts.mounts_under(pool_root) == []
+    assert mounts.mounts_under(region_root) == []
     assert hugepage_totals() == hugepage_baseline
-    assert release(pool_root, req.name).existed is False
+    assert release(region_root, req.name).existed is False

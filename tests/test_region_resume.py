@@ -30,20 +30,20 @@ def journal_bytes(pool_dir: Path) -> bytes:
 
 
 @pytest.mark.parametrize("medium, mode", [("HugePages-2Mi", "auto"), ("MemoryTHP", "auto"), ("Memory", "touch")])
-def test_kill9_mid_populate_then_finish_without_zeroing(pool_root, hugepage_baseline, processes, medium, mode):
+def test_kill9_mid_populate_then_finish_without_zeroing(region_root, hugepage_baseline, processes, medium, mode):
     name = "resume"
-    flags = ["--root", str(pool_root), "--name", name, "--capacity", "256Mi", "--medium", medium,
+    flags = ["--root", str(region_root), "--name", name, "--capacity", "256Mi", "--medium", medium,
              "--min-size", "64Mi", "--workers", "2"]
     env = {**os.environ, "OFFLOADPOOL_POPULATE_MODE": mode}
     # throttled so the test can see it half done (a real node has no reason to throttle)
     proc = processes(cli_argv("provision", *flags, "--rate-limit", "24Mi"), env=env)
-    pool_dir = pool_root / name
+    pool_dir = region_root / name
     count = len(units(plan(PoolRequest(name=name, capacity=256 * MiB, medium=medium,
                                        min_segment=64 * MiB)).segments, 2 * MiB if medium != "Memory" else 4096))
 
     wait_for(lambda: journal_bytes(pool_dir).count(1) >= 8 or proc.poll() is not None, 60, "partial progress")
     assert proc.poll() is None, f"provision ended before it could be killed: {proc.communicate()}"
-    assert pool_state(pool_root, name).phase == "Populating"
+    assert pool_state(region_root, name).phase == "Populating"
 
     # an engine's data in a part that is already populated
     req = PoolRequest(name=name, capacity=256 * MiB, medium=medium, min_segment=64 * MiB)
@@ -63,7 +63,7 @@ def test_kill9_mid_populate_then_finish_without_zeroing(pool_root, hugepage_base
     proc.wait(timeout=30)
     partial = journal_bytes(pool_dir).count(1)
     assert 0 < partial < count, f"killed at {partial}/{count} units"
-    state = pool_state(pool_root, name)
+    state = pool_state(region_root, name)
     assert state.phase == "Populating" and not state.in_progress and "interrupted" in state.message
     assert 0 < state.populated_bytes < 256 * MiB
 
@@ -84,8 +84,8 @@ def test_kill9_mid_populate_then_finish_without_zeroing(pool_root, hugepage_base
     assert m[unit.offset:unit.offset + unit.bytes] == payload, "resumed populate changed existing data"
     m.close()
     os.close(fd)
-    assert pool_state(pool_root, name).phase == "Ready"
+    assert pool_state(region_root, name).phase == "Ready"
 
-    cli("release", name, "--root", str(pool_root))
-    assert not pool_dir.exists() and mounts.mounts_under(pool_root) == []
+    cli("release", name, "--root", str(region_root))
+    assert not pool_dir.exists() and mounts.mounts_under(region_root) == []
     assert hugepage_totals() == hugepage_baseline, "huge pages added by the killed run were not given back"

@@ -216,6 +216,9 @@ def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[i
     if mounts.mount_at(mnt) is None:
         if plan.medium.hugetlb:
             rec.hugepage_size = plan.page_size
+            if rec.boot_id != records.boot_id():
+                rec.hugepages_added = 0  # added in an earlier boot: the kernel pool was reset since
+            rec.boot_id = records.boot_id()
             rec.hugepages_added += _reserve_hugepages(plan, rec)
             records.save(pool_dir, rec)
         mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))

@@ -31,6 +31,7 @@ class Record:
     message: str = ""
     hugepage_size: int = 0
     hugepages_added: int = 0
+    boot_id: str = ""  # the boot the huge pages were added in; a reboot resets the kernel pool
     mounted: bool = False
     populate: dict[str, Any] = field(default_factory=dict)
     numa_nodes: list[list[int]] = field(default_factory=list)
@@ -43,6 +44,15 @@ class Record:
 
     def pool_request(self) -> PoolRequest:
         return PoolRequest(**self.request)
+
+
+def boot_id() -> str:
+    """This boot's id: huge pages added before a reboot are not ours to give back after it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
 
 
 def path(pool_dir: str | os.PathLike[str]) -> Path:

@@ -44,9 +44,10 @@ def teardown(pool_dir: Path, *, lazy: bool = False, keep_dir: bool = False) -> i
         records.save(pool_dir, rec)
     given = 0
     if rec is not None and rec.hugepages_added and rec.hugepage_size:
-        with hugepages.pool_lock():
-            hugepages.shrink(rec.hugepage_size, rec.hugepages_added)
-        given = rec.hugepages_added
+        if rec.boot_id == records.boot_id():  # after a reboot the pool was reset: nothing to return
+            with hugepages.pool_lock():
+                hugepages.shrink(rec.hugepage_size, rec.hugepages_added)
+            given = rec.hugepages_added
         rec.hugepages_added = 0
         records.save(pool_dir, rec)  # so a crash before rmtree cannot give them back twice
     if keep_dir:
