@@ -183,8 +183,8 @@ def test_rollout_node_by_node_survives_kill9(world: World, operator_proc) -> Non
     w.report_ready(pool, b, 2)
     wait_for("c advanced after b is Ready at 2", lambda: targets() == {a: 2, b: 2, c: 2})
     w.report_ready(pool, c, 2)
-    st = wait_for("rollout pending only on the held node", lambda: (lambda s: s if conds(w.pool(pool)).get(
-        "Progressing", {}).get("reason") == "RolloutPending" else None)(status(w, pool)))
+    st = wait_for("rollout pending only on the held node", lambda: (lambda p: p["status"] if conds(p).get(
+        "Progressing", {}).get("reason") == "RolloutPending" else None)(w.pool(pool)))  # one read: status and conditions agree
     assert (st["phase"], st["readyNodes"], st["pendingNodes"], st["observedGeneration"]) == ("Ready", 3, 1, 2)
     assert a in conds(w.pool(pool))["Progressing"]["message"]
     # No duplicate work: same objects, the DaemonSet untouched by the second operator.
