@@ -98,22 +98,24 @@ def _validate_ready(pool_dir: Path, plan: Plan) -> str | None:
     return layout_files.check_segments(pool_dir, plan)
 
 
-def _reserve_hugepages(plan: Plan, rec: records.Record) -> int:
-    """Grow the kernel pool so a min_size mount of this plan succeeds; return pages added."""
+def _reserve_hugepages(plan: Plan) -> int:
+    """Grow the kernel pool so a min_size mount of this plan succeeds; return pages added.
+
+    The caller holds :func:`hugepages.pool_lock`.
+    """
     page = plan.page_size
     pages = plan.total_bytes // page
-    with hugepages.pool_lock():
-        c = hugepages.counters(page)
-        missing = max(0, pages - c.available)
-        added = hugepages.grow(page, missing)
-        if added < missing:
-            hugepages.shrink(page, added)
-            raise CapacityError(
-                f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
-                f"{c.available} were free and unreserved and the kernel could add only {added} "
-                f"of the {missing} missing (memory too fragmented or taken): short by "
-                f"{missing - added} pages ({fmt_bytes((missing - added) * page)})"
-            )
+    c = hugepages.counters(page)
+    missing = max(0, pages - c.available)
+    added = hugepages.grow(page, missing)
+    if added < missing:
+        hugepages.shrink(page, added)
+        raise CapacityError(
+            f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
+            f"{c.available} were free and unreserved and the kernel could add only {added} "
+            f"of the {missing} missing (memory too fragmented or taken): short by "
+            f"{missing - added} pages ({fmt_bytes((missing - added) * page)})"
+        )
     return added
 
 
@@ -219,9 +221,14 @@ def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[i
             if rec.boot_id != records.boot_id():
                 rec.hugepages_added = 0  # added in an earlier boot: the kernel pool was reset since
             rec.boot_id = records.boot_id()
-            rec.hugepages_added += _reserve_hugepages(plan, rec)
-            records.save(pool_dir, rec)
-        mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
+            # Growing the pool and mounting (which reserves the pages) under one lock, so two
+            # offloadpool processes cannot take each other's freshly added pages.
+            with hugepages.pool_lock():
+                rec.hugepages_added += _reserve_hugepages(plan)
+                records.save(pool_dir, rec)
+                mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
+        else:
+            mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
         rec.mounted = True
         records.save(pool_dir, rec)
     layout_files.create_segments(pool_dir, plan, req)
