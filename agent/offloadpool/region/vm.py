@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 
 PROT_READ, PROT_WRITE = 0x1, 0x2
@@ -50,9 +51,13 @@ def populate_write(addr: int, length: int) -> None:
     Pages already present keep their contents: this is why a resumed pre-fault can run over
     memory an engine may already have written.
     """
-    if _libc.madvise(addr, length, MADV_POPULATE_WRITE) != 0:
+    for _ in range(100):
+        if _libc.madvise(addr, length, MADV_POPULATE_WRITE) == 0:
+            return
         err = ctypes.get_errno()
-        raise VMError(err, f"madvise(MADV_POPULATE_WRITE) failed: {os.strerror(err)}")
+        if err not in (errno.EINTR, errno.EAGAIN):  # those two: simply try again
+            break
+    raise VMError(err, f"madvise(MADV_POPULATE_WRITE) failed: {os.strerror(err)}")
 
 
 def touch_pages(addr: int, length: int, page: int) -> None:
