@@ -14,7 +14,6 @@ from pathlib import Path
 
 from offloadpool.region.errors import RegionError
 from offloadpool.region.lease import Lease, LeaseHeld, count_holders, lease_path
-from offloadpool.region.manifest import MOUNT_NAME
 from offloadpool.region.provision import pool_lock
 from offloadpool.region import record as records
 from offloadpool.region.teardown import teardown

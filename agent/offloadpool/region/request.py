@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from offloadpool.region.errors import RequestError
 from offloadpool.region.media import MEDIA
