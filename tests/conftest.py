@@ -19,6 +19,7 @@ pytest_plugins = [
     "fixtures.host",
     "fixtures.cluster",
     "fixtures.operator_process",
+    "fixtures.operator_world",
     "fixtures.pinning_pools",
 ]
 
