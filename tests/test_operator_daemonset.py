@@ -8,7 +8,7 @@ from kubernetes import client
 
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.daemonset import HASH_ANNOTATION, render
-from operator_world import MERGE, NAMESPACE, World, operator_proc, wait_for, world  # noqa: F401
+from fixtures.operator_world import MERGE, NAMESPACE, World, wait_for
 
 POOL = {"metadata": {"name": "kv", "uid": "0b5e5f8e-0000-4000-8000-000000000001"},
         "spec": {"capacity": "4Gi", "nodeSelector": {"gpu": "h100"},

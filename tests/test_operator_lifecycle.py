@@ -11,7 +11,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from offloadpool.api.constants import FINALIZER, GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
-from operator_world import MERGE, MiB, NAMESPACE, World, dump, operator_proc, wait_for, world  # noqa: F401
+from fixtures.operator_world import MERGE, MiB, NAMESPACE, World, dump, wait_for
 
 pytestmark = pytest.mark.controlplane
 

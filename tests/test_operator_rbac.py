@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from operator_world import NAMESPACE
+from fixtures.operator_world import NAMESPACE
 
 pytestmark = pytest.mark.controlplane
 
