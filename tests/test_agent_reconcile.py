@@ -74,7 +74,7 @@ def test_older_region_waits_for_the_operators_rollout() -> None:
     node = copy.deepcopy(NODE)
     node["spec"]["targetGeneration"] = 2
     d = decide(POOL, node, 2)
-    assert d.action is Action.KEEP and d.pending_generation == 3 and d.reason == "RolloutPending"
+    assert d.action is Action.KEEP and d.pending_generation is None and d.reason == "RolloutPending"
 
 
 def test_deletion_releases_or_retains_by_policy() -> None:

@@ -32,7 +32,7 @@ class Decision:
     request: PoolRequest | None = None
     reason: str = ""
     message: str = ""
-    #: a generation the node should apply but may not yet (operator rollout order)
+    #: a newer generation this step tries to apply (reported as pending if an engine holds the lease)
     pending_generation: int | None = None
 
 
@@ -128,6 +128,7 @@ def decide(
         return Decision(Action.PROVISION, request)
     if target is None or int(target) >= desired:
         return Decision(Action.PROVISION, request, pending_generation=desired)
+    # not "pending" in the contract's sense (that means: held by an engine); the operator knows
+    # it has not advanced this node yet, the reason only tells a human
     return Decision(Action.KEEP, request, reason="RolloutPending",
-                    message=f"generation {desired} waits for the operator's rollout (this node may apply {target})",
-                    pending_generation=desired)
+                    message=f"generation {desired} waits for the operator's rollout (this node may apply {target})")
