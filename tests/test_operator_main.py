@@ -3,6 +3,7 @@ kopf's liveness endpoint once running against the real API server."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def test_liveness_endpoint(crds_installed: Any, operator_rbac: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    op = OperatorProcess(crds_installed, operator_rbac, Path(tempfile.mkdtemp(prefix="offloadpool-operator-")),
+    workdir = Path(tempfile.mkdtemp(prefix="offloadpool-operator-"))
+    op = OperatorProcess(crds_installed, operator_rbac, workdir,
                          extra_args=("--liveness", f"http://127.0.0.1:{port}/healthz")).start()
     try:
         def healthy() -> bool:
@@ -53,3 +55,4 @@ def test_liveness_endpoint(crds_installed: Any, operator_rbac: Path) -> None:
         wait_for("the operator's /healthz", healthy, timeout=60)
     finally:
         op.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
