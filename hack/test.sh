@@ -56,8 +56,14 @@ as_root() {
 # ---- 1. system packages --------------------------------------------------------------------
 phase_start "system packages"
 need=()
-command -v python3 >/dev/null || need+=(python3)
-python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+command -v python3 >/dev/null || need+=(python3 python3-venv)
+# Debian's python3 can import `venv` yet cannot create one without python3-venv (no
+# ensurepip wheels): try it for real when .venv does not exist yet.
+if [ ! -x .venv/bin/python ] && command -v python3 >/dev/null; then
+  probe="$(mktemp -d)"
+  python3 -m venv "$probe/v" >/dev/null 2>&1 || need+=(python3-venv)
+  rm -rf "$probe"
+fi
 command -v openssl >/dev/null || need+=(openssl)
 command -v setpriv >/dev/null || need+=(util-linux)
 [ -e /etc/ssl/certs/ca-certificates.crt ] || need+=(ca-certificates)
@@ -145,7 +151,7 @@ fi
 phase_end
 
 # ---- 4. control plane binaries -----------------------------------------------------------------
-phase_start "control plane build (cached)"
+phase_start "control plane build"
 .venv/bin/python hack/controlplane.py build
 phase_end
 
