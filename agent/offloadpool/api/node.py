@@ -20,6 +20,9 @@ class OffloadPoolNodeSpec(SpecModel):
 
     pool: str = Field(min_length=1, max_length=40, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     node_name: str = Field(min_length=1, max_length=253)
+    #: The pool generation this node may apply now; the operator advances it node by node.
+    #: None means apply the pool's current generation.
+    target_generation: int | None = Field(default=None, ge=0)
 
 
 class OffloadPoolNodeStatus(StatusModel):
