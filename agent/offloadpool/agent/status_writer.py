@@ -26,14 +26,20 @@ class StatusWriter:
     ``patch`` sends a merge patch of the status (``KubeAccess.patch_status``); it returns None
     when the object does not exist (yet), and may raise on API errors: a failed write is
     remembered and retried with the next write or heartbeat, never raised into provisioning.
+
+    Populate workers call :meth:`progress`; it only records the numbers and wakes a flusher
+    thread, so a slow API server never stalls a worker in the middle of pre-faulting.
     """
 
     def __init__(self, patch: Patch, clock: Callable[[], str], progress_interval: float = 0.5) -> None:
         self._patch = patch
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()     # guards the dicts below; never held across a request
+        self._io_lock = threading.Lock()  # one request at a time, in order
         self._written: dict[str, Any] = {}
         self._dirty: dict[str, Any] = {}
+        self._kick = threading.Event()
+        self._flusher: threading.Thread | None = None
         self._last_progress = 0.0
         self.progress_interval = progress_interval
         self.phase: str = "Pending"
@@ -45,50 +51,69 @@ class StatusWriter:
             return {**self._written, **self._dirty}
 
     def set(self, **fields: Any) -> bool:
-        """Record ``fields`` (camelCase status keys) and write them with a fresh heartbeat."""
+        """Record ``fields`` (camelCase status keys) and write them now with a fresh heartbeat."""
         with self._lock:
             if "phase" in fields and fields["phase"] is not None:
                 self.phase = fields["phase"]
             self._dirty.update(fields)
-            return self._flush_locked()
+        return self._flush()
+
+    def heartbeat(self, **fields: Any) -> bool:
+        """Re-send the whole status (not just changes), so a re-created object is filled again."""
+        with self._lock:
+            self._dirty.update(fields)
+        return self._flush(full=True)
 
     def progress(self, done: int, total: int) -> None:
-        """Populate progress from a worker thread; written at most every ``progress_interval`` s."""
-        t = time.monotonic()
+        """Populate progress from a worker thread: recorded at once, written by the flusher
+        thread at most every ``progress_interval`` seconds."""
         pct = int(done * 100 // total) if total else 0
         with self._lock:
             self._dirty.update(bytesPopulated=int(min(done, total)), bytesTotal=int(total), progress=pct)
             if self.phase != "Populating":
                 self.phase = "Populating"
                 self._dirty["phase"] = "Populating"
-            elif t - self._last_progress < self.progress_interval and done < total:
-                return
-            self._last_progress = t
-            self._flush_locked()
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_progress, name="status-progress", daemon=True)
+                self._flusher.start()
+        self._kick.set()
 
-    def heartbeat(self, **fields: Any) -> bool:
-        """Re-send the whole status (not just changes), so a re-created object is filled again."""
-        with self._lock:
-            self._dirty.update(fields)
-            return self._flush_locked(full=True)
+    def _flush_progress(self) -> None:
+        while True:
+            self._kick.wait()
+            wait = self.progress_interval - (time.monotonic() - self._last_progress)
+            if wait > 0:
+                time.sleep(wait)
+            self._kick.clear()
+            self._last_progress = time.monotonic()
+            self._flush()
 
-    def _flush_locked(self, full: bool = False) -> bool:
-        body = {
-            **(self._written if full or not self.exists else {}),
-            **self._dirty,
-            "heartbeat": self._clock(),
-            "agentVersion": __version__,
-        }
-        try:
-            result = self._patch(body)
-        except Exception as exc:  # API down, throttled, RBAC: keep the update and retry later
-            log.warning("status write failed (will retry): %s", exc)
-            return False
-        if result is None:
-            self.exists = False
-            log.info("OffloadPoolNode does not exist (yet); status kept for the next write")
-            return False
-        self.exists = True
-        self._written.update(body)
-        self._dirty.clear()
-        return True
+    def _flush(self, full: bool = False) -> bool:
+        with self._io_lock:
+            with self._lock:
+                sent = dict(self._dirty)
+                body = {
+                    **(self._written if full or not self.exists else {}),
+                    **sent,
+                    "heartbeat": self._clock(),
+                    "agentVersion": __version__,
+                }
+                self._dirty.clear()
+            try:
+                result = self._patch(body)
+            except Exception as exc:  # API down, throttled, RBAC: keep the update and retry later
+                log.warning("status write failed (will retry): %s", exc)
+                result = None
+                failed = True
+            else:
+                failed = False
+            with self._lock:
+                if result is None:
+                    self._dirty = {**sent, **self._dirty}  # newer values recorded meanwhile win
+                    if not failed:
+                        self.exists = False
+                        log.info("OffloadPoolNode does not exist (yet); status kept for the next write")
+                    return False
+                self.exists = True
+                self._written.update(body)
+                return True
