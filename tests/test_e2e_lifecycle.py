@@ -297,6 +297,8 @@ def test_agent_killed_mid_populate_is_finished_by_its_replacement(e2e: E2E) -> N
     os.kill(agent.pid, signal.SIGSTOP)  # freeze it mid-populate, then check it really was mid-way
     used = populating()
     assert 0 < used < capacity, f"populate was not caught mid-way ({used} of {capacity} bytes)"
+    st = e2e.node_status(pool, node.name)
+    assert st.get("phase") == "Populating" and st.get("progress", 0) < 100, f"status does not show the populate: {st}"
     segment = sorted(p for p in mnt.iterdir() if p.is_file())[0]
     sentinel = b"engine data that must survive " + e2e.tag.encode()
     with open(segment, "r+b") as fh:  # data written into the region before the replacement runs
