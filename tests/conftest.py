@@ -8,38 +8,32 @@ NVIDIA GPU, and run everywhere one exists. Nothing else skips: a test that canno
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import shutil
 import subprocess
 
 import pytest
 
-#: Every fixture plugin. A plugin whose third-party imports are missing (a GPU machine with
-#: only the library, cuda-python, torch and pytest installed) is left out: a test that needs
-#: one of its fixtures then errors with "fixture not found" — loudly, never a skip. hack/test.sh
-#: installs everything, so in CI every plugin loads.
-_PLUGINS = [
-    "fixtures.controlplane",
-    "fixtures.crds",
-    "fixtures.host",
-    "fixtures.cluster",
-    "fixtures.operator_process",
-    "fixtures.operator_world",
-    "fixtures.pinning_pools",
+#: Every fixture plugin, with the third-party modules it imports. A plugin whose extras are
+#: missing (a GPU machine with only the library, cuda-python, torch and pytest) is left out: a
+#: test that needs one of its fixtures then errors with "fixture not found" — loudly, never a
+#: skip. hack/test.sh installs everything, so in CI every plugin loads. (find_spec, not an
+#: import: importing a plugin before pytest registers it would bypass assertion rewriting.)
+_PLUGINS: dict[str, tuple[str, ...]] = {
+    "fixtures.controlplane": (),
+    "fixtures.crds": (),
+    "fixtures.host": (),
+    "fixtures.cluster": (),
+    "fixtures.operator_process": ("yaml",),
+    "fixtures.operator_world": ("kubernetes", "pydantic", "yaml"),
+    "fixtures.pinning_pools": (),
+}
+
+pytest_plugins = [
+    plugin
+    for plugin, needs in _PLUGINS.items()
+    if all(importlib.util.find_spec(module) is not None for module in needs)
 ]
-
-
-def _loadable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] in ("fixtures", "offloadpool"):
-            raise  # our own code missing is a bug, not an optional extra
-        return False
-    return True
-
-
-pytest_plugins = [module for module in _PLUGINS if _loadable(module)]
 
 
 def _gpu_present() -> bool:
