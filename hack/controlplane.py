@@ -168,19 +168,15 @@ def _version_of(go: str) -> str | None:
 
 
 def find_go() -> tuple[str, str]:
-    """(path, version) of a Go >= 1.26: the one on PATH, else the toolchain hack/test.sh
-    bootstrapped into ``$OFFLOADPOOL_CACHE/go/`` (so pytest run directly finds it too)."""
-    candidates = [shutil.which("go")]
-    candidates += sorted((str(p) for p in cache_root().parent.glob("go/go*/bin/go")),
-                         reverse=True)
-    for go in filter(None, candidates):
-        version = _version_of(go)
-        if version:
-            return go, version
+    """(path, version) of the Go >= 1.26 on PATH (hack/test.sh puts a pinned toolchain
+    there when the machine's Go is older)."""
+    go = shutil.which("go")
+    version = _version_of(go) if go else None
+    if go and version:
+        return go, version
     raise BuildError(
-        f"no Go >= {GO_MIN[0]}.{GO_MIN[1]} on PATH or in {cache_root().parent / 'go'}: the "
-        "control plane is built from source; run `bash hack/test.sh` once (it fetches Go) "
-        "or install Go"
+        f"no Go >= {GO_MIN[0]}.{GO_MIN[1]} on PATH: the control plane is built from source; "
+        "run `bash hack/test.sh` (it switches an older Go to the pinned release) or install Go"
     )
 
 
