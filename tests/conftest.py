@@ -20,6 +20,7 @@ import pytest
 #: skip. hack/test.sh installs everything, so in CI every plugin loads. (find_spec, not an
 #: import: importing a plugin before pytest registers it would bypass assertion rewriting.)
 _PLUGINS: dict[str, tuple[str, ...]] = {
+    "fixtures.leak_guard": (),
     "fixtures.controlplane": (),
     "fixtures.crds": (),
     "fixtures.host": (),
