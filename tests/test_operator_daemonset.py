@@ -115,7 +115,9 @@ def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World, o
     new = wait_for("a new agent pod with the new limits on the free node", lambda: (lambda p: p if p and
                    p.spec.containers[0].resources.limits["hugepages-2Mi"] == "128Mi" else None)(pod_on(free)), timeout=90)
     assert new.metadata.uid != before[free].metadata.uid
-    assert "AgentReplaced" in w.event_reasons(pool)
+    # The operator records the event after its delete call returns, and the DaemonSet
+    # controller may create the new pod before that: wait for the event, don't race it.
+    wait_for("the AgentReplaced event", lambda: "AgentReplaced" in w.event_reasons(pool), timeout=30)
     kept = pod_on(engaged)
     assert kept.metadata.uid == before[engaged].metadata.uid
     assert kept.spec.containers[0].resources.limits["hugepages-2Mi"] == "64Mi"
