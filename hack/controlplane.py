@@ -24,7 +24,6 @@ tests start the control plane the same way.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import fcntl
 import json
@@ -475,18 +474,20 @@ class Pki:
                  "-extfile", ext.name, "-out", f"{name}.crt", cwd=self.dir)
 
 
-def _b64(path: Path) -> str:
-    return base64.b64encode(path.read_bytes()).decode()
-
-
 def write_kubeconfig(path: Path, server: str, ca: Path, user: dict[str, str],
                      name: str = "offloadpool-test") -> Path:
-    """A self-contained kubeconfig (credentials embedded). JSON is valid kubeconfig YAML."""
+    """A kubeconfig that names its certificate files (``certificate-authority``,
+    ``client-certificate``/``client-key``) instead of embedding them.
+
+    Why not embed (``*-data``): the Python kubernetes client writes embedded certificates and
+    keys to ``/tmp/tmpXXXX`` files and removes them only at interpreter exit, so every process a
+    test kills with SIGKILL would leave them behind. The files live in the control plane's work
+    dir for as long as it runs. JSON is valid kubeconfig YAML."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": name, "cluster": {
-            "server": server, "certificate-authority-data": _b64(ca)}}],
+        "clusters": [{"name": name, "cluster": {"server": server,
+                                                "certificate-authority": str(ca)}}],
         "users": [{"name": name, "user": user}],
         "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
         "current-context": name,
@@ -640,14 +641,14 @@ class ControlPlane:
         ])
         self.kubeconfig = write_kubeconfig(
             self.workdir / "admin.kubeconfig", self.server, pki.ca_crt,
-            {"client-certificate-data": _b64(pki.crt("admin")),
-             "client-key-data": _b64(pki.key("admin"))})
+            {"client-certificate": str(pki.crt("admin")),
+             "client-key": str(pki.key("admin"))}, name="offloadpool-admin")
         self._wait(apiserver, deadline, self._readyz_ok, "kube-apiserver /readyz")
 
         kcm_kubeconfig = write_kubeconfig(
             self.workdir / "controller-manager.kubeconfig", self.server, pki.ca_crt,
-            {"client-certificate-data": _b64(pki.crt("controller-manager")),
-             "client-key-data": _b64(pki.key("controller-manager"))})
+            {"client-certificate": str(pki.crt("controller-manager")),
+             "client-key": str(pki.key("controller-manager"))})
         controllers = ",".join(["*"] + [f"-{c}" for c in DISABLED_CONTROLLERS])
         kcm = self._spawn("kube-controller-manager", [
             str(self.bin_dir / "kube-controller-manager"),
