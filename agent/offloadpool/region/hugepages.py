@@ -9,12 +9,13 @@ other users stay intact.
 
 from __future__ import annotations
 
-import fcntl
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from offloadpool.region import locks
 
 LOCK_PATH = "/run/lock/offloadpool-hugepages.lock"
 
@@ -57,12 +58,8 @@ def counters(page_size: int) -> PoolCounters:
 def pool_lock() -> Iterator[None]:
     """Serialise read-modify-write of nr_hugepages among offloadpool processes on this host."""
     os.makedirs(os.path.dirname(LOCK_PATH), exist_ok=True)
-    fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with locks.exclusive(LOCK_PATH):
         yield
-    finally:
-        os.close(fd)
 
 
 def _write_total(page_size: int, value: int) -> None:

@@ -17,7 +17,6 @@ interrupted one (signal, kill) is left for the next run to finish.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from offloadpool.region import capacity, hugepages, layout_files, mounts, numa
+from offloadpool.region import capacity, hugepages, layout_files, locks, mounts, numa
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.lease import Lease
@@ -57,12 +56,8 @@ class ProvisionResult:
 @contextmanager
 def pool_lock(pool_dir: Path) -> Iterator[None]:
     """Serialise provision/release of one pool (flock on its directory)."""
-    fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with locks.exclusive(pool_dir, directory=True):
         yield
-    finally:
-        os.close(fd)
 
 
 def mount_options(plan: Plan, req: PoolRequest) -> str:
