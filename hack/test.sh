@@ -2,6 +2,9 @@
 # The one test command:  bash hack/test.sh [pytest args...]
 #
 # On a fresh Debian/Ubuntu machine (as root, with only package registries reachable) it
+#   0. reserves the huge pages the suite needs (hack/hugepages.py) before anything else, while
+#      memory is still unfragmented, and keeps them for later runs (give them back with
+#      `python3 hack/hugepages.py release`); it stops at once, with one message, if it cannot,
 #   1. installs missing system packages (python3-venv, openssl, ...) with apt-get,
 #   2. finds Go >= 1.26, or has an older go command switch to the pinned release
 #      (GOTOOLCHAIN, fetched through the Go module proxy),
@@ -48,6 +51,13 @@ as_root() {
   else echo "need root to run: $*" >&2; return 1
   fi
 }
+
+# ---- 0. huge pages -------------------------------------------------------------------------
+# First, before any build or install fragments memory: a 1 GiB page needs a contiguous GiB.
+phase_start "huge page reservation"
+command -v python3 >/dev/null || { echo "python3 is needed (it ships with Debian/Ubuntu)" >&2; exit 1; }
+as_root python3 hack/hugepages.py reserve
+phase_end
 
 # ---- 1. system packages --------------------------------------------------------------------
 phase_start "system packages"

@@ -5,6 +5,12 @@ unless that many pages are free and unreserved, so the engine first grows the po
 the missing number (``nr_hugepages``) and records how many it added; release gives back that
 many. Changes are relative (read, add, write under one lock), so pools of other pools and
 other users stay intact.
+
+Growing can fail on a node with plenty of free memory: a huge page needs physically contiguous
+memory, and after hours of work unmovable kernel pages sit in every GiB. So growing compacts
+memory once before giving up, and a shortfall is explained as fragmentation or as memory
+taken, from ``/proc/meminfo`` and ``/proc/buddyinfo``, because the remedies differ (reserve at
+boot vs. free memory).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from typing import Iterator
 from offloadpool.region import locks
 
 LOCK_PATH = "/run/lock/offloadpool-hugepages.lock"
+COMPACT_PATH = "/proc/sys/vm/compact_memory"
+BUDDYINFO_PATH = "/proc/buddyinfo"
+BASE_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -66,20 +75,83 @@ def _write_total(page_size: int, value: int) -> None:
     (sysfs_dir(page_size) / "nr_hugepages").write_text(f"{value}\n")
 
 
-def grow(page_size: int, pages: int) -> int:
-    """Add ``pages`` to the pool; return how many the kernel actually added (maybe fewer).
-
-    The caller must hold :func:`pool_lock` and gives the pages back with :func:`shrink` if it
-    cannot use them.
-    """
-    if pages <= 0:
-        return 0
+def _try_grow(page_size: int, pages: int) -> int:
     before = counters(page_size).total
     try:
         _write_total(page_size, before + pages)
     except OSError:
         pass  # the kernel may refuse outright; what it added is read back below
     return max(0, counters(page_size).total - before)
+
+
+def compact() -> bool:
+    """Ask the kernel to compact all memory now; False where ``/proc/sys`` is read-only.
+
+    Only called when a grow came up short: compaction costs time on a big node, and the
+    kernel's own per-page attempt is enough while memory is not fragmented.
+    """
+    try:
+        with open(COMPACT_PATH, "w") as fh:
+            fh.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def grow(page_size: int, pages: int) -> int:
+    """Add ``pages`` to the pool; return how many the kernel actually added (maybe fewer).
+
+    When the kernel adds fewer, memory is compacted and the rest asked for once more. The
+    caller must hold :func:`pool_lock` and gives the pages back with :func:`shrink` if it
+    cannot use them.
+    """
+    if pages <= 0:
+        return 0
+    added = _try_grow(page_size, pages)
+    if added < pages and compact():
+        added += _try_grow(page_size, pages - added)
+    return added
+
+
+def free_blocks_by_order() -> list[int]:
+    """Free blocks of 2^order base pages, summed over every zone (``/proc/buddyinfo``)."""
+    totals: list[int] = []
+    try:
+        with open(BUDDYINFO_PATH) as fh:
+            for line in fh:
+                counts = [int(x) for x in line.split()[4:]]
+                totals += [0] * (len(counts) - len(totals))
+                for order, n in enumerate(counts):
+                    totals[order] += n
+    except (OSError, ValueError):
+        return []
+    return totals
+
+
+def shortfall_reason(page_size: int, missing: int, avail: int) -> str:
+    """Why the kernel could not add ``missing`` pages: fragmentation or memory taken.
+
+    Fragmentation when the memory is there but not contiguous (the fix is reserving the pages
+    early, at boot or before other work, and keeping them); memory taken when it is not there
+    at all (the fix is freeing memory). ``avail`` is MemAvailable (what the kernel can hand out,
+    reclaiming caches). The buddy allocator's largest blocks are 4 MiB, so for 1 GiB pages
+    "fragmented" is inferred from MemAvailable alone.
+    """
+    need = missing * page_size
+    blocks = free_blocks_by_order()
+    order = max(0, (page_size // BASE_PAGE).bit_length() - 1)
+    fitting = sum(n << (o - order) for o, n in enumerate(blocks) if o >= order)
+    largest = max((o for o, n in enumerate(blocks) if n), default=-1)
+    buddy = (f"free blocks by order 0..{len(blocks) - 1} (/proc/buddyinfo): "
+             f"{' '.join(str(n) for n in blocks)}; largest free block "
+             f"{(BASE_PAGE << largest) // 1024 if largest >= 0 else 0} KiB")
+    if order < len(blocks):
+        buddy += f"; {fitting} free blocks of {page_size // 1024} KiB or more"
+    if avail >= need:
+        return (f"memory too fragmented, not taken: {avail >> 20} MiB available but no "
+                f"{missing} physically contiguous {page_size >> 20} MiB blocks even after "
+                f"compaction ({buddy}); reserve these pages earlier (at boot) and keep them")
+    return (f"memory taken: {avail >> 20} MiB available, {need >> 20} MiB needed ({buddy})")
 
 
 def shrink(page_size: int, pages: int) -> None:

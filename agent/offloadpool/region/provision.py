@@ -108,8 +108,9 @@ def _reserve_hugepages(plan: Plan) -> int:
         raise CapacityError(
             f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
             f"{c.available} were free and unreserved and the kernel could add only {added} "
-            f"of the {missing} missing (memory too fragmented or taken): short by "
-            f"{missing - added} pages ({fmt_bytes((missing - added) * page)})"
+            f"of the {missing} missing: short by {missing - added} pages "
+            f"({fmt_bytes((missing - added) * page)}); "
+            + hugepages.shortfall_reason(page, missing - added, capacity.meminfo().get("MemAvailable", 0))
         )
     return added
 
