@@ -98,15 +98,21 @@ def reserve(wanted: dict[int, int] | None = None) -> list[str]:
             missing = pages - before.available
             if missing <= 0:
                 continue
-            got = hugepages.grow(size, missing)
+            avail = meminfo().get("MemAvailable", 0)
+            # Asking for more than the node has would only squeeze its caches: say so untouched.
+            try:
+                got = hugepages.grow(size, missing) if missing * size <= avail else 0
+            except hugepages.PoolFixed as exc:
+                problems.append(f"{label(size)}: asked for {pages} free pages; {before.available} are "
+                                f"free and the pool cannot be changed here ({exc.strerror})")
+                continue
             added[size] = added.get(size, 0) + got
             if got < missing:
-                avail = meminfo().get("MemAvailable", 0)
                 problems.append(
                     f"{label(size)}: asked for {pages} free pages; {before.available} were free "
                     f"(pool {before.total}, free {before.free}, reserved {before.reserved}) and the "
                     f"kernel could add only {got} of the {missing} missing; "
-                    + hugepages.shortfall_reason(size, missing - got, avail))
+                    + hugepages.shortfall_reason(size, missing - got, meminfo().get("MemAvailable", 0)))
         save_record(added)
     return problems
 

@@ -28,6 +28,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from fixtures.cluster import SimCluster, SimNode, mounts_under, wait_for
+from fixtures.host import other_tenant_holds_free_hugepages
 from fixtures.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +36,6 @@ pytestmark = pytest.mark.e2e
 GROUP, VERSION = "offloadpool.io", "v1alpha1"
 MiB = 1 << 20
 HOST_ROOT = "/var/lib/offloadpool"
-HP = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
 
 
 class E2E:
@@ -183,32 +183,6 @@ def e2e(sim_cluster: SimCluster, offloadpool_operator: OperatorProcess) -> Itera
         yield env
     finally:
         env.delete_pools()
-
-
-@contextmanager
-def other_tenant_holds_free_hugepages(where: Path) -> Iterator[int]:
-    """Reserve every free, unreserved 2 MiB page with a hugetlbfs ``min_size`` mount (as another
-    tenant of the node would hold them) until the block ends; yields the number of pages held."""
-    where.mkdir(parents=True, exist_ok=True)
-    for _ in range(5):
-        pages = int((HP / "free_hugepages").read_text()) - int((HP / "resv_hugepages").read_text())
-        if pages <= 0:
-            mounted = False
-            break
-        size = pages * 2 * MiB
-        mounted = subprocess.run(["mount", "-t", "hugetlbfs", "-o", f"pagesize=2M,size={size},min_size={size}",
-                                  "tenant", str(where)], capture_output=True).returncode == 0
-        if mounted:
-            break
-    else:
-        raise AssertionError("could not reserve the machine's free huge pages for the shortfall scenario")
-    try:
-        left = int((HP / "free_hugepages").read_text()) - int((HP / "resv_hugepages").read_text())
-        assert left < 32, f"{left} unreserved 2 MiB pages left: the shortfall cannot be shown"
-        yield pages
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(where)], check=True)
 
 
 def hugetlb_mount(path: Path) -> bool:

@@ -75,12 +75,20 @@ def _write_total(page_size: int, value: int) -> None:
     (sysfs_dir(page_size) / "nr_hugepages").write_text(f"{value}\n")
 
 
+class PoolFixed(OSError):
+    """The kernel's pool cannot be changed from here (read-only ``/sys``, no privilege): only
+    pages reserved on the host or at boot can be used. Not fragmentation, not memory taken."""
+
+
 def _try_grow(page_size: int, pages: int) -> int:
     before = counters(page_size).total
     try:
         _write_total(page_size, before + pages)
-    except OSError:
-        pass  # the kernel may refuse outright; what it added is read back below
+    except OSError as exc:
+        # The kernel never fails a partial allocation (it adds fewer pages); an error means the
+        # write itself was refused.
+        raise PoolFixed(exc.errno, f"cannot grow {sysfs_dir(page_size) / 'nr_hugepages'}: "
+                                   f"{exc.strerror}") from exc
     return max(0, counters(page_size).total - before)
 
 
@@ -101,9 +109,9 @@ def compact() -> bool:
 def grow(page_size: int, pages: int) -> int:
     """Add ``pages`` to the pool; return how many the kernel actually added (maybe fewer).
 
-    When the kernel adds fewer, memory is compacted and the rest asked for once more. The
-    caller must hold :func:`pool_lock` and gives the pages back with :func:`shrink` if it
-    cannot use them.
+    When the kernel adds fewer, memory is compacted and the rest asked for once more. Raises
+    :class:`PoolFixed` when the pool cannot be written at all. The caller must hold
+    :func:`pool_lock` and gives the pages back with :func:`shrink` if it cannot use them.
     """
     if pages <= 0:
         return 0

@@ -102,7 +102,15 @@ def _reserve_hugepages(plan: Plan) -> int:
     pages = plan.total_bytes // page
     c = hugepages.counters(page)
     missing = max(0, pages - c.available)
-    added = hugepages.grow(page, missing)
+    try:
+        added = hugepages.grow(page, missing)
+    except hugepages.PoolFixed as exc:
+        raise CapacityError(
+            f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
+            f"{c.available} are free and unreserved and the huge page pool is fixed here ({exc.strerror}): "
+            f"short by {missing} pages ({fmt_bytes(missing * page)}); reserve them on the node "
+            f"(at boot, or by writing nr_hugepages on the host)"
+        ) from None
     if added < missing:
         hugepages.shrink(page, added)
         raise CapacityError(
