@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from fixtures.leak_guard import leaks, snapshot
@@ -35,3 +36,17 @@ def test_guard_names_each_leak_and_is_quiet_once_cleaned(tmp_path: Path) -> None
         os.rmdir(leaked_dir)
         subprocess.run(["umount", str(mnt)], check=True)
     assert leaks(before, snapshot()) == []
+
+
+def test_guard_tells_pages_kept_from_reservation_given_away() -> None:
+    """More pages than at the start is a pool that did not give back; fewer is the suite's kept
+    reservation (part of the start value) given away — both fail the session, each named."""
+    before = snapshot()
+    size = next(iter(before.hugepages))
+    more = replace(before, hugepages={**before.hugepages, size: before.hugepages[size] + 3})
+    fewer = replace(before, hugepages={**before.hugepages, size: before.hugepages[size] - 1})
+    assert leaks(before, more) == [f"huge pages not given back: /sys/kernel/mm/hugepages/{size}/nr_hugepages "
+                                   f"is {before.hugepages[size] + 3}, was {before.hugepages[size]} at session start"]
+    (line,) = leaks(before, fewer)
+    assert line.startswith(f"huge pages given away: /sys/kernel/mm/hugepages/{size}/nr_hugepages is "
+                           f"{before.hugepages[size] - 1}, was {before.hugepages[size]}") and "hack/hugepages.py" in line
