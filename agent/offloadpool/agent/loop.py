@@ -25,7 +25,8 @@ from offloadpool.agent.reconcile import Action, Decision, SpecError, decide
 from offloadpool.agent.status_writer import StatusWriter
 from offloadpool.region import manifest as manifest_mod
 from offloadpool.region.errors import CapacityError, RegionError
-from offloadpool.region.lease import LeaseHeld, count_holders, lease_path
+from offloadpool.region import holders
+from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
@@ -91,7 +92,12 @@ class Agent:
         return None if m is None else m.generation
 
     def engines_attached(self) -> int:
-        return count_holders(lease_path(self.pool_dir))
+        """Processes holding the lease or mapping/opening the pool's files, each once.
+
+        Stock vLLM takes no lease: counting mappings too is what makes it visible. The scan
+        sees other pods' processes only when this agent reads the host's /proc.
+        """
+        return holders.count(self.pool_dir)
 
     # -- health ------------------------------------------------------------------------------
     def live(self) -> tuple[bool, str]:

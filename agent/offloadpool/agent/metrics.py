@@ -38,7 +38,8 @@ class AgentMetrics:
             "offloadpool_populate_progress_ratio", "Fraction of the region populated so far (0..1)",
             list(labels), registry=r).labels(**labels)
         self._engines = Gauge(
-            "offloadpool_engines_attached", "Processes holding the pool's lease (attached engines)",
+            "offloadpool_engines_attached",
+            "Processes holding the pool's lease or mapping/opening its files (attached engines)",
             list(labels), registry=r).labels(**labels)
         self._phase = Enum(
             "offloadpool_phase", "Phase of this node's pool", list(labels), states=list(PHASES),

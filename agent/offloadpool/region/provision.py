@@ -8,8 +8,10 @@ One call does whichever of these the pool needs, judged from what is on disk:
   files, pre-fault, write the manifest last.
 * **Interrupted** (same shape, not Ready: a provision was killed) → finish what is missing;
   the journal says which parts are populated and the pre-fault never rewrites present pages.
-* **Different shape** → only if the exclusive lease can be taken (no engine attached): tear down
-  and rebuild; otherwise raise LeaseHeld, the change stays pending and the memory is untouched.
+* **Different shape** → only if nothing holds the pool (the exclusive lease can be taken and no
+  process, in any mount namespace, maps or has open its files; see ``holders``): tear down and
+  rebuild; otherwise raise LeaseHeld (PoolInUse naming the holders), the change stays pending
+  and the memory is untouched. Finishing an interrupted build needs the same.
 
 A fresh build that fails (capacity, mount) is torn down, so nothing half-built is left; an
 interrupted one (signal, kill) is left for the next run to finish.
@@ -27,7 +29,7 @@ from typing import Callable, Iterator
 from offloadpool.region import capacity, hugepages, layout_files, locks, mounts, numa
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
-from offloadpool.region.lease import Lease
+from offloadpool.region.holders import exclusive_unused
 from offloadpool.region.manifest import MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import Plan, plan as make_plan
@@ -158,7 +160,8 @@ def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progr
     pool_dir.mkdir(mode=0o755, exist_ok=True)
     try:
         with pool_lock(pool_dir):
-            lease = Lease.exclusive(pool_dir)  # never build or populate under an attached engine
+            # never build, tear down or populate under an engine, leased or not
+            lease = exclusive_unused(pool_dir)
             try:
                 return _build(req, plan, pool_dir, numa_nodes, progress, workers, rate_limit,
                               chunk_bytes, say, t0)

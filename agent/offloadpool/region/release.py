@@ -1,9 +1,13 @@
-"""Release: give a pool's memory back to the node, only when no engine holds it.
+"""Release: give a pool's memory back to the node, only when no process holds it.
 
-The exclusive lease is the proof that no engine is attached (engines hold it shared for as long
-as they live). ``force`` exists for operators who need the memory back regardless; it detaches
-the mount lazily, so attached engines keep working on memory that is no longer accounted to any
-pool until they exit, and their next start finds no pool.
+Two proofs that nothing is attached, both needed: the exclusive lease (engines using the
+pinning helper hold it shared for as long as they live) and a scan of ``/proc`` for processes
+that map or have open the pool's files (stock vLLM takes no lease, and a pod's bind mount in
+its own mount namespace does not make the host's unmount fail). See ``holders``.
+
+``force`` exists for operators who need the memory back regardless; it skips both proofs and
+detaches the mount lazily, so every holder (lease or not, any namespace) keeps working on memory
+that is no longer accounted to any pool until it exits, and its next start finds no pool.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offloadpool.region.errors import RegionError
-from offloadpool.region.lease import Lease, LeaseHeld, count_holders, lease_path
+from offloadpool.region.holders import Holder, describe, exclusive_unused, find_holders
+from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import pool_lock
 from offloadpool.region import record as records
 from offloadpool.region.teardown import teardown
@@ -21,7 +26,7 @@ from offloadpool.region.teardown import teardown
 FORCE_CONSEQUENCES = (
     "forced release: {n} attached engine(s) keep mapping memory that no pool accounts for; it is "
     "freed only when they exit, a new pool may over-commit the node meanwhile, and their next "
-    "start finds no pool"
+    "start finds no pool ({holders})"
 )
 
 
@@ -39,8 +44,9 @@ class ReleaseResult:
 def release(root: str | os.PathLike[str], name: str, *, force: bool = False) -> ReleaseResult:
     """Unmount, delete and return reserved huge pages of pool ``name`` under ``root``.
 
-    Raises LeaseHeld if an engine holds the lease and ``force`` is false. Releasing a pool that
-    does not exist is not an error (``existed=False``): release is idempotent.
+    Raises LeaseHeld (PoolInUse, naming the processes, when it can see them) if any process
+    holds the lease or maps or has open the pool's files, and ``force`` is false. Releasing a
+    pool that does not exist is not an error (``existed=False``): release is idempotent.
     """
     pool_dir = Path(root) / name
     if not pool_dir.is_dir():
@@ -51,13 +57,13 @@ def release(root: str | os.PathLike[str], name: str, *, force: bool = False) -> 
         rec = records.load(pool_dir)
         total = int(rec.request.get("capacity", 0)) if rec else 0
         lease = None
-        holders = 0
+        holders: list[Holder] = []
         try:
-            lease = Lease.exclusive(pool_dir)
+            lease = exclusive_unused(pool_dir)
         except LeaseHeld:
             if not force:
                 raise
-            holders = count_holders(lease_path(pool_dir))
+            holders = find_holders(pool_dir)
         try:
             try:
                 given = teardown(pool_dir, lazy=force)
@@ -68,5 +74,5 @@ def release(root: str | os.PathLike[str], name: str, *, force: bool = False) -> 
         finally:
             if lease is not None:
                 lease.close()
-        warnings = (FORCE_CONSEQUENCES.format(n=holders),) if force and holders else ()
-        return ReleaseResult(name, True, total, given, force, holders, warnings)
+        warnings = (FORCE_CONSEQUENCES.format(n=len(holders), holders=describe(holders)),) if holders else ()
+        return ReleaseResult(name, True, total, given, force, len(holders), warnings)

@@ -16,7 +16,7 @@ from offloadpool.region import mounts
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.journal import populated_bytes, units
-from offloadpool.region.lease import count_holders, lease_path
+from offloadpool.region import holders
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import plan as make_plan
@@ -78,7 +78,8 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
     except (RegionError, TypeError, ValueError) as exc:
         return PoolState(name, "Failed", message=f"unreadable provisioning record: {exc}")
     busy = _busy(pool_dir)
-    engines = count_holders(lease_path(pool_dir))
+    # every process holding the lease or mapping/opening the files, leased or not, once each
+    engines = holders.count(pool_dir)
     common = dict(
         total_bytes=plan.total_bytes, medium=req.medium,
         hugepage_coverage_percent=rec.hugepage_coverage_percent,

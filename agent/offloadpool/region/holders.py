@@ -1,0 +1,255 @@
+"""Who holds a pool: every process on the node that maps or has open the pool's files, or
+holds its lease — in any mount namespace, with or without the lease.
+
+Why this exists: the lease (a shared flock) protects only engines that take it. Stock vLLM
+takes no lock, and a pod sees the pool through a hostPath, i.e. a bind mount in its own mount
+namespace. Unmounting the pool on the host then does not fail with EBUSY (the pod's mount keeps
+the file system alive), so a release would "free" memory that the pod still uses, and a reshape
+would build a second pool next to it. The kernel still knows who uses the files, though, and
+tells the host through ``/proc``:
+
+* ``/proc/<pid>/maps`` prints, for each file mapping, the file's device as hex ``major:minor``
+  and its inode number;
+* ``/proc/<pid>/fd/<n>`` resolves (``stat``) to the open file itself, wherever it was opened;
+* ``/proc/locks`` lists flock holders by ``major:minor:inode`` and pid.
+
+A bind mount shows the same device and inode as the original, so matching by (st_dev, st_ino)
+— never by path, which differs in every mount namespace — finds holders in every namespace.
+The pids are those of the pid namespace of the ``proc`` read: an agent must read the host's
+``/proc`` (hostPID, or the host's procfs mounted somewhere and passed as ``proc``) to see
+other pods' processes.
+
+One pass over ``proc`` covers all of a pool's files. Processes come and go during the pass:
+one that vanishes (or cannot be read) is skipped, which is right for a process that exited and
+the best that can be done for one we may not inspect (the node side runs as root, which may).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from offloadpool.region.lease import Lease, LeaseHeld, lease_path
+from offloadpool.region.manifest import MOUNT_NAME
+
+FileId = tuple[int, int]  # (st_dev, st_ino)
+
+#: fd link targets that are never a pool file: not worth a stat each
+_NOT_FILES = ("socket:", "pipe:", "anon_inode:")
+#: how many holders a message names before it says "and N more"
+_NAMED = 5
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One process that holds a pool, and how."""
+
+    pid: int
+    comm: str  # the command name (``/proc/<pid>/comm``), "?" if it could not be read
+    mapped: bool = False  # maps one of the pool's files
+    open: bool = False  # has one of the pool's files open
+    lease: bool = False  # holds the pool's lease (shared flock)
+
+    def describe(self) -> str:
+        """``pid 1234 (python3) maps the pool's memory, holds the lease``."""
+        how = [what for what, yes in (("maps the pool's memory", self.mapped),
+                                      ("has a pool file open", self.open),
+                                      ("holds the lease", self.lease)) if yes]
+        return f"pid {self.pid} ({self.comm}) {', '.join(how)}"
+
+
+class PoolInUse(LeaseHeld):
+    """Processes hold the pool; every caller treats this exactly like a held lease.
+
+    A subclass of LeaseHeld so that the CLI (exit code), the agent (pending with the reason,
+    deletion waiting) and provision (nothing touched, nothing marked Failed) need no new case.
+    """
+
+    def __init__(self, pool_dir: str | os.PathLike[str], holders: list[Holder]) -> None:
+        self.holders = holders
+        n = len(holders)
+        super().__init__(f"pool {pool_dir} is held by {n} attached engine{'s' if n != 1 else ''}: "
+                         f"{describe(holders)}")
+
+
+def describe(holders: list[Holder]) -> str:
+    """The holders in one line, the first few by name."""
+    named = "; ".join(h.describe() for h in holders[:_NAMED])
+    more = len(holders) - _NAMED
+    return named + (f"; and {more} more" if more > 0 else "")
+
+
+def memory_files(pool_dir: str | os.PathLike[str]) -> set[FileId]:
+    """(st_dev, st_ino) of every regular file in the pool's mount.
+
+    All files, not the manifest's list: a half-built pool has no manifest, and the compat file
+    is a hard link of segment 0 (the same inode), so it is covered without a special case.
+    """
+    ids: set[FileId] = set()
+    try:
+        with os.scandir(Path(pool_dir) / MOUNT_NAME) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        st = entry.stat(follow_symlinks=False)
+                        ids.add((st.st_dev, st.st_ino))
+                except FileNotFoundError:
+                    continue
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return ids
+
+
+def _file_id(path: str | os.PathLike[str]) -> FileId | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _parse_dev(text: str) -> int:
+    """``fe:01`` (hex major:minor, as /proc prints it) -> a st_dev value."""
+    major, minor = text.split(":")
+    return os.makedev(int(major, 16), int(minor, 16))
+
+
+def lease_lockers(lease: FileId | None, proc: str = "/proc") -> set[int]:
+    """Pids holding a shared flock on the file ``lease`` (from ``<proc>/locks``).
+
+    Only READ (shared) locks: those are engines; an exclusive one is the node side itself.
+    Blocked waiters (lines with ``->``) hold nothing yet.
+    """
+    pids: set[int] = set()
+    if lease is None:
+        return pids
+    try:
+        with open(f"{proc}/locks") as fh:
+            for line in fh:
+                # "1: FLOCK  ADVISORY  READ 1234 00:1a:5678 0 EOF"
+                parts = line.split()
+                if len(parts) < 6 or parts[1] != "FLOCK" or parts[3] != "READ":
+                    continue
+                dev, _, ino = parts[5].rpartition(":")
+                try:
+                    if int(ino) == lease[1] and _parse_dev(dev) == lease[0] and int(parts[4]) > 0:
+                        pids.add(int(parts[4]))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return pids
+
+
+def _maps_any(proc: str, pid: int, files: set[FileId], inodes: set[str]) -> bool:
+    """True if the process maps one of ``files``. Inodes are compared as text first: cheap."""
+    with open(f"{proc}/{pid}/maps") as fh:
+        for line in fh:
+            # "7f...-7f... rw-s 00000000 00:1a 5678    /dev/shm/vllm_offload_x.mmap"
+            parts = line.split(None, 5)
+            if len(parts) >= 5 and parts[4] in inodes:
+                try:
+                    if (_parse_dev(parts[3]), int(parts[4])) in files:
+                        return True
+                except ValueError:
+                    continue
+    return False
+
+
+def _opens_any(proc: str, pid: int, files: set[FileId]) -> bool:
+    """True if the process has one of ``files`` open (stat of each fd resolves the file itself)."""
+    fd_dir = f"{proc}/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        link = f"{fd_dir}/{fd}"
+        try:
+            if os.readlink(link).startswith(_NOT_FILES):
+                continue
+            st = os.stat(link)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # closed meanwhile, or the process exited
+        if (st.st_dev, st.st_ino) in files:
+            return True
+    return False
+
+
+def _comm(proc: str, pid: int) -> str:
+    try:
+        with open(f"{proc}/{pid}/comm") as fh:
+            return fh.read().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def _self_pid(proc: str) -> int:
+    """This process's pid as ``proc`` numbers it (differs from os.getpid() in a container
+    reading the host's procfs)."""
+    try:
+        return int(os.readlink(f"{proc}/self"))
+    except (OSError, ValueError):
+        return os.getpid()
+
+
+def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> list[Holder]:
+    """Every other process holding the pool at ``pool_dir``, by pid.
+
+    A process that holds the lease and maps the files is one holder. The calling process is
+    left out: the node side opens the files itself (populate, the exclusive lease), and an
+    unmount it attempts still fails with EBUSY on its own open files.
+    """
+    files = memory_files(pool_dir)
+    lockers = lease_lockers(_file_id(lease_path(pool_dir)), proc)
+    me = _self_pid(proc)
+    inodes = {str(ino) for _, ino in files}
+    found: dict[int, Holder] = {}
+    if files:
+        try:
+            pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+        except FileNotFoundError:
+            pids = []
+        for pid in pids:
+            if pid == me:
+                continue
+            try:
+                mapped = _maps_any(proc, pid, files, inodes)
+                opened = _opens_any(proc, pid, files)
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue  # exited during the scan, or not ours to read
+            if mapped or opened:
+                found[pid] = Holder(pid, _comm(proc, pid), mapped=mapped, open=opened,
+                                    lease=pid in lockers)
+    for pid in lockers - set(found) - {me}:
+        found[pid] = Holder(pid, _comm(proc, pid), lease=True)
+    return [found[pid] for pid in sorted(found)]
+
+
+def count(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> int:
+    """"Engines attached": distinct processes holding the lease or mapping/opening the files."""
+    return len(find_holders(pool_dir, proc=proc))
+
+
+def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> Lease:
+    """The pool's exclusive lease, taken only when no process holds the pool in any way.
+
+    This is what the node side takes before destroying, reshaping or re-populating memory.
+    The lease keeps cooperating engines out while the caller works; the scan covers engines
+    that never take it. Raises PoolInUse (a LeaseHeld) naming the holders. A process that
+    opens a file after the scan and before the caller's unmount is not seen: the window is
+    the caller's own work under the lease, which is why callers scan last, right before it.
+    """
+    try:
+        lease = Lease.exclusive(pool_dir)
+    except LeaseHeld:
+        holders = find_holders(pool_dir, proc=proc)
+        if holders:
+            raise PoolInUse(pool_dir, holders) from None
+        raise  # a holder this proc cannot see (another pid namespace): the lease's own message
+    try:
+        holders = find_holders(pool_dir, proc=proc)
+    except BaseException:
+        lease.close()
+        raise
+    if holders:
+        lease.close()
+        raise PoolInUse(pool_dir, holders)
+    return lease
