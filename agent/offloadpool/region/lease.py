@@ -3,6 +3,8 @@
 The kernel drops an flock when its holder dies, so a crashed engine can never leave the pool
 "held". The node side takes the lock exclusively (non-blocking) before it destroys, shrinks or
 re-populates a region; failing to get it means an engine is attached and the region stays.
+Engines that never take the lease (stock vLLM) are invisible here; the node side therefore
+takes it through ``holders.exclusive_unused``, which also scans /proc for mappings and open files.
 """
 
 from __future__ import annotations
