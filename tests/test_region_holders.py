@@ -30,7 +30,7 @@ from offloadpool.region.status import pool_state
 MiB = 1 << 20
 PATTERN = b"held-in-a-pod:0123456789"
 
-# argv: pool file, private path, "map" | "open", lease dir or "-"
+# argv: pool file, private path, "map" | "open", lease dir or "-", the pattern a mapper writes
 HOLDER = r"""
 import ctypes, os, subprocess, sys
 src, private, how, lease_dir, pattern = sys.argv[1:6]
