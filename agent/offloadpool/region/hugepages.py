@@ -121,11 +121,11 @@ def grow(page_size: int, pages: int) -> int:
     return added
 
 
-def free_blocks_by_order() -> list[int]:
+def free_blocks_by_order(path: str = BUDDYINFO_PATH) -> list[int]:
     """Free blocks of 2^order base pages, summed over every zone (``/proc/buddyinfo``)."""
     totals: list[int] = []
     try:
-        with open(BUDDYINFO_PATH) as fh:
+        with open(path) as fh:
             for line in fh:
                 counts = [int(x) for x in line.split()[4:]]
                 totals += [0] * (len(counts) - len(totals))
