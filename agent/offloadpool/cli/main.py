@@ -6,6 +6,7 @@
     offloadpool demo [--capacity SIZE] [--keep]
     offloadpool bench populate [--capacity SIZE] [--ranks R] [--reps N] [--json]
     offloadpool bench startup [--capacity SIZE] [--reps N] [--backend B] [--json]
+    offloadpool hold-lease POOL_DIR [--ready-file PATH]   (the webhook's lease sidecar)
 
 Exit codes: 0 done, 1 error (message on stderr), 2 bad usage/input, 3 the pool is held by an
 engine (the change is pending; nothing was touched).
@@ -82,10 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     from offloadpool.bench.startup import add_arguments as add_startup_arguments
 
     add_startup_arguments(bs)
+
+    h = sub.add_parser("hold-lease", help="hold a pool's shared lease until SIGTERM (the pod's lease sidecar)")
+    from offloadpool.region.hold import add_arguments as add_hold_arguments
+
+    add_hold_arguments(h)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["hold-lease"]:
+        # The lease sidecar of every inference pod: standard library only, nothing else imported.
+        from offloadpool.region.hold import main as hold_main
+
+        return hold_main(argv[1:])
     args = build_parser().parse_args(argv)
     from rich.console import Console
 
