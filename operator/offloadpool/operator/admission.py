@@ -1,0 +1,302 @@
+"""What a pod labelled ``offloadpool.io/pool: <pool>`` gets at admission, and when it is refused.
+
+Pure functions of plain dicts (the pod as the API server sends it, the pool as it reads from
+the API): the kopf handlers in ``webhook`` only fetch the pool and hand over the result, and
+the tests run these on their own output.
+
+A labelled pod gets:
+
+- the pool directory as a hostPath volume (``<host root>/<pool>``, type Directory) mounted in
+  every container at ``/offloadpool/<pool>`` with ``mountPropagation: HostToContainer``, so a
+  mount the agent makes inside it after the pod started (a re-provisioned pool) is seen;
+- for a stock-vLLM compat pool, the region file mounted where vLLM looks for it
+  (``/dev/shm/vllm_offload_<engineId>.mmap``), also HostToContainer;
+- ``OFFLOADPOOL_POOL_DIR`` and the pool's name, medium, layout, ranks, capacity (and slot size
+  or vLLM engine id when the pool has them) in every container's environment;
+- required node affinity to ``pool.offloadpool.io/<pool> In [ready]``, added to every node
+  selector term (terms are ORed, so the requirement must be in each);
+- a native sidecar (first init container, ``restartPolicy: Always``) that holds the pool's
+  shared lease for the pod's whole life (``offloadpool hold-lease``), with a startup probe on
+  its ready file so the pod's containers start only once the lease is held; it carries the
+  pod's 1 ``offloadpool.io/<pool>`` (request = limit), unless a container already asks for it.
+
+Idempotent by construction: everything is keyed by name and added only when absent (a volume,
+a mount, the sidecar, an affinity expression) or set only when different (an env value).
+Nothing present is rewritten, because the API server defaults fields of what the webhook added
+(probe timeouts, termination message paths): a pod that already went through the webhook and
+comes back through it — by reinvocation, or re-created from its own manifest — is unchanged.
+That is also how the validating webhook tells a pod that bypassed mutation: ``mutate`` would
+still change it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jsonpatch
+
+from offloadpool.api.constants import POOL_KIND, POOL_LABEL_READY, extended_resource_name, pool_label_key, pool_name_error
+from offloadpool.api.pods import (
+    ADMISSION_DISABLED,
+    ADMISSION_NAMESPACE_LABEL,
+    ENV_CAPACITY_BYTES,
+    ENV_LAYOUT,
+    ENV_MEDIUM,
+    ENV_POOL,
+    ENV_POOL_DIR,
+    ENV_RANKS,
+    ENV_SLOT_BYTES,
+    ENV_VLLM_ENGINE_ID,
+    LEASE_READY_FILE,
+    LEASE_SIDECAR_NAME,
+    MANAGED_BY_LABEL,
+    OPERATOR_MANAGER,
+    POD_POOL_LABEL,
+    SYSTEM_NAMESPACES,
+    compat_files,
+    compat_volume_name,
+    pod_pool_dir,
+    pool_volume_name,
+)
+from offloadpool.api.spec import OffloadPoolSpec
+
+from .config import HOST_ROOT
+
+Pod = dict[str, Any]
+Pool = Mapping[str, Any]
+
+
+class Refused(Exception):
+    """The pod may not be admitted; the message is what the user sees from ``kubectl``."""
+
+
+@dataclass(frozen=True)
+class InjectionSettings:
+    """What the operator is told about the pods it mutates (from its flags)."""
+
+    #: The agents' host root: the pool directory on the node is ``<host_root>/<pool>``.
+    host_root: str = HOST_ROOT
+    #: The image of the lease sidecar: the offloadpool image (``offloadpool hold-lease``).
+    sidecar_image: str = "ghcr.io/offloadpool/offloadpool:latest"
+    sidecar_image_pull_policy: str = "IfNotPresent"
+    sidecar_cpu_request: str = "10m"
+    #: Request and limit: a Python process holding one file descriptor.
+    sidecar_memory: str = "64Mi"
+    #: Namespaces never mutated, whatever their pods say (the operator adds its own namespace).
+    excluded_namespaces: tuple[str, ...] = SYSTEM_NAMESPACES
+
+
+# -- which pods, which pool --------------------------------------------------------------------
+def requested_pool(pod: Mapping[str, Any]) -> str | None:
+    """The pool a pod asks for with its label, or None when it carries no such label."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    value = labels.get(POD_POOL_LABEL)
+    return None if value is None else str(value)
+
+
+def in_scope(pod: Mapping[str, Any], namespace: str | None, settings: InjectionSettings,
+             namespace_labels: Mapping[str, str] | None = None) -> bool:
+    """Whether the webhook acts on this pod at all: labelled, not the operator's own (its agent
+    pods carry the pool label too), not in an excluded namespace. The webhook configurations
+    select exactly this on the API server's side; this is the same rule, restated for safety."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if POD_POOL_LABEL not in labels or labels.get(MANAGED_BY_LABEL) == OPERATOR_MANAGER:
+        return False
+    if namespace in settings.excluded_namespaces:
+        return False
+    return (namespace_labels or {}).get(ADMISSION_NAMESPACE_LABEL) != ADMISSION_DISABLED
+
+
+def refusal(pool_name: str, namespace: str | None, pool: Pool | None) -> str | None:
+    """Why a pod in ``namespace`` asking for ``pool_name`` must be refused, or None."""
+    label = f"{POD_POOL_LABEL}={pool_name!r}"
+    error = pool_name_error(pool_name)
+    if error:
+        return f"pod label {label} cannot name an {POOL_KIND}: {error}"
+    if pool is None:
+        return (f"{POOL_KIND} {pool_name!r} does not exist (pod label {label}); "
+                f"create the pool first, or fix the label (kubectl get offloadpools)")
+    if (pool.get("metadata") or {}).get("deletionTimestamp"):
+        return f"{POOL_KIND} {pool_name!r} is being deleted; pods cannot start using it (pod label {label})"
+    allowed = ((pool.get("spec") or {}).get("consumers") or {}).get("namespaces") or []
+    if allowed and namespace not in allowed:
+        return (f"namespace {namespace!r} may not use {POOL_KIND} {pool_name!r}: its "
+                f"spec.consumers.namespaces allows only {', '.join(sorted(allowed))} (pod label {label})")
+    return None
+
+
+# -- the mutation ------------------------------------------------------------------------------
+def pool_env(pool: Pool) -> list[dict[str, str]]:
+    """The environment every container gets: where the pool is and what shape it has."""
+    name = pool["metadata"]["name"]
+    spec = _spec(pool)
+    env = {
+        ENV_POOL: name,
+        ENV_POOL_DIR: pod_pool_dir(name),
+        ENV_MEDIUM: spec.medium,
+        ENV_LAYOUT: spec.layout.type,
+        ENV_RANKS: str(spec.layout.rank_count),
+        ENV_CAPACITY_BYTES: str(spec.capacity_bytes()),
+    }
+    slot = spec.slot_size_bytes()
+    if slot is not None:
+        env[ENV_SLOT_BYTES] = str(slot)
+    if spec.compat is not None and spec.compat.vllm is not None:
+        env[ENV_VLLM_ENGINE_ID] = spec.compat.vllm.engine_id
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
+    """The hostPath volumes: the pool directory, and a compat pool's region file(s)."""
+    name = pool["metadata"]["name"]
+    root = settings.host_root.rstrip("/")
+    out = [{"name": pool_volume_name(name), "hostPath": {"path": f"{root}/{name}", "type": "Directory"}}]
+    for i, (host_rel, _) in enumerate(_compat(pool)):
+        out.append({"name": _compat_volume(name, i), "hostPath": {"path": f"{root}/{name}/{host_rel}", "type": "File"}})
+    return out
+
+
+def mounts(pool: Pool) -> list[dict[str, Any]]:
+    """The mounts every container gets (all following the host: HostToContainer)."""
+    name = pool["metadata"]["name"]
+    out = [{"name": pool_volume_name(name), "mountPath": pod_pool_dir(name), "mountPropagation": "HostToContainer"}]
+    for i, (_, in_pod) in enumerate(_compat(pool)):
+        out.append({"name": _compat_volume(name, i), "mountPath": in_pod, "mountPropagation": "HostToContainer"})
+    return out
+
+
+def sidecar(pool: Pool, settings: InjectionSettings, with_resource: bool) -> dict[str, Any]:
+    """The native sidecar holding the pool's shared lease for the pod's whole life."""
+    name = pool["metadata"]["name"]
+    consumers = _spec(pool).consumers
+    resources: dict[str, dict[str, str]] = {
+        "requests": {"cpu": settings.sidecar_cpu_request, "memory": settings.sidecar_memory},
+        "limits": {"memory": settings.sidecar_memory},
+    }
+    if with_resource:
+        for part in resources.values():
+            part[extended_resource_name(name)] = "1"
+    return {
+        "name": LEASE_SIDECAR_NAME,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.sidecar_image_pull_policy,
+        "command": ["offloadpool", "hold-lease", pod_pool_dir(name), "--ready-file", LEASE_READY_FILE],
+        "restartPolicy": "Always",
+        "volumeMounts": [mounts(pool)[0]],
+        "resources": resources,
+        "startupProbe": {
+            "exec": {"command": ["test", "-e", LEASE_READY_FILE]},
+            # Waits as long as the agent holds the lease exclusively (provisioning, applying a change).
+            "periodSeconds": 1,
+            "failureThreshold": 600,
+        },
+        "securityContext": {
+            # The lease file belongs to the pool's consumers uid/gid (spec.consumers).
+            "runAsUser": consumers.uid,
+            "runAsGroup": consumers.gid,
+            "runAsNonRoot": consumers.uid != 0,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def mutate(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings) -> Pod:
+    """The pod with the pool injected (a new dict; ``pod`` is not changed). Raises Refused when
+    a container already uses the pool's mount path for something else."""
+    name = pool["metadata"]["name"]
+    new: Pod = copy.deepcopy(dict(pod))
+    spec = new.setdefault("spec", {})
+
+    vols = spec.setdefault("volumes", [])
+    for volume in volumes(pool, settings):
+        _add_named(vols, volume)
+
+    env = pool_env(pool)
+    for container in spec.get("containers") or []:
+        _add_mounts(container, mounts(pool))
+        _set_env(container, env)
+
+    _require_ready_node(spec, pool_label_key(name))
+
+    inits = spec.setdefault("initContainers", [])
+    if not any(c.get("name") == LEASE_SIDECAR_NAME for c in inits):
+        resource = extended_resource_name(name)
+        others = [c for c in (spec.get("containers") or []) + inits]
+        asked = any(resource in ((c.get("resources") or {}).get("limits") or {}) for c in others)
+        inits.insert(0, sidecar(pool, settings, with_resource=not asked))
+    return new
+
+
+def json_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """RFC 6902 operations that turn ``old`` into ``new`` (what an admission response carries)."""
+    return jsonpatch.JsonPatch.from_diff(dict(old), dict(new)).patch
+
+
+def not_mutated(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings) -> list[str]:
+    """The paths the mutation would still add to ``pod``: empty when the pod is fully mutated."""
+    return [op["path"] for op in json_patch(pod, mutate(pod, pool, settings))]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _spec(pool: Pool) -> OffloadPoolSpec:
+    return OffloadPoolSpec.model_validate(pool.get("spec") or {})
+
+
+def _compat(pool: Pool) -> list[tuple[str, str]]:
+    spec = _spec(pool)
+    if spec.compat is None or spec.compat.vllm is None:
+        return []
+    return compat_files(spec.compat.vllm.engine_id)
+
+
+def _compat_volume(pool: str, index: int) -> str:
+    return compat_volume_name(pool) + (f"-{index}" if index else "")
+
+
+def _add_named(items: list[dict[str, Any]], item: dict[str, Any]) -> None:
+    if not any(i.get("name") == item["name"] for i in items):
+        items.append(item)
+
+
+def _add_mounts(container: dict[str, Any], wanted: Iterable[dict[str, Any]]) -> None:
+    present = container.setdefault("volumeMounts", [])
+    for mount in wanted:
+        if any(m.get("name") == mount["name"] for m in present):
+            continue
+        clash = [m for m in present if m.get("mountPath") == mount["mountPath"]]
+        if clash:
+            raise Refused(
+                f"container {container.get('name')!r} already mounts volume {clash[0].get('name')!r} at "
+                f"{mount['mountPath']}, where the webhook mounts the pool; remove that mount and let "
+                f"the {POD_POOL_LABEL} label provide it")
+        present.append(dict(mount))
+
+
+def _set_env(container: dict[str, Any], wanted: list[dict[str, str]]) -> None:
+    env = container.setdefault("env", [])
+    for var in wanted:
+        for i, present in enumerate(env):
+            if present.get("name") == var["name"]:
+                if present != var:
+                    env[i] = dict(var)
+                break
+        else:
+            env.append(dict(var))
+
+
+def _require_ready_node(spec: dict[str, Any], label: str) -> None:
+    expression = {"key": label, "operator": "In", "values": [POOL_LABEL_READY]}
+    required = (spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+                .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {}))
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:
+        expressions = term.setdefault("matchExpressions", [])
+        if expression not in expressions:
+            expressions.append(dict(expression, values=list(expression["values"])))

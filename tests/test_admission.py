@@ -1,0 +1,184 @@
+"""The admission policy as pure functions (operator/offloadpool/operator/admission.py): what a
+labelled pod gets, that mutating its own output changes nothing, and what is refused.
+
+The same functions answer the real API server in tests/test_webhook.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from offloadpool.api.constants import extended_resource_name, pool_label_key
+from offloadpool.api.pods import (
+    ENV_POOL_DIR,
+    LEASE_SIDECAR_NAME,
+    POD_POOL_LABEL,
+    compat_volume_name,
+    pod_pool_dir,
+    pool_volume_name,
+)
+from offloadpool.operator import admission
+from offloadpool.operator.admission import InjectionSettings, Refused
+
+SETTINGS = InjectionSettings(sidecar_image="registry.example/offloadpool:1", excluded_namespaces=("kube-system", "ops"))
+
+
+def pool(name: str = "kv", **spec: Any) -> dict[str, Any]:
+    body = {"capacity": "4Gi", "medium": "HugePages-2Mi", **spec}
+    return {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": name}, "spec": body}
+
+
+def pod(pool_name: str | None = "kv", containers: int = 1, **spec: Any) -> dict[str, Any]:
+    labels = {"app": "vllm"} | ({POD_POOL_LABEL: pool_name} if pool_name is not None else {})
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "engine", "namespace": "inference", "labels": labels},
+        "spec": {"containers": [{"name": f"c{i}", "image": "vllm/vllm-openai:v0.33.0"} for i in range(containers)],
+                 **spec},
+    }
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_a_labelled_pod_gets_volume_mounts_env_affinity_resource_and_sidecar() -> None:
+    p = pool(layout={"type": "Interleaved", "ranks": 4, "slotSize": "2Mi"}, consumers={"uid": 1000, "gid": 2000})
+    new = admission.mutate(pod(containers=2), p, SETTINGS)
+    spec = new["spec"]
+    assert {"name": pool_volume_name("kv"), "hostPath": {"path": "/var/lib/offloadpool/kv", "type": "Directory"}} in spec["volumes"]
+    for c in spec["containers"]:
+        assert {"name": "offloadpool-kv", "mountPath": "/offloadpool/kv", "mountPropagation": "HostToContainer"} in c["volumeMounts"]
+        env = env_of(c)
+        assert env[ENV_POOL_DIR] == "/offloadpool/kv"
+        assert (env["OFFLOADPOOL_LAYOUT"], env["OFFLOADPOOL_RANKS"], env["OFFLOADPOOL_SLOT_BYTES"]) == ("Interleaved", "4", str(2 << 20))
+        assert env["OFFLOADPOOL_MEDIUM"] == "HugePages-2Mi" and env["OFFLOADPOOL_CAPACITY_BYTES"] == str(4 << 30)
+        assert "resources" not in c  # the pod's one unit of the pool is on the sidecar
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == {"matchExpressions": [{"key": pool_label_key("kv"), "operator": "In", "values": ["ready"]}]}
+    sidecar = spec["initContainers"][0]
+    assert sidecar["name"] == LEASE_SIDECAR_NAME and sidecar["restartPolicy"] == "Always"
+    assert sidecar["image"] == "registry.example/offloadpool:1"
+    assert sidecar["command"][:3] == ["offloadpool", "hold-lease", "/offloadpool/kv"]
+    assert sidecar["resources"]["limits"][extended_resource_name("kv")] == "1"
+    assert sidecar["resources"]["requests"][extended_resource_name("kv")] == "1"
+    assert (sidecar["securityContext"]["runAsUser"], sidecar["securityContext"]["runAsGroup"]) == (1000, 2000)
+    assert sidecar["securityContext"]["runAsNonRoot"] is True
+    assert sidecar["startupProbe"]["exec"]["command"][-1] == sidecar["command"][-1]  # waits for its ready file
+
+
+def test_mutating_its_own_output_changes_nothing() -> None:
+    for p in (pool(), pool(compat={"vllm": {"engineId": "llama"}}, segments={"maxFiles": 1}, medium="MemoryTHP")):
+        once = admission.mutate(pod(containers=2), p, SETTINGS)
+        assert admission.mutate(once, p, SETTINGS) == once
+        assert admission.json_patch(once, admission.mutate(once, p, SETTINGS)) == []
+        assert admission.not_mutated(once, p, SETTINGS) == []
+
+
+def test_what_the_api_server_defaults_around_the_injection_is_left_alone() -> None:
+    """The API server adds fields to what the webhook added (probe timeouts, termination
+    message paths); a pod coming back through the webhook must not be rewritten."""
+    p = pool()
+    defaulted = admission.mutate(pod(), p, SETTINGS)
+    side = defaulted["spec"]["initContainers"][0]
+    side.update(terminationMessagePath="/dev/termination-log", terminationMessagePolicy="File")
+    side["startupProbe"].update(timeoutSeconds=1, successThreshold=1)
+    defaulted["spec"]["volumes"][0]["hostPath"]["type"] = "Directory"
+    assert admission.mutate(defaulted, p, SETTINGS) == defaulted
+
+
+def test_the_input_is_not_changed() -> None:
+    original = pod()
+    kept = copy.deepcopy(original)
+    admission.mutate(original, pool(), SETTINGS)
+    assert original == kept
+
+
+def test_existing_affinity_terms_each_get_the_requirement() -> None:
+    gpu = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H200"]}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [gpu]}, {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]}}}
+    new = admission.mutate(pod(affinity=affinity), pool(), SETTINGS)
+    terms = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    ready = {"key": pool_label_key("kv"), "operator": "In", "values": ["ready"]}
+    assert terms[0]["matchExpressions"] == [gpu, ready]
+    assert terms[1]["matchExpressions"] == [ready] and terms[1]["matchFields"]
+
+
+def test_existing_env_is_kept_and_ours_wins() -> None:
+    base = pod()
+    base["spec"]["containers"][0]["env"] = [{"name": "HF_HOME", "value": "/cache"}, {"name": ENV_POOL_DIR, "value": "/wrong"}]
+    env = admission.mutate(base, pool(), SETTINGS)["spec"]["containers"][0]["env"]
+    assert env[0] == {"name": "HF_HOME", "value": "/cache"}
+    assert env[1] == {"name": ENV_POOL_DIR, "value": pod_pool_dir("kv")}  # same place, the pool's value
+
+
+def test_a_container_that_already_asks_for_the_pool_keeps_it_and_the_sidecar_does_not_add_one() -> None:
+    base = pod()
+    base["spec"]["containers"][0]["resources"] = {"limits": {extended_resource_name("kv"): "1"}}
+    new = admission.mutate(base, pool(), SETTINGS)
+    assert extended_resource_name("kv") not in new["spec"]["initContainers"][0]["resources"]["limits"]
+    assert new["spec"]["containers"][0]["resources"] == {"limits": {extended_resource_name("kv"): "1"}}
+
+
+def test_the_sidecar_comes_first_so_the_lease_is_held_before_any_init_container_runs() -> None:
+    new = admission.mutate(pod(initContainers=[{"name": "download", "image": "busybox"}]), pool(), SETTINGS)
+    assert [c["name"] for c in new["spec"]["initContainers"]] == [LEASE_SIDECAR_NAME, "download"]
+    assert "volumeMounts" not in new["spec"]["initContainers"][1]  # user init containers are left alone
+
+
+def test_compat_pool_mounts_the_region_file_where_vllm_looks() -> None:
+    p = pool(compat={"vllm": {"engineId": "llama-70b"}}, segments={"maxFiles": 1}, medium="MemoryTHP")
+    new = admission.mutate(pod(), p, SETTINGS)
+    assert {"name": compat_volume_name("kv"),
+            "hostPath": {"path": "/var/lib/offloadpool/kv/mnt/vllm_offload_llama-70b.mmap", "type": "File"}} in new["spec"]["volumes"]
+    mounts = new["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": compat_volume_name("kv"), "mountPath": "/dev/shm/vllm_offload_llama-70b.mmap",
+            "mountPropagation": "HostToContainer"} in mounts
+    assert env_of(new["spec"]["containers"][0])["OFFLOADPOOL_VLLM_ENGINE_ID"] == "llama-70b"
+
+
+def test_a_mount_path_taken_by_another_volume_is_refused_with_the_container_named() -> None:
+    base = pod(volumes=[{"name": "mine", "emptyDir": {}}])
+    base["spec"]["containers"][0]["volumeMounts"] = [{"name": "mine", "mountPath": "/offloadpool/kv"}]
+    with pytest.raises(Refused, match="container 'c0' already mounts volume 'mine' at /offloadpool/kv"):
+        admission.mutate(base, pool(), SETTINGS)
+
+
+def test_a_pod_that_skipped_mutation_is_told_apart() -> None:
+    assert "/spec/initContainers" in admission.not_mutated(pod(), pool(), SETTINGS)
+
+
+@pytest.mark.parametrize(("name", "namespace", "the_pool", "expected"), [
+    ("kv", "inference", None, "OffloadPool 'kv' does not exist (pod label offloadpool.io/pool='kv')"),
+    ("Not_A_Pool", "inference", None, "cannot name an OffloadPool"),
+    ("kv", "team-b", pool(consumers={"namespaces": ["team-a", "inference"]}),
+     "namespace 'team-b' may not use OffloadPool 'kv': its spec.consumers.namespaces allows only inference, team-a"),
+])
+def test_refusals_say_why(name: str, namespace: str, the_pool: Any, expected: str) -> None:
+    assert expected in (admission.refusal(name, namespace, the_pool) or "")
+
+
+def test_allowed_pools() -> None:
+    assert admission.refusal("kv", "inference", pool()) is None
+    assert admission.refusal("kv", "inference", pool(consumers={"namespaces": ["inference"]})) is None
+    assert admission.refusal("kv", "inference", pool(consumers={"namespaces": []})) is None  # empty = any
+
+
+def test_a_pool_being_deleted_is_refused() -> None:
+    p = pool()
+    p["metadata"]["deletionTimestamp"] = "2026-11-30T12:00:00Z"
+    assert "is being deleted" in (admission.refusal("kv", "inference", p) or "")
+
+
+def test_scope_unlabelled_system_namespaces_and_the_operators_own_pods_are_out() -> None:
+    assert admission.in_scope(pod(), "inference", SETTINGS)
+    assert not admission.in_scope(pod(pool_name=None), "inference", SETTINGS)
+    assert not admission.in_scope(pod(), "kube-system", SETTINGS)
+    assert not admission.in_scope(pod(), "ops", SETTINGS)
+    agent = pod()
+    agent["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "offloadpool-operator"
+    assert not admission.in_scope(agent, "inference", SETTINGS)
+    assert not admission.in_scope(pod(), "inference", SETTINGS, {"offloadpool.io/admission": "disabled"})
