@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from . import webhook
 from .config import OperatorConfig, default_namespace
 
 
@@ -38,6 +39,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deletion-retry", type=float, default=defaults.deletion_retry_seconds)
     p.add_argument("--liveness", default=env("OFFLOADPOOL_LIVENESS", "http://0.0.0.0:8080/healthz"),
                    help="kopf liveness endpoint URL ('' to disable)")
+    webhook.add_arguments(p)
     p.add_argument("--verbose", "-v", action="store_true")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
@@ -68,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from . import handlers  # noqa: F401  (registers the handlers)
     from .runtime import Runtime
 
+    memo = kopf.Memo(runtime=Runtime(config_from_args(args)))
+    if args.webhook:
+        from . import admission_handlers  # noqa: F401  (registers the admission handlers)
+
+        memo["webhook"] = webhook.WebhookRuntime(webhook.options_from_args(args))
+
     kopf.configure(verbose=args.verbose, debug=args.debug)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     if not (args.verbose or args.debug):
@@ -80,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         standalone=args.standalone,
         peering_name=args.peering,
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(runtime=Runtime(config_from_args(args))),
+        memo=memo,
     )
     return 0
 

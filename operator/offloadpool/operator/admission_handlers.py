@@ -1,0 +1,103 @@
+"""The kopf admission handlers for pods labelled ``offloadpool.io/pool`` (imported by ``main``
+only with ``--webhook``: kopf refuses to start with admission handlers and no server).
+
+They are thin: read the pool from the API server (fresh, so a pool created a second ago is
+known), ask ``admission`` whether to refuse and what to add, and answer. Both refuse an
+unknown pool, a pool being deleted, and a namespace the pool's ``spec.consumers.namespaces``
+leaves out, with a message that says which. The validating one also refuses a labelled pod the
+mutation did not reach (its configuration removed or edited, a later webhook undoing it): such a
+pod would run without its pool's memory and without the lease that protects it.
+
+The handler ids are the URL paths the webhook configurations call (``webhookconfig``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from offloadpool.api.constants import POOL_KIND, pool_name_error
+from offloadpool.api.pods import MUTATE_PATH, POD_POOL_LABEL, VALIDATE_PATH
+
+from . import admission
+from .webhook import WebhookRuntime
+
+FORBIDDEN = 403
+
+
+def _webhook(memo: kopf.Memo) -> WebhookRuntime:
+    return memo["webhook"]
+
+
+@kopf.on.startup()
+def configure_admission(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.admission.server = _webhook(memo).server()
+    settings.admission.managed = None  # the operator keeps the configurations itself (webhookconfig)
+
+
+@kopf.on.cleanup()
+def cleanup_admission(memo: kopf.Memo, **_: Any) -> None:
+    _webhook(memo).cleanup()
+
+
+async def _pool_for(pod: Mapping[str, Any], namespace: str | None, runtime: WebhookRuntime) -> dict[str, Any] | None:
+    """The pool the pod asks for, or None when the pod is none of the webhook's business.
+    Raises AdmissionError when the pod must be refused."""
+    if not admission.in_scope(pod, namespace, runtime.options.injection):
+        return None
+    name = admission.requested_pool(pod) or ""
+    pool = None
+    if pool_name_error(name) is None:  # a label that cannot name a pool is not looked up
+        pool = await asyncio.to_thread(runtime.get_pool, name)
+    why = admission.refusal(name, namespace, pool)
+    if why:
+        raise kopf.AdmissionError(why, code=FORBIDDEN)
+    return pool
+
+
+@kopf.on.mutate("", "v1", "pods", id=MUTATE_PATH, operations=["CREATE"], labels={POD_POOL_LABEL: kopf.PRESENT})
+async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo,
+                     logger: logging.Logger, **_: Any) -> None:
+    runtime = _webhook(memo)
+    pod = dict(body)
+    namespace = body.metadata.namespace
+    pool = await _pool_for(pod, namespace, runtime)
+    if pool is None:
+        return
+    try:
+        new = admission.mutate(pod, pool, runtime.options.injection)
+    except admission.Refused as exc:
+        raise kopf.AdmissionError(str(exc), code=FORBIDDEN) from None
+    changed = [key for key, value in new["spec"].items() if (pod.get("spec") or {}).get(key) != value]
+    for key in changed:
+        patch.spec[key] = new["spec"][key]
+    name = pool["metadata"]["name"]
+    if not (pool.get("status") or {}).get("readyNodes"):
+        warnings.append(f"{POOL_KIND} {name!r} is Ready on no node yet: the pod stays Pending until it is "
+                        f"(kubectl get offloadpool {name})")
+    if changed:
+        logger.info("pod %s/%s: pool %s injected (%s)", namespace, body.metadata.name or body.metadata.get("generateName"),
+                    name, ", ".join(changed))
+
+
+@kopf.on.validate("", "v1", "pods", id=VALIDATE_PATH, operations=["CREATE"], labels={POD_POOL_LABEL: kopf.PRESENT})
+async def validate_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    runtime = _webhook(memo)
+    pod = dict(body)
+    pool = await _pool_for(pod, body.metadata.namespace, runtime)
+    if pool is None:
+        return
+    try:
+        missing = admission.not_mutated(pod, pool, runtime.options.injection)
+    except admission.Refused as exc:
+        raise kopf.AdmissionError(str(exc), code=FORBIDDEN) from None
+    if missing:
+        raise kopf.AdmissionError(
+            f"pod asks for {POOL_KIND} {pool['metadata']['name']!r} ({POD_POOL_LABEL}) but lacks what the offloadpool "
+            f"mutating webhook adds ({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}); "
+            f"is the MutatingWebhookConfiguration {runtime.options.configuration!r} in place?",
+            code=FORBIDDEN)

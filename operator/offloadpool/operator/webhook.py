@@ -1,0 +1,188 @@
+"""The operator's admission webhook server: options, certificates, and keeping the webhook
+configurations pointed at it. The handlers are in ``admission_handlers``; the policy (what a pod
+gets, when it is refused) in ``admission``.
+
+kopf serves the webhooks (``kopf.WebhookServer``: HTTPS with aiohttp, one path per handler id)
+and re-reads its certificate files every minute, restarting with renewed ones. This module adds
+what kopf's own management of webhook configurations cannot do (see ``webhookconfig``): after
+each (re)start of the server, and every ``resync`` seconds, the two configurations are patched
+to this server's client config and CA when they differ; made certificates are renewed before
+they expire.
+
+Off unless ``--webhook`` is given: an operator without it registers no admission handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import tempfile
+import urllib.parse
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from offloadpool.api.pods import WEBHOOK_CONFIGURATION_NAME
+
+from . import certs
+from .admission import InjectionSettings
+from .webhookconfig import Configurator, Endpoint, excluded_namespaces
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9443
+DEFAULT_SERVICE = "offloadpool-webhook"
+
+
+@dataclass(frozen=True)
+class WebhookOptions:
+    """How the webhook is served and reached (``--webhook-*`` flags)."""
+
+    enabled: bool = False
+    #: Where the HTTPS server listens.
+    listen: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    #: clientConfig: a base URL (``https://127.0.0.1:9443``), else the Service below.
+    url: str | None = None
+    service: str = DEFAULT_SERVICE
+    namespace: str = "offloadpool-system"
+    #: Certificates: given ones (tls.crt/tls.key[/ca.crt]) or where made ones go; None: a
+    #: private temporary directory, removed at exit.
+    cert_dir: str | None = None
+    configuration: str = WEBHOOK_CONFIGURATION_NAME
+    resync_seconds: float = 60.0
+    injection: InjectionSettings = field(default_factory=InjectionSettings)
+
+    def endpoint(self) -> Endpoint:
+        if self.url:
+            return Endpoint(url=self.url)
+        return Endpoint(service=self.service, namespace=self.namespace)
+
+    def hostnames(self) -> list[str]:
+        """The names the serving certificate must carry."""
+        if self.url:
+            host = urllib.parse.urlsplit(self.url).hostname
+            assert host, f"--webhook-url {self.url!r} has no host"
+            return [host]
+        return certs.service_hostnames(self.service, self.namespace)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("admission webhook (pods labelled offloadpool.io/pool get the pool injected)")
+    g.add_argument("--webhook", action="store_true", help="serve the admission webhook and keep its configurations current")
+    g.add_argument("--webhook-listen", default="0.0.0.0", help="address the HTTPS server listens on")
+    g.add_argument("--webhook-port", type=int, default=DEFAULT_PORT)
+    g.add_argument("--webhook-url", help="base URL the API server calls (else the Service in --namespace)")
+    g.add_argument("--webhook-service", default=DEFAULT_SERVICE, help="Service in front of the webhook port")
+    g.add_argument("--webhook-cert-dir", help="tls.crt/tls.key[/ca.crt] to use, or where made certificates go")
+    g.add_argument("--webhook-configuration", default=WEBHOOK_CONFIGURATION_NAME,
+                   help="name of the Mutating/ValidatingWebhookConfiguration (created by the installer)")
+    g.add_argument("--webhook-resync", type=float, default=60.0, help="seconds between checks of the configurations")
+    g.add_argument("--webhook-exclude-namespace", action="append", default=[], metavar="NS",
+                   help="a namespace never sent to the webhook (repeatable), besides the system ones and --namespace")
+    g.add_argument("--sidecar-image", help="image of the lease sidecar (default: --agent-image)")
+
+
+def options_from_args(args: argparse.Namespace) -> WebhookOptions:
+    injection = InjectionSettings(
+        sidecar_image=args.sidecar_image or args.agent_image,
+        sidecar_image_pull_policy=args.agent_image_pull_policy,
+        excluded_namespaces=tuple(excluded_namespaces(args.namespace, args.webhook_exclude_namespace)),
+    )
+    return WebhookOptions(
+        enabled=args.webhook, listen=args.webhook_listen, port=args.webhook_port, url=args.webhook_url,
+        service=args.webhook_service, namespace=args.namespace, cert_dir=args.webhook_cert_dir,
+        configuration=args.webhook_configuration, resync_seconds=args.webhook_resync, injection=injection,
+    )
+
+
+class ConfiguringWebhookServer(kopf.WebhookServer):
+    """kopf's HTTPS server, plus: after every (re)start, point the configurations at it; every
+    ``resync`` seconds, check them again and renew made certificates before they expire."""
+
+    def __init__(self, options: WebhookOptions, configurator: Configurator, files: certs.CertFiles) -> None:
+        super().__init__(addr=options.listen, port=options.port, certfile=files.cert, pkeyfile=files.key,
+                         cafile=files.ca)
+        self.options = options
+        self.configurator = configurator
+        self.files = files
+        self.ca_bundle: str | None = None
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        keeper = asyncio.create_task(self._keep())
+        try:
+            async for client_config in super().__call__(fn):
+                self.ca_bundle = client_config.get("caBundle")
+                await self._configure()
+                yield client_config
+        finally:
+            keeper.cancel()
+
+    async def _configure(self) -> None:
+        if self.ca_bundle is None:
+            return
+        try:
+            await asyncio.to_thread(self.configurator.ensure, self.ca_bundle)
+        except Exception as exc:  # retried every resync; the server keeps serving meanwhile
+            log.error("cannot update the webhook configurations %r: %s (install them with the chart or "
+                      "deploy/webhook.yaml; the operator may only get/patch them)", self.options.configuration,
+                      _short(exc))
+
+    async def _keep(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.resync_seconds)
+            if self.files.made_here:
+                # New files make kopf's server restart (it re-reads them each minute), which
+                # yields a new client config and so a new caBundle in the configurations.
+                await asyncio.to_thread(certs.ensure, self.files.cert.parent, self.options.hostnames())
+            await self._configure()
+
+
+def _short(exc: Exception) -> str:
+    status = getattr(exc, "status", None)
+    reason = getattr(exc, "reason", None)
+    return f"{status} {reason}" if status else str(exc)
+
+
+class WebhookRuntime:
+    """What the admission handlers share (kopf ``memo['webhook']``): the options, the pool
+    reader, and the server configured at start-up."""
+
+    def __init__(self, options: WebhookOptions) -> None:
+        self.options = options
+        self._tmp: str | None = None
+        self.kube: Any = None
+
+    def cert_dir(self) -> Path:
+        if self.options.cert_dir:
+            return Path(self.options.cert_dir)
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix="offloadpool-webhook-")
+        return Path(self._tmp)
+
+    def server(self) -> ConfiguringWebhookServer:
+        """Certificates ready, API access loaded, the server to hand to kopf's settings."""
+        from .kube import Kube, load_client
+
+        client = load_client()
+        self.kube = Kube(client)
+        files = certs.ensure(self.cert_dir(), self.options.hostnames())
+        configurator = Configurator(client, self.options.endpoint(), self.options.injection.excluded_namespaces,
+                                    self.options.configuration)
+        log.info("admission webhook: https://%s:%d (%s certificates in %s), configurations %r",
+                 self.options.listen, self.options.port, "made" if files.made_here else "given",
+                 files.cert.parent, self.options.configuration)
+        return ConfiguringWebhookServer(self.options, configurator, files)
+
+    def get_pool(self, name: str) -> dict[str, Any] | None:
+        return self.kube.get_pool(name)
+
+    def cleanup(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
