@@ -6,6 +6,7 @@ itself: attach the pool its node provisioned, start pinning in the background, c
 tensors out of its own slots while that runs, and wait for the pin before the first transfer.
 
     python examples/vllm/attach_kv_tier.py --pool /var/lib/offloadpool/kv --rank 0
+    python examples/vllm/attach_kv_tier.py --rank 0     # in a labelled pod: $OFFLOADPOOL_POOL_DIR
 
 The pool must be Interleaved with ``ranks`` = TP size and ``slotSize`` = the bytes one worker
 keeps per CPU block (vLLM's ``cpu_page_size``): row i of the pool is CPU block i, and
@@ -24,7 +25,8 @@ from offloadpool.pinning import ManifestError, PinError, attach
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pool", required=True, help="pool directory as mounted in the pod")
+    ap.add_argument("--pool", default=os.environ.get("OFFLOADPOOL_POOL_DIR"), required="OFFLOADPOOL_POOL_DIR" not in os.environ,
+                    help="pool directory as mounted in the pod (default: $OFFLOADPOOL_POOL_DIR, set by the webhook)")
     ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")))
     ap.add_argument("--backend", default="auto", help="auto | cuda | torch | mlock")
     ap.add_argument("--layers", type=int, default=4, help="KV tensors per CPU block (demo)")

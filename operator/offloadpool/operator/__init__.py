@@ -14,6 +14,11 @@ Modules, one concept each:
 - ``events``      Kubernetes Events derived from status transitions;
 - ``reconcile``   one pass over one pool, computed from current state only;
 - ``handlers``    the kopf handlers that trigger passes;
+- ``admission``   what a pod labelled ``offloadpool.io/pool`` gets, and refusals, pure;
+- ``admission_handlers`` the kopf mutating/validating handlers (only with ``--webhook``);
+- ``webhook``     the webhook's options and HTTPS server (kopf's), kept in its configurations;
+- ``webhookconfig`` the Mutating/ValidatingWebhookConfiguration, rendered (pure) and patched;
+- ``certs``       the webhook's certificates: given, or made with a private CA;
 - ``main``        the ``offloadpool-operator`` command.
 
 Nothing here is imported by the node-side library: imports flow region/api <- operator.
