@@ -74,9 +74,21 @@ def mount(fstype: str, target: str | os.PathLike[str], options: str, source: str
     if rc != 0:
         err = ctypes.get_errno()
         raise RegionError(f"mount -t {fstype} -o {options} {target} failed: {os.strerror(err)} (errno {err})")
+    try:
+        make_shared(target)
+    except RegionError:
+        umount(target)
+        raise
+
+
+def make_shared(target: str | os.PathLike[str]) -> None:
+    """Make the mount at ``target`` a shared peer (``mount --make-shared``).
+
+    A separate step from mount(2): a process killed between the two leaves a private mount,
+    which the next provision finds and makes shared here.
+    """
     if _libc.mount(None, os.fsencode(target), None, MS_SHARED, None) != 0:
         err = ctypes.get_errno()
-        umount(target)
         raise RegionError(f"making {target} a shared mount failed: {os.strerror(err)}")
 
 

@@ -62,6 +62,19 @@ def pool_lock(pool_dir: Path) -> Iterator[None]:
         yield
 
 
+def _drop_interrupted_writes(pool_dir: Path) -> None:
+    """Remove the temp files of record/manifest writes that a killed process left behind.
+
+    Both are written atomically (temp file, rename); SIGKILL between the two leaves the temp
+    file, which nothing else would ever remove while the pool lives. The caller holds the pool
+    lock, as every writer of these files does, except a failed provision's last record write
+    (made after it let go of the lock): a provision starting at that very moment may remove
+    that write's temp file, and the failing run then reports that instead of its own error.
+    """
+    for stale in (*pool_dir.glob(".state.*.tmp"), *pool_dir.glob(".manifest.*.tmp")):
+        stale.unlink(missing_ok=True)
+
+
 def mount_options(plan: Plan, req: PoolRequest) -> str:
     total = plan.total_bytes
     if plan.medium.hugetlb:
@@ -179,6 +192,7 @@ def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progr
 
 
 def _reuse(pool_dir: Path, plan: Plan, req: PoolRequest, t0: float) -> ProvisionResult | None:
+    _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
     if rec is None or rec.phase != "Ready" or _validate_ready(pool_dir, plan) is not None:
         return None
@@ -201,6 +215,7 @@ def _reuse(pool_dir: Path, plan: Plan, req: PoolRequest, t0: float) -> Provision
 def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[int]],
            progress: Progress | None, workers: int | None, rate_limit: float | None,
            chunk_bytes: int, say: PhaseCallback, t0: float) -> ProvisionResult:
+    _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
     rebuilt = False
     if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == "Ready":
@@ -222,7 +237,10 @@ def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[i
 
     mnt = pool_dir / MOUNT_NAME
     mnt.mkdir(mode=0o755, exist_ok=True)
-    if mounts.mount_at(mnt) is None:
+    existing = mounts.mount_at(mnt)
+    if existing is not None and "shared:" not in existing.propagation:
+        mounts.make_shared(mnt)  # an earlier run was killed between mount(2) and MS_SHARED
+    if existing is None:
         if plan.medium.hugetlb:
             rec.hugepage_size = plan.page_size
             if rec.boot_id != records.boot_id():
