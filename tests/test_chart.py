@@ -67,7 +67,8 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
     assert "--agent-service-account=offloadpool-agent" in c["args"]
     assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
     kinds = sorted({d["kind"] for d in rendered})
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "MutatingWebhookConfiguration", "Role",
+                     "RoleBinding", "Service", "ServiceAccount", "ValidatingWebhookConfiguration"]
     peered = docs_of(control_plane.helm("template", "op", str(CHART), "--set", "operator.peering=offloadpool").stdout)
     args = by_kind_and_app(peered, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--peering=offloadpool" in args and "--standalone" not in args
@@ -98,6 +99,41 @@ def test_helm_install_into_a_fresh_namespace(crds_installed: Any) -> None:
     finally:
         cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
         cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.mark.controlplane
+def test_chart_webhooks_are_what_the_operator_renders(control_plane: Any) -> None:
+    """The operator writes its own rendering back when the stored webhooks differ, so the
+    chart must render exactly that (for the release's Service and namespace and the values)."""
+    from offloadpool.operator.webhookconfig import Endpoint, excluded_namespaces, render
+
+    docs = docs_of(control_plane.helm("template", "op", str(CHART), "--namespace", "offloadpool-system",
+                                      "--set", "webhook.excludeNamespaces={batch,ops}").stdout)
+    expected = render(Endpoint(service="op-webhook", namespace="offloadpool-system"), None,
+                      excluded_namespaces("offloadpool-system", ["batch", "ops"]))
+    for want in expected:
+        (got,) = [d for d in docs if d["kind"] == want["kind"]]
+        assert got["metadata"]["name"] == want["metadata"]["name"] == "offloadpool"
+        assert got["webhooks"] == want["webhooks"]
+    service = by_kind_and_app(docs, "Service", "offloadpool-webhook")
+    assert service["metadata"]["name"] == "op-webhook" and service["spec"]["ports"][0]["port"] == 443
+    pod = by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert {"--webhook", "--webhook-service=op-webhook", "--webhook-exclude-namespace=batch",
+            "--webhook-exclude-namespace=ops"} <= set(c["args"])
+    assert {"name": "webhook", "containerPort": 9443} in c["ports"]
+    assert service["spec"]["ports"][0]["targetPort"] == "webhook"
+    assert pod["volumes"] == [{"name": "webhook-certs", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}]
+
+    given = docs_of(control_plane.helm("template", "op", str(CHART), "--set", "webhook.certSecret=op-webhook-tls").stdout)
+    volumes = by_kind_and_app(given, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["volumes"]
+    assert volumes == [{"name": "webhook-certs", "secret": {"secretName": "op-webhook-tls"}}]
+
+    off = docs_of(control_plane.helm("template", "op", str(CHART), "--set", "webhook.enabled=false").stdout)
+    assert not [d for d in off if d["kind"] in ("Service", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")]
+    assert "--webhook" not in by_kind_and_app(off, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    rules = by_kind_and_app(off, "ClusterRole", "offloadpool-operator")["rules"]
+    assert not [r for r in rules if "admissionregistration.k8s.io" in r["apiGroups"]]
 
 
 @pytest.mark.controlplane

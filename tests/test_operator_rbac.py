@@ -46,3 +46,23 @@ def test_allowed(operator_rbac: Any, control_plane: Any, who: str, what: str) ->
 @pytest.mark.parametrize(("who", "what"), DENIED)
 def test_denied(operator_rbac: Any, control_plane: Any, who: str, what: str) -> None:
     assert can(control_plane, who, what) == "no"
+
+
+#: The admission webhook: the operator fills in the two configurations the installer created,
+#: and can neither create webhook configurations nor touch any other.
+WEBHOOK_ALLOWED = [(OPERATOR, "get mutatingwebhookconfigurations/offloadpool"),
+                   (OPERATOR, "patch mutatingwebhookconfigurations/offloadpool"),
+                   (OPERATOR, "patch validatingwebhookconfigurations/offloadpool")]
+WEBHOOK_DENIED = [(OPERATOR, "create mutatingwebhookconfigurations"), (OPERATOR, "create validatingwebhookconfigurations"),
+                  (OPERATOR, "patch mutatingwebhookconfigurations/other"), (OPERATOR, "list validatingwebhookconfigurations"),
+                  (OPERATOR, "delete mutatingwebhookconfigurations/offloadpool"), (AGENT, "get mutatingwebhookconfigurations/offloadpool")]
+
+
+@pytest.mark.parametrize(("who", "what"), WEBHOOK_ALLOWED)
+def test_webhook_configurations_allowed(operator_rbac: Any, control_plane: Any, who: str, what: str) -> None:
+    assert can(control_plane, who, what) == "yes"
+
+
+@pytest.mark.parametrize(("who", "what"), WEBHOOK_DENIED)
+def test_webhook_configurations_denied(operator_rbac: Any, control_plane: Any, who: str, what: str) -> None:
+    assert can(control_plane, who, what) == "no"

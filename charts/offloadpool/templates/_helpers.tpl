@@ -20,3 +20,13 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- define "offloadpool.operatorServiceAccount" -}}
 {{ include "offloadpool.fullname" . }}-operator
 {{- end -}}
+
+{{- define "offloadpool.webhookService" -}}
+{{ include "offloadpool.fullname" . }}-webhook
+{{- end -}}
+
+{{- define "offloadpool.webhookExcludedNamespaces" -}}
+{{- $system := list "kube-system" "kube-public" "kube-node-lease" -}}
+{{- $all := concat $system (list .Release.Namespace) .Values.webhook.excludeNamespaces | uniq -}}
+{{- toJson $all -}}
+{{- end -}}

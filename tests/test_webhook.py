@@ -1,0 +1,346 @@
+"""The admission webhook against the real API server: the operator runs as a real process with
+``--webhook`` (its own ServiceAccount, the RBAC of deploy/), serving HTTPS on loopback with the
+certificates it made; the webhook configurations are deploy/webhook.yaml's, which the operator
+points at itself (URL, caBundle). Pods are created through the API server, which calls the
+webhook over TLS; what comes back is what the webhook did.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import secrets
+import socket
+import ssl
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from fixtures.cluster import free_port, wait_for
+from fixtures.operator_process import OperatorProcess
+from offloadpool.api.constants import GROUP, POOL_PLURAL, VERSION
+from offloadpool.api.pods import LEASE_READY_FILE, LEASE_SIDECAR_NAME, POD_POOL_LABEL, WEBHOOK_CONFIGURATION_NAME
+from offloadpool.operator import admission
+from offloadpool.operator.admission import InjectionSettings
+
+pytestmark = pytest.mark.controlplane
+
+REPO = Path(__file__).resolve().parents[1]
+SIDECAR_IMAGE = "registry.example/offloadpool:test"
+MERGE = "application/merge-patch+json"
+
+
+def webhook_configurations() -> list[dict[str, Any]]:
+    docs = yaml.safe_load_all((REPO / "deploy" / "webhook.yaml").read_text())
+    return [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
+
+
+class Webhook:
+    """The operator with --webhook on a loopback port, the configurations, two namespaces, pools."""
+
+    def __init__(self, cp: Any, operator: OperatorProcess, port: int) -> None:
+        self.cp = cp
+        self.operator = operator
+        self.port = port
+        self.suffix = secrets.token_hex(3)
+        api = cp.api_client()
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.admission = client.AdmissionregistrationV1Api(api)
+        self.namespace = f"wh-{self.suffix}"
+        self.other_namespace = f"wh-other-{self.suffix}"
+        self.pools: list[str] = []
+
+    # -- objects ---------------------------------------------------------------------------
+    def create_pool(self, base: str, **spec: Any) -> str:
+        name = f"{base}-{self.suffix}"
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": name},
+                "spec": {"capacity": "1Gi", "medium": "HugePages-2Mi", **spec}}
+        self.custom.create_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, body)
+        self.pools.append(name)
+        return name
+
+    def pool(self, name: str) -> dict[str, Any]:
+        return self.custom.get_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, name)
+
+    def pod_body(self, name: str, pool: str | None, containers: int = 1, **labels: str) -> dict[str, Any]:
+        if pool is not None:
+            labels[POD_POOL_LABEL] = pool
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "automountServiceAccountToken": False,  # keeps the spec to what the test and the webhook wrote
+                "containers": [{"name": f"engine-{i}", "image": "vllm/vllm-openai:v0.33.0",
+                                "env": [{"name": "HF_HOME", "value": "/cache"}]} for i in range(containers)],
+            },
+        }
+
+    def create_pod(self, body: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+        ns = namespace or self.namespace
+        pod = self.core.create_namespaced_pod(ns, body)
+        return self.core.api_client.sanitize_for_serialization(pod)
+
+    def refusal(self, body: dict[str, Any], namespace: str | None = None) -> str:
+        with pytest.raises(ApiException) as err:
+            self.core.create_namespaced_pod(namespace or self.namespace, body)
+        assert err.value.status == 403, err.value.body
+        return str(err.value.body)
+
+    # -- setup / teardown ------------------------------------------------------------------
+    def setup(self) -> None:
+        for ns in (self.namespace, self.other_namespace):
+            self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+            # the ServiceAccount admission plugin wants the namespace's default account
+            wait_for(f"ServiceAccount {ns}/default", lambda ns=ns: self.core.list_namespaced_service_account(
+                ns, field_selector="metadata.name=default").items)
+        self.delete_configurations()  # a leftover of an interrupted run would make create fail
+        for doc in webhook_configurations():
+            self.apply_configuration(doc)
+
+    def apply_configuration(self, doc: dict[str, Any]) -> None:
+        create = (self.admission.create_mutating_webhook_configuration if doc["kind"].startswith("Mutating")
+                  else self.admission.create_validating_webhook_configuration)
+        create(doc)
+
+    def configuration(self, kind: str) -> dict[str, Any]:
+        read = (self.admission.read_mutating_webhook_configuration if kind == "mutating"
+                else self.admission.read_validating_webhook_configuration)
+        return self.admission.api_client.sanitize_for_serialization(read(WEBHOOK_CONFIGURATION_NAME))
+
+    def pointed_at_operator(self) -> bool:
+        for kind in ("mutating", "validating"):
+            hook = self.configuration(kind)["webhooks"][0]
+            url = hook["clientConfig"].get("url", "")
+            if not (url.startswith(f"https://127.0.0.1:{self.port}/") and hook["clientConfig"].get("caBundle")):
+                return False
+        return True
+
+    def delete_configurations(self) -> None:
+        for delete in (self.admission.delete_mutating_webhook_configuration,
+                       self.admission.delete_validating_webhook_configuration):
+            try:
+                delete(WEBHOOK_CONFIGURATION_NAME)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+    def teardown(self) -> None:
+        self.delete_configurations()
+        for pool in self.pools:
+            try:
+                self.custom.patch_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool,
+                                                        {"metadata": {"finalizers": None}}, _content_type=MERGE)
+                self.custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
+            except ApiException:
+                pass
+        for ns in (self.namespace, self.other_namespace):
+            try:
+                self.core.delete_namespace(ns)
+            except ApiException:
+                pass
+
+
+@pytest.fixture(scope="module")
+def webhook(crds_installed: Any, operator_rbac: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webhook]:
+    workdir = tmp_path_factory.mktemp("webhook-operator")
+    port = free_port()
+    operator = OperatorProcess(crds_installed, operator_rbac, workdir, extra_args=(
+        "--webhook", "--webhook-listen", "127.0.0.1", "--webhook-port", str(port),
+        "--webhook-url", f"https://127.0.0.1:{port}", "--webhook-cert-dir", str(workdir / "certs"),
+        "--webhook-resync", "1", "--sidecar-image", SIDECAR_IMAGE, "--resync", "5"))
+    wh = Webhook(crds_installed, operator, port)
+    try:
+        wh.setup()
+        operator.start()
+        wait_for("the operator to point the webhook configurations at itself", wh.pointed_at_operator, timeout=90)
+        yield wh
+    finally:
+        operator.stop()
+        wh.teardown()
+        print(operator.log(12000))
+
+
+def wait_admitted(wh: Webhook, body: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+    """Create the pod; a refusal for a reason the API server has not caught up with (the
+    configuration just changed) is retried until the deadline."""
+    last: list[str] = []
+
+    def attempt() -> dict[str, Any] | None:
+        try:
+            return wh.create_pod(copy.deepcopy(body), namespace)
+        except ApiException as exc:
+            last[:] = [str(exc.body)]
+            return None
+
+    return wait_for(f"pod {body['metadata']['name']} admitted ({last})", attempt, timeout=30)
+
+
+# -- the tests ---------------------------------------------------------------------------------
+def test_the_api_server_calls_the_webhook_over_tls_with_the_operators_ca(webhook: Webhook) -> None:
+    """The configuration's caBundle verifies the certificate the operator serves on loopback."""
+    hook = webhook.configuration("mutating")["webhooks"][0]
+    assert hook["clientConfig"]["url"] == f"https://127.0.0.1:{webhook.port}/mutate-pod"
+    assert hook["failurePolicy"] == "Fail" and hook["reinvocationPolicy"] == "IfNeeded"
+    ca = base64.b64decode(hook["clientConfig"]["caBundle"]).decode()
+    context = ssl.create_default_context(cadata=ca)
+    with socket.create_connection(("127.0.0.1", webhook.port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")
+            subject = dict(x[0] for x in tls.getpeercert()["subject"])
+    assert subject["commonName"] == "127.0.0.1"
+    # ... and it is what answers the API server: a labelled pod comes back mutated
+    pool = webhook.create_pool("tls")
+    pod = wait_admitted(webhook, webhook.pod_body("tls", pool))
+    assert pod["spec"]["initContainers"][0]["name"] == LEASE_SIDECAR_NAME
+
+
+def test_a_labelled_pod_comes_back_mutated_exactly_as_specified(webhook: Webhook) -> None:
+    pool = webhook.create_pool("lib", layout={"type": "Interleaved", "ranks": 2, "slotSize": "2Mi"},
+                               consumers={"uid": 1000, "gid": 1000, "namespaces": [webhook.namespace]})
+    pod = wait_admitted(webhook, webhook.pod_body("lib", pool, containers=2))
+    spec = pod["spec"]
+    volume = f"offloadpool-{pool}"
+    assert spec["volumes"] == [{"name": volume, "hostPath": {"path": f"/var/lib/offloadpool/{pool}", "type": "Directory"}}]
+    for i, container in enumerate(spec["containers"]):
+        assert container["volumeMounts"] == [{"name": volume, "mountPath": f"/offloadpool/{pool}",
+                                              "mountPropagation": "HostToContainer"}]
+        assert container["env"] == [
+            {"name": "HF_HOME", "value": "/cache"},
+            {"name": "OFFLOADPOOL_POOL", "value": pool},
+            {"name": "OFFLOADPOOL_POOL_DIR", "value": f"/offloadpool/{pool}"},
+            {"name": "OFFLOADPOOL_MEDIUM", "value": "HugePages-2Mi"},
+            {"name": "OFFLOADPOOL_LAYOUT", "value": "Interleaved"},
+            {"name": "OFFLOADPOOL_RANKS", "value": "2"},
+            {"name": "OFFLOADPOOL_CAPACITY_BYTES", "value": str(1 << 30)},
+            {"name": "OFFLOADPOOL_SLOT_BYTES", "value": str(2 << 20)},
+        ], f"container {i}"
+        assert not container.get("resources", {}).get("limits")
+    assert spec["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": f"pool.offloadpool.io/{pool}", "operator": "In",
+                                                     "values": ["ready"]}]}]}}}
+    (sidecar,) = spec["initContainers"]
+    assert sidecar["name"] == LEASE_SIDECAR_NAME and sidecar["restartPolicy"] == "Always"
+    assert sidecar["image"] == SIDECAR_IMAGE
+    assert sidecar["command"] == ["offloadpool", "hold-lease", f"/offloadpool/{pool}", "--ready-file", LEASE_READY_FILE]
+    assert sidecar["volumeMounts"] == [{"name": volume, "mountPath": f"/offloadpool/{pool}",
+                                        "mountPropagation": "HostToContainer"}]
+    assert sidecar["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi", f"offloadpool.io/{pool}": "1"},
+                                    "limits": {"memory": "64Mi", f"offloadpool.io/{pool}": "1"}}
+    assert sidecar["startupProbe"]["exec"]["command"] == ["test", "-e", LEASE_READY_FILE]
+    assert sidecar["securityContext"]["runAsUser"] == 1000 and sidecar["securityContext"]["runAsNonRoot"] is True
+    # The pure function agrees that nothing is missing, on what the API server stored.
+    assert admission.not_mutated(pod, webhook.pool(pool), InjectionSettings(sidecar_image=SIDECAR_IMAGE)) == []
+
+
+def test_a_compat_pool_mounts_the_region_file_where_stock_vllm_looks(webhook: Webhook) -> None:
+    pool = webhook.create_pool("compat", medium="MemoryTHP", segments={"maxFiles": 1},
+                               compat={"vllm": {"engineId": "llama-70b-tp4"}})
+    pod = wait_admitted(webhook, webhook.pod_body("compat", pool))
+    assert {"name": f"offloadpool-{pool}-vllm", "hostPath": {
+        "path": f"/var/lib/offloadpool/{pool}/mnt/vllm_offload_llama-70b-tp4.mmap", "type": "File"}} in pod["spec"]["volumes"]
+    assert {"name": f"offloadpool-{pool}-vllm", "mountPath": "/dev/shm/vllm_offload_llama-70b-tp4.mmap",
+            "mountPropagation": "HostToContainer"} in pod["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "OFFLOADPOOL_VLLM_ENGINE_ID", "value": "llama-70b-tp4"} in pod["spec"]["containers"][0]["env"]
+
+
+def test_mutating_a_mutated_pod_changes_nothing(webhook: Webhook) -> None:
+    """The pod the API server returned, created again (new name) through the same webhooks:
+    the second pass adds nothing, so the stored spec is exactly the one submitted."""
+    pool = webhook.create_pool("twice")
+    first = wait_admitted(webhook, webhook.pod_body("twice-1", pool, containers=2))
+    again = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "twice-2", "labels": first["metadata"]["labels"]},
+             "spec": copy.deepcopy(first["spec"])}
+    second = webhook.create_pod(again)
+    assert second["spec"] == first["spec"]
+
+
+def test_an_unknown_pool_is_refused_naming_it(webhook: Webhook) -> None:
+    missing = f"no-such-pool-{webhook.suffix}"
+    message = webhook.refusal(webhook.pod_body("unknown", missing))
+    assert f"OffloadPool '{missing}' does not exist" in message, message
+    assert "pods.mutate.offloadpool.io" in message  # the first webhook already says so
+
+
+def test_a_pool_the_namespace_may_not_use_is_refused(webhook: Webhook) -> None:
+    pool = webhook.create_pool("private", consumers={"namespaces": [webhook.namespace]})
+    message = webhook.refusal(webhook.pod_body("outsider", pool), namespace=webhook.other_namespace)
+    assert (f"namespace '{webhook.other_namespace}' may not use OffloadPool '{pool}'" in message
+            and f"spec.consumers.namespaces allows only {webhook.namespace}" in message), message
+    wait_admitted(webhook, webhook.pod_body("insider", pool))  # its own namespace may
+
+
+def test_an_unlabelled_pod_is_untouched(webhook: Webhook) -> None:
+    body = webhook.pod_body("plain", None)
+    pod = webhook.create_pod(body)
+    assert "initContainers" not in pod["spec"] and "affinity" not in pod["spec"]
+    assert not pod["spec"].get("volumes")
+    assert pod["spec"]["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/cache"}]
+    assert "volumeMounts" not in pod["spec"]["containers"][0]
+
+
+def test_labelled_pods_of_system_namespaces_and_of_the_operator_are_untouched(webhook: Webhook) -> None:
+    """kube-system is never sent to the webhook (namespaceSelector), even for a pool that does
+    not exist; nor are pods the operator renders (its agent pods carry the pool label)."""
+    name = f"wh-sys-{webhook.suffix}"
+    pod = webhook.create_pod(webhook.pod_body(name, f"no-such-pool-{webhook.suffix}"), namespace="kube-system")
+    try:
+        assert "initContainers" not in pod["spec"] and not pod["spec"].get("volumes")
+    finally:
+        webhook.core.delete_namespaced_pod(name, "kube-system", grace_period_seconds=0)
+    agent = webhook.create_pod(webhook.pod_body("agent-like", f"no-such-pool-{webhook.suffix}",
+                                                **{"app.kubernetes.io/managed-by": "offloadpool-operator"}))
+    assert "initContainers" not in agent["spec"]
+
+
+def test_a_labelled_pod_that_escaped_mutation_is_refused_and_the_operator_restores_the_configuration(webhook: Webhook) -> None:
+    """With the mutating configuration gone, the validating webhook refuses a labelled pod (it
+    would run without its pool and lease). Re-created as shipped, the operator points it at
+    itself again (its resync), and labelled pods are mutated again."""
+    pool = webhook.create_pool("escape")
+    webhook.admission.delete_mutating_webhook_configuration(WEBHOOK_CONFIGURATION_NAME)
+    try:
+        def refused() -> str | None:
+            try:
+                webhook.create_pod(webhook.pod_body(f"escaped-{secrets.token_hex(2)}", pool))
+            except ApiException as exc:
+                return str(exc.body) if "pods.validate.offloadpool.io" in str(exc.body) else None
+            return None
+
+        message = wait_for("the validating webhook to refuse an unmutated pod", refused, timeout=30)
+        assert "lacks what the offloadpool mutating webhook adds" in message and "/spec/initContainers" in message, message
+    finally:
+        (mutating,) = [d for d in webhook_configurations() if d["kind"].startswith("Mutating")]
+        webhook.apply_configuration(mutating)
+    wait_for("the operator to restore the mutating configuration", webhook.pointed_at_operator, timeout=30)
+    pod = wait_admitted(webhook, webhook.pod_body("restored", pool))
+    assert pod["spec"]["initContainers"][0]["name"] == LEASE_SIDECAR_NAME
+
+
+@pytest.mark.parametrize("example", ["pod-library.yaml", "pod-stock-compat.yaml"])
+def test_the_vllm_example_pods_are_admitted_and_get_their_pool(webhook: Webhook, example: str) -> None:
+    """examples/vllm/ as a user writes them (one label), only the pool and namespace renamed."""
+    (body,) = list(yaml.safe_load_all((REPO / "examples" / "vllm" / example).read_text()))
+    labelled = body["metadata"]["labels"][POD_POOL_LABEL]
+    spec: dict[str, Any] = {"capacity": "1Gi", "medium": "MemoryTHP"}
+    if "compat" in example:
+        spec.update(segments={"maxFiles": 1}, compat={"vllm": {"engineId": "llama-70b-tp4"}})
+    pool = webhook.create_pool(f"ex-{labelled}"[:30], **spec)
+    body["metadata"].update(name=f"ex-{example.split('.')[0]}", namespace=webhook.namespace)
+    body["metadata"]["labels"][POD_POOL_LABEL] = pool
+    body["spec"]["automountServiceAccountToken"] = False
+    # as a user would: kubectl (which also prints the webhook's warning: the pool is Ready nowhere yet)
+    out = webhook.cp.kubectl("create", "-f", "-", "-o", "json", input=yaml.safe_dump(body))
+    pod = json.loads(out.stdout)
+    assert f"OffloadPool '{pool}' is Ready on no node yet" in out.stderr, out.stderr
+    assert pod["spec"]["initContainers"][0]["name"] == LEASE_SIDECAR_NAME
+    main = pod["spec"]["containers"][0]
+    assert {"name": "OFFLOADPOOL_POOL_DIR", "value": f"/offloadpool/{pool}"} in main["env"]
+    if "compat" in example:
+        assert any(m["mountPath"] == "/dev/shm/vllm_offload_llama-70b-tp4.mmap" for m in main["volumeMounts"])
