@@ -137,6 +137,32 @@ def test_chart_webhooks_are_what_the_operator_renders(control_plane: Any) -> Non
 
 
 @pytest.mark.controlplane
+def test_chart_can_have_cert_manager_issue_the_webhook_certificate(control_plane: Any) -> None:
+    from offloadpool.operator.certs import service_hostnames
+
+    def render(*values: str) -> list[dict[str, Any]]:
+        args = [a for v in values for a in ("--set", v)]
+        return docs_of(control_plane.helm("template", "op", str(CHART), "--namespace", "ns1", *args).stdout)
+
+    docs = render("webhook.certManager.enabled=true")
+    (cert,) = [d for d in docs if d["kind"] == "Certificate"]
+    assert cert["spec"]["dnsNames"] == service_hostnames("op-webhook", "ns1")  # the names the operator would use
+    assert cert["spec"]["secretName"] == "op-webhook-tls"
+    (issuer,) = [d for d in docs if d["kind"] == "Issuer"]
+    assert issuer["spec"] == {"selfSigned": {}} and cert["spec"]["issuerRef"] == {"kind": "Issuer", "name": issuer["metadata"]["name"]}
+    pod = by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]
+    assert pod["volumes"] == [{"name": "webhook-certs", "secret": {"secretName": "op-webhook-tls"}}]
+    assert pod["containers"][0]["volumeMounts"][0]["readOnly"] is True
+
+    own = render("webhook.certManager.enabled=true", "webhook.certManager.issuerRef.kind=ClusterIssuer",
+                 "webhook.certManager.issuerRef.name=internal-ca")
+    assert not [d for d in own if d["kind"] == "Issuer"]
+    (cert,) = [d for d in own if d["kind"] == "Certificate"]
+    assert cert["spec"]["issuerRef"] == {"kind": "ClusterIssuer", "name": "internal-ca"}
+    assert not [d for d in render() if d["kind"] in ("Certificate", "Issuer")]  # default: the operator's own CA
+
+
+@pytest.mark.controlplane
 def test_plain_manifests_are_accepted(operator_rbac: Any, control_plane: Any) -> None:
     """deploy/ (namespace, RBAC, the operator Deployment) passes the API server's validation."""
     out = control_plane.kubectl("apply", "--dry-run=server", "-f", str(DEPLOY))

@@ -30,3 +30,12 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 {{- $all := concat $system (list .Release.Namespace) .Values.webhook.excludeNamespaces | uniq -}}
 {{- toJson $all -}}
 {{- end -}}
+
+{{- /* The Secret holding the webhook's certificates, if any (else the operator makes its own). */ -}}
+{{- define "offloadpool.webhookCertSecret" -}}
+{{- if .Values.webhook.certSecret -}}
+{{ .Values.webhook.certSecret }}
+{{- else if .Values.webhook.certManager.enabled -}}
+{{ include "offloadpool.fullname" . }}-webhook-tls
+{{- end -}}
+{{- end -}}
