@@ -153,6 +153,23 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     assert agent.get("/healthz") == 200
     assert 'offloadpool_phase{node="node-x",offloadpool_phase="Ready",pool="agent-life"} 1.0' in agent.metrics()
 
+    # liveness is a coordination.k8s.io Lease, renewed every heartbeat (1 s here), owned by the
+    # pool; the OffloadPoolNode is not written while nothing in its status changes
+    coordination = client.CoordinationV1Api(env["custom"].api_client)
+    first = coordination.read_namespaced_lease(name, "default")
+    assert first.metadata.labels == {"offloadpool.io/pool": pool}
+    owner = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)["metadata"]["uid"]
+    assert [(o.kind, o.name, o.uid) for o in first.metadata.owner_references] == [("OffloadPool", pool, owner)]
+    assert first.spec.holder_identity == name and first.spec.lease_duration_seconds == 4
+    obj0 = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
+    written = obj0["metadata"]["resourceVersion"]
+    renewals = {first.spec.renew_time}
+    wait_for("three Lease renewals", lambda: renewals.add(coordination.read_namespaced_lease(name, "default").spec.renew_time)
+             or len(renewals) >= 3, timeout=30, interval=0.2)
+    obj1 = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
+    assert obj1["metadata"]["resourceVersion"] == written, ("an unchanged status was written again",
+        {k: (obj0["status"].get(k), v) for k, v in obj1["status"].items() if obj0["status"].get(k) != v})
+
     # an engine attaches: the heartbeat reports it, from the lease alone
     engine = hold_lease(env, pool_dir)
     wait_for("enginesAttached 1", lambda: status(env, name).get("enginesAttached") == 1, timeout=30)

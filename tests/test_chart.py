@@ -53,7 +53,7 @@ def test_helm_lint(control_plane: Any) -> None:
 
 @pytest.mark.controlplane
 @pytest.mark.parametrize(("kind", "app"), [("ClusterRole", "offloadpool-operator"), ("Role", "offloadpool-operator"),
-                                           ("ClusterRole", "offloadpool-agent")])
+                                           ("ClusterRole", "offloadpool-agent"), ("Role", "offloadpool-agent")])
 def test_chart_rbac_rules_are_the_deploy_rules(rendered: list[dict[str, Any]], kind: str, app: str) -> None:
     assert by_kind_and_app(rendered, kind, app)["rules"] == by_kind_and_app(deploy_docs(), kind, app)["rules"]
 

@@ -112,7 +112,8 @@ def test_pool_lifecycle(world: World, operator_proc) -> None:
 
 
 def test_unresponsive_agent_and_reselection(world: World, operator_proc) -> None:
-    """A stale heartbeat stops a node counting as Ready; a node that starts matching joins."""
+    """A stale heartbeat stops a node counting as Ready, a renewed Lease brings it back; a node
+    that starts matching joins."""
     w = world
     group = w.name("g")
     a = w.add_node("a", {"offloadpool-test/group": group})
@@ -126,6 +127,11 @@ def test_unresponsive_agent_and_reselection(world: World, operator_proc) -> None
     st = wait_for("unresponsive", lambda: (lambda s: s if s.get("phase") == "Degraded" else None)(status(w, pool)))
     assert st["readyNodes"] == 0 and st["failingNodes"][0]["reason"] == "AgentUnresponsive"
     assert conds(w.pool(pool))["Degraded"]["reason"] == "AgentsUnresponsive"
+    # the agent's heartbeat Lease alone (no status write, nothing that wakes a pass) makes the
+    # node live again by the next resync
+    w.renew_lease(pool, a)
+    wait_for("Ready again from the Lease", lambda: status(w, pool).get("phase") == "Ready", timeout=30)
+    assert w.node_objects(pool)[a]["status"]["heartbeat"] == "2020-01-01T00:00:00Z"
     w.report_ready(pool, a)
     wait_for("Ready again", lambda: status(w, pool).get("phase") == "Ready")
     w.core.patch_node(b, {"metadata": {"labels": {"offloadpool-test/group": group}}}, _content_type=MERGE)

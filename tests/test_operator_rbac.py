@@ -1,5 +1,6 @@
 """RBAC split, asked of the real authorizer: only the operator writes Nodes; the agent reads
-pools and OffloadPoolNodes and writes only OffloadPoolNode status and Events."""
+pools and OffloadPoolNodes and writes only OffloadPoolNode status, Events and its heartbeat
+Lease (in its own namespace); the operator only lists those Leases."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ OPERATOR = f"system:serviceaccount:{NAMESPACE}:offloadpool-operator"
 ALLOWED = [
     (AGENT, "get offloadpools"), (AGENT, "watch offloadpools"), (AGENT, "list offloadpoolnodes"),
     (AGENT, "patch offloadpoolnodes --subresource=status"), (AGENT, "update offloadpoolnodes --subresource=status"),
-    (AGENT, "create events -n default"),
+    (AGENT, "create events -n default"), (AGENT, f"create leases -n {NAMESPACE}"), (AGENT, f"patch leases -n {NAMESPACE}"),
+    (OPERATOR, f"list leases -n {NAMESPACE}"),
     (OPERATOR, "patch nodes"), (OPERATOR, "patch nodes --subresource=status"), (OPERATOR, "watch nodes"),
     (OPERATOR, "create offloadpoolnodes"), (OPERATOR, "delete offloadpoolnodes"),
     (OPERATOR, "patch offloadpools"), (OPERATOR, "patch offloadpools --subresource=status"),
@@ -28,6 +30,7 @@ DENIED = [
     (AGENT, "patch nodes"), (AGENT, "patch nodes --subresource=status"), (AGENT, "update offloadpools"),
     (AGENT, "patch offloadpools --subresource=status"), (AGENT, "patch offloadpoolnodes"),
     (AGENT, "create offloadpoolnodes"), (AGENT, "delete offloadpoolnodes"), (AGENT, "get secrets -n default"),
+    (AGENT, "create leases -n default"), (AGENT, f"delete leases -n {NAMESPACE}"), (OPERATOR, f"patch leases -n {NAMESPACE}"),
     (OPERATOR, "patch offloadpoolnodes --subresource=status"), (OPERATOR, "create daemonsets -n default"),
     (OPERATOR, "delete nodes"), (OPERATOR, "get secrets -n default"), (OPERATOR, "create pods -n default"),
     (OPERATOR, "delete pods -n default"), (OPERATOR, f"create pods -n {NAMESPACE}"),

@@ -1,7 +1,8 @@
 """Kubernetes access for the agent: the API client and the names of the objects it touches.
 
-The agent talks to exactly three things: its OffloadPool (read/watch, by name), its own
-OffloadPoolNode (read/watch by name, write status), and Events in its namespace (create).
+The agent talks to exactly four things: its OffloadPool (read/watch, by name), its own
+OffloadPoolNode (read/watch by name, write status), its heartbeat Lease in its namespace
+(create, renew), and Events (create).
 Keeping the calls here keeps RBAC easy to audit against what the code does.
 """
 
@@ -14,10 +15,12 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-GROUP = "offloadpool.io"
-VERSION = "v1alpha1"
-POOLS = "offloadpools"
-POOL_NODES = "offloadpoolnodes"
+from offloadpool.api.constants import (API_VERSION, GROUP, LEASE_API_VERSION, NODE_PLURAL, POOL_KIND,
+                                       POOL_NAME_LABEL, POOL_PLURAL, VERSION)
+
+POOLS = POOL_PLURAL
+POOL_NODES = NODE_PLURAL
+MERGE = "application/merge-patch+json"
 #: events about cluster-scoped objects must live here (API server validation)
 EVENT_NAMESPACE = "default"
 
@@ -42,6 +45,11 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def micro_now() -> str:
+    """A Lease's MicroTime (RFC 3339 with microseconds)."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 class KubeAccess:
     """The agent's handful of API calls, with 404 turned into None."""
 
@@ -49,6 +57,7 @@ class KubeAccess:
         self.api = api
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
+        self.coordination = client.CoordinationV1Api(api)
         self.pool = pool
         self.node_object = node_object
         self.namespace = namespace
@@ -77,6 +86,37 @@ class KubeAccess:
             if exc.status == 404:
                 return None
             raise
+
+    def renew_lease(self, duration_seconds: int, pool: dict[str, Any]) -> None:
+        """Renew our heartbeat Lease (creating it on first use): one small write per heartbeat.
+
+        Owned by the pool, so the garbage collector removes it with the pool. A merge patch of
+        ``renewTime`` only; a 404 (first heartbeat, or the Lease was deleted) creates it.
+        """
+        stamp = micro_now()
+        try:
+            self.coordination.patch_namespaced_lease(self.node_object, self.namespace,
+                                                     {"spec": {"renewTime": stamp}}, _content_type=MERGE)
+            return
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        meta = pool.get("metadata") or {}
+        body = {
+            "apiVersion": LEASE_API_VERSION, "kind": "Lease",
+            "metadata": {
+                "name": self.node_object, "namespace": self.namespace, "labels": {POOL_NAME_LABEL: self.pool},
+                "ownerReferences": [{"apiVersion": API_VERSION, "kind": POOL_KIND, "name": meta.get("name"),
+                                     "uid": meta.get("uid")}] if meta.get("uid") else [],
+            },
+            "spec": {"holderIdentity": self.node_object, "leaseDurationSeconds": int(duration_seconds),
+                     "acquireTime": stamp, "renewTime": stamp},
+        }
+        try:
+            self.coordination.create_namespaced_lease(self.namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:  # created meanwhile (a racing step): the next renewal patches it
+                raise
 
     def event(self, obj: dict[str, Any], kind: str, reason: str, note: str, type_: str = "Normal") -> None:
         """Record a core/v1 Event about ``obj`` (our OffloadPoolNode); failures are logged, never fatal.

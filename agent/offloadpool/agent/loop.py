@@ -34,6 +34,8 @@ from offloadpool.region.request import PoolRequest
 log = logging.getLogger(__name__)
 
 HUGE_MEDIA = {"HugePages-2Mi", "HugePages-1Gi"}
+#: The Lease's leaseDurationSeconds, in heartbeat periods (as the kubelet: 40 s for 10 s renewals).
+LEASE_PERIODS = 4
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Agent:
         self._pool_node: dict[str, Any] | None = None
         self._last_event: tuple[str, str] | None = None
         self._failures = 0
+        self._renewed = float("-inf")
         self.thread: threading.Thread | None = None
 
     # -- pool directory ----------------------------------------------------------------------
@@ -157,6 +160,8 @@ class Agent:
             self.metrics.error("ApiRead")
             return self.retry_seconds
         self._pool_node = pool_node
+        if pool is not None:
+            self._renew_lease(pool)
         try:
             decision = decide(pool, pool_node, self.local_generation(), self.workers)
         except SpecError as exc:
@@ -178,7 +183,23 @@ class Agent:
     def _beat(self, **fields: Any) -> None:
         n = self.engines_attached()
         self.metrics.engines(n)
-        self.status.heartbeat(enginesAttached=n, **fields)
+        # the object as read this step lost what we wrote (re-created by the operator, edited
+        # by hand): write all of it again, not just what changed
+        seen = ((self._pool_node or {}).get("status") or {}).get("phase")
+        self.status.heartbeat(full=seen != self.status.phase, enginesAttached=n, **fields)
+
+    def _renew_lease(self, pool: dict[str, Any]) -> None:
+        """Renew the heartbeat Lease, at most twice per heartbeat period (steps also run on
+        watch events). A failure is only logged: the next step tries again."""
+        now = time.monotonic()
+        if now - self._renewed < self.heartbeat_seconds / 2:
+            return
+        try:
+            self.access.renew_lease(max(1, round(self.heartbeat_seconds * LEASE_PERIODS)), pool)
+            self._renewed = now
+        except ApiException as exc:
+            log.warning("cannot renew the heartbeat Lease: %s %s", exc.status, exc.reason)
+            self.metrics.error("LeaseRenew")
 
     def _provision(self, d: Decision) -> float:
         req = d.request

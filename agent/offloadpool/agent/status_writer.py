@@ -2,8 +2,10 @@
 
 Every write is a merge patch of the status subresource, so the agent can never touch the spec
 (which the operator owns) and a field set to None is removed. The writer keeps the status it
-last wrote, so a heartbeat re-sends only the fields that change (timestamp, engines attached),
-and progress updates coming from populate worker threads are throttled and serialised here.
+last wrote, so a heartbeat writes nothing unless a field changed (liveness is the Lease's
+job: every status write wakes the operator, a Lease renewal does not), and progress updates
+coming from populate worker threads are throttled and serialised here. ``heartbeat`` in the
+status is the time of the last status write.
 """
 
 from __future__ import annotations
@@ -51,18 +53,24 @@ class StatusWriter:
             return {**self._written, **self._dirty}
 
     def set(self, **fields: Any) -> bool:
-        """Record ``fields`` (camelCase status keys) and write them now with a fresh heartbeat."""
+        """Record ``fields`` (camelCase status keys) and write those that changed now, with a
+        fresh ``heartbeat`` timestamp; nothing is written when none changed."""
         with self._lock:
             if "phase" in fields and fields["phase"] is not None:
                 self.phase = fields["phase"]
             self._dirty.update(fields)
         return self._flush()
 
-    def heartbeat(self, **fields: Any) -> bool:
-        """Re-send the whole status (not just changes), so a re-created object is filled again."""
+    def heartbeat(self, *, full: bool = False, **fields: Any) -> bool:
+        """Record ``fields``; write only if something differs from what was written.
+
+        Liveness is the heartbeat Lease's job, so an unchanged status costs no write and wakes
+        no one. ``full`` re-sends the whole status (an object that lost it: re-created, or
+        written by someone else); so does the first write after the object was missing.
+        """
         with self._lock:
             self._dirty.update(fields)
-        return self._flush(full=True)
+        return self._flush(full=full)
 
     def progress(self, done: int, total: int) -> None:
         """Populate progress from a worker thread: recorded at once, written by the flusher
@@ -91,7 +99,10 @@ class StatusWriter:
     def _flush(self, full: bool = False) -> bool:
         with self._io_lock:
             with self._lock:
-                sent = dict(self._dirty)
+                sent = {k: v for k, v in self._dirty.items() if full or k not in self._written or self._written[k] != v}
+                if not sent and not full and self.exists:
+                    self._dirty.clear()
+                    return True  # nothing changed: no write (a late progress flush, a repeated set)
                 body = {
                     **(self._written if full or not self.exists else {}),
                     **sent,

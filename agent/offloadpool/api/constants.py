@@ -40,6 +40,12 @@ POOL_LABEL_READY = "ready"
 POOL_NAME_LABEL = f"{GROUP}/pool"
 FINALIZER = f"{GROUP}/release"
 
+#: Liveness, the way the kubelet reports it: each agent renews a small coordination.k8s.io
+#: Lease named like its OffloadPoolNode, in the agents' namespace, labelled with its pool.
+#: Renewals are cheap writes nobody watches, so a heartbeat never wakes the operator; the
+#: OffloadPoolNode's status is written only when something in it changes.
+LEASE_API_VERSION = "coordination.k8s.io/v1"
+
 
 def pool_name_error(name: str) -> str | None:
     """Why ``name`` cannot name a pool (the same rules the CRD's CEL enforces), or None."""

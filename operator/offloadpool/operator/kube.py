@@ -7,8 +7,10 @@ not have finished. Calls are synchronous; the reconciler runs in a worker thread
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import kubernetes
@@ -18,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_NAME_LABEL, POOL_PLURAL, VERSION
 
 from .daemonset import HASH_ANNOTATION
+from .nodeview import parse_time
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ class Kube:
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.core = kubernetes.client.CoreV1Api(client)
         self.apps = kubernetes.client.AppsV1Api(client)
+        self.coordination = kubernetes.client.CoordinationV1Api(client)
 
     # -- pools ---------------------------------------------------------------------------
     def get_pool(self, name: str) -> dict[str, Any] | None:
@@ -89,6 +93,23 @@ class Kube:
 
     def patch_node_object(self, name: str, patch: Mapping[str, Any]) -> None:
         self.custom.patch_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name, dict(patch), _content_type=MERGE)
+
+    # -- agents' heartbeat Leases ------------------------------------------------------
+    def list_agent_leases(self, namespace: str, pool: str) -> dict[str, datetime]:
+        """Lease name (``<pool>.<node>``) -> last renewTime, for the pool's agents.
+
+        Read as raw JSON: a thousand Leases turned into client model objects would cost more
+        than the rest of a pass.
+        """
+        resp = self.coordination.list_namespaced_lease(
+            namespace, label_selector=f"{POOL_NAME_LABEL}={pool}", _preload_content=False)
+        items = json.loads(resp.data).get("items") or []
+        out: dict[str, datetime] = {}
+        for item in items:
+            renewed = parse_time((item.get("spec") or {}).get("renewTime"))
+            if renewed is not None:
+                out[item["metadata"]["name"]] = renewed
+        return out
 
     # -- Nodes -------------------------------------------------------------------------
     def patch_node(self, name: str, patch: Mapping[str, Any]) -> None:

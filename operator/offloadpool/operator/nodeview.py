@@ -9,7 +9,7 @@ than the timeout means "unresponsive", whatever the phase says).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -68,6 +68,16 @@ class NodeView:
             engines_attached=int(status.get("enginesAttached") or 0),
             heartbeat=parse_time(status.get("heartbeat")),
         )
+
+    def renewed(self, renew_time: datetime | None) -> "NodeView":
+        """This view with its agent's heartbeat Lease taken into account.
+
+        Agents renew a Lease for liveness and write their status only on change, so the last
+        sign of life is the later of the Lease's renewTime and the status' own timestamp (an
+        agent busy populating writes progress but renews nothing)."""
+        if renew_time is None or (self.heartbeat is not None and self.heartbeat >= renew_time):
+            return self
+        return replace(self, heartbeat=renew_time)
 
     def stale(self, now: datetime, timeout_seconds: float) -> bool:
         """The agent reported once but has not written a heartbeat for too long."""

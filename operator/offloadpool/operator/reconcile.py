@@ -89,7 +89,9 @@ class Reconciler:
                                       f"agent DaemonSet {self.config.namespace}/{daemonset.daemonset_name(name)} {outcome}"))
 
         selected = selected_nodes(spec, list(existing.values()))
-        views = {v.node: v for v in map(NodeView.from_body, self.kube.list_node_objects(name))}
+        renewals = self.kube.list_agent_leases(self.config.namespace, name)
+        views = {v.node: v.renewed(renewals.get(node_object_name(name, v.node)))
+                 for v in map(NodeView.from_body, self.kube.list_node_objects(name))}
 
         if not deleting:
             self._sync_node_objects(pool, generation, selected, views, existing, result)
