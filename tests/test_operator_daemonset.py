@@ -41,7 +41,8 @@ def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
     assert agent["volumeMounts"] == [{"name": "host-root", "mountPath": "/var/lib/offloadpool", "mountPropagation": "Bidirectional"}]
     assert pod["volumes"] == [{"name": "host-root", "hostPath": {"path": "/var/lib/offloadpool", "type": "DirectoryOrCreate"}}]
     assert agent["securityContext"]["privileged"] is True
-    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert pod["hostPID"] is True  # to see the pool's holders in every pod (region.holders)
+    assert not any(pod.get(k) for k in ("hostNetwork", "hostIPC"))
     assert agent["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert agent["ports"] == [{"name": "http", "containerPort": 9475, "protocol": "TCP"}]

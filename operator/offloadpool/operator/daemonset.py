@@ -12,10 +12,13 @@ Choices, and why:
 - **Host root.** One hostPath volume (``/var/lib/offloadpool``, DirectoryOrCreate) with
   ``mountPropagation: Bidirectional``: the agent mounts the pool's hugetlbfs/tmpfs inside it and
   the mount must propagate back to the host, where inference pods get it by hostPath.
-- **Privileges.** ``privileged: true`` and nothing else: mount(2) needs CAP_SYS_ADMIN, and the
-  API server only accepts Bidirectional propagation on privileged containers, so privileged is
-  the least that works. No hostNetwork, hostPID or hostIPC, one hostPath, read-only root file
-  system.
+- **Privileges.** ``privileged: true``: mount(2) needs CAP_SYS_ADMIN, and the API server only
+  accepts Bidirectional propagation on privileged containers, so privileged is the least that
+  works. ``hostPID: true``: the agent must see every process on the node that maps or opens
+  the pool's files or holds its lease (``offloadpool.region.holders``), and the other pods'
+  processes are visible only in the host's pid namespace; without it stock vLLM in a pod would
+  be invisible and a release could free memory it still uses. No hostNetwork or hostIPC, one
+  hostPath, read-only root file system.
 - **Probes.** Liveness on ``/healthz`` (the agent loop is alive; stays healthy while
   populating), readiness on ``/readyz`` (the region is Ready), both on the agent's one port.
 - **Updates.** ``updateStrategy: OnDelete``: changing the template never restarts an agent by
@@ -148,6 +151,7 @@ def render(pool_body: Mapping[str, Any], config: OperatorConfig) -> dict[str, An
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": config.agent_service_account,
+        "hostPID": True,
         "containers": [container],
         "volumes": [
             {"name": VOLUME_NAME, "hostPath": {"path": config.host_root, "type": "DirectoryOrCreate"}}
