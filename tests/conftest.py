@@ -28,6 +28,7 @@ _PLUGINS: dict[str, tuple[str, ...]] = {
     "fixtures.operator_process": ("yaml",),
     "fixtures.operator_world": ("kubernetes", "pydantic", "yaml"),
     "fixtures.pinning_pools": (),
+    "fixtures.chaos": (),
 }
 
 pytest_plugins = [
