@@ -170,7 +170,7 @@ def test_counts_are_consistent(pool, timeout):
 
 
 def test_node_marks_follow_readiness() -> None:
-    from offloadpool.operator.nodes import label_patch, resource_patch
+    from offloadpool.operator.nodes import label_patch, marks_patch, resource_patch
     from offloadpool.operator.selection import NodeInfo
 
     def node(labels=None, capacity=None, allocatable=None) -> NodeInfo:
@@ -187,6 +187,12 @@ def test_node_marks_follow_readiness() -> None:
     # a kubelet that re-registered the node zeroed the resource: advertise it again
     zeroed = node({"pool.offloadpool.io/p": "ready"}, {"offloadpool.io/p": "0"}, {"offloadpool.io/p": "0"})
     assert resource_patch("p", zeroed, True) is not None
+    # both marks in one status patch, or none
+    assert marks_patch("p", bare, True) == {"metadata": {"labels": {"pool.offloadpool.io/p": "ready"}},
+                                            "status": {"capacity": {"offloadpool.io/p": "1"},
+                                                       "allocatable": {"offloadpool.io/p": "1"}}}
+    assert marks_patch("p", marked, True) is None and marks_patch("p", bare, False) is None
+    assert marks_patch("p", zeroed, True) == resource_patch("p", zeroed, True)
 
 
 def test_selection_follows_the_daemonset_controller() -> None:

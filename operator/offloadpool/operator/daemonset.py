@@ -58,17 +58,18 @@ def selector_labels(pool: str) -> dict[str, str]:
     return {APP_LABEL: APP_NAME, POOL_NAME_LABEL: pool}
 
 
-def pod_node(pod: Any) -> str | None:
-    """The node an agent pod is for: spec.nodeName once bound, else the node affinity the
-    DaemonSet controller pins each of its pods to (matchFields metadata.name)."""
-    if pod.spec.node_name:
-        return pod.spec.node_name
-    affinity = pod.spec.affinity
-    required = affinity and affinity.node_affinity and affinity.node_affinity.required_during_scheduling_ignored_during_execution
-    for term in (required.node_selector_terms if required else None) or ():
-        for field in term.match_fields or ():
-            if field.key == "metadata.name" and field.operator == "In" and field.values:
-                return field.values[0]
+def pod_node(pod: Mapping[str, Any]) -> str | None:
+    """The node an agent pod (as JSON) is for: spec.nodeName once bound, else the node affinity
+    the DaemonSet controller pins each of its pods to (matchFields metadata.name)."""
+    spec = pod.get("spec") or {}
+    if spec.get("nodeName"):
+        return spec["nodeName"]
+    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    for term in required.get("nodeSelectorTerms") or ():
+        for field in term.get("matchFields") or ():
+            if field.get("key") == "metadata.name" and field.get("operator") == "In" and field.get("values"):
+                return field["values"][0]
     return None
 
 

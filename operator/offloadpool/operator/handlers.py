@@ -1,8 +1,10 @@
 """The kopf handlers. They only decide WHEN a pool gets a pass; ``reconcile`` decides WHAT.
 
-- every OffloadPool has a daemon that runs a pass when woken (a change to the pool, to one of
-  its OffloadPoolNodes, or to any Node's labels/taints/resources) and at least every
-  ``resync_seconds`` (stale heartbeats, objects deleted by hand); bursts are coalesced;
+- every OffloadPool has a daemon that runs a pass when woken (a change to the pool's spec or
+  deletion, to one of its OffloadPoolNodes, to any Node's labels/taints, or a pool mark lost)
+  and at least every ``resync_seconds`` (stale heartbeats, objects deleted by hand); bursts are
+  coalesced. What the operator writes itself (pool status, marks on Nodes) wakes nothing, so
+  passes do not beget passes; agents' heartbeats are Leases, which it does not watch;
 - Nodes are kept in a kopf index (name -> NodeInfo): kopf fills it before any handler runs, so
   the first pass after a restart never mistakes "not listed yet" for "gone";
 - the deletion handler holds the pool (finalizer) and runs deletion passes until every node
@@ -84,9 +86,10 @@ async def node_object_event(spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, POOL_PLURAL)
-async def pool_event(event: dict[str, Any], name: str, memo: kopf.Memo, **_: Any) -> None:
-    if event.get("type") != "DELETED":
-        _runtime(memo).trigger(name)
+async def pool_event(event: dict[str, Any], body: kopf.Body, name: str, memo: kopf.Memo, **_: Any) -> None:
+    runtime = _runtime(memo)
+    if event.get("type") != "DELETED" and runtime.pool_changed(name, body):
+        runtime.trigger(name)
 
 
 @kopf.daemon(GROUP, VERSION, POOL_PLURAL, initial_delay=0)

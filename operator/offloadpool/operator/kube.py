@@ -3,6 +3,10 @@
 Every call tolerates the outcome it was after already being true (409 on create, 404 on
 delete), because after a kill -9 the next operator repeats whatever the last one may or may
 not have finished. Calls are synchronous; the reconciler runs in a worker thread.
+
+Bodies go out as plain dicts and answers come back as plain JSON (``_preload_content=False``):
+turning each answer into the client's model objects (a whole V1Node for every label written)
+cost more CPU than everything else the operator does per node.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from datetime import datetime
 from typing import Any
 
 import kubernetes
-from kubernetes.client import V1DaemonSet
 from kubernetes.client.exceptions import ApiException
 
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_NAME_LABEL, POOL_PLURAL, VERSION
@@ -38,6 +41,16 @@ def load_client() -> kubernetes.client.ApiClient:
     return kubernetes.client.ApiClient()
 
 
+def _json(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call an API method and return its answer as plain JSON (errors still raise ApiException)."""
+    resp = call(*args, _preload_content=False, **kwargs)
+    try:
+        data = resp.data
+    finally:
+        resp.release_conn()
+    return json.loads(data) if data else None
+
+
 class Kube:
     """Typed access to pools, OffloadPoolNodes, Nodes and DaemonSets."""
 
@@ -58,7 +71,8 @@ class Kube:
 
     def patch_pool_status(self, name: str, status: Mapping[str, Any]) -> None:
         try:
-            self.custom.patch_cluster_custom_object_status(GROUP, VERSION, POOL_PLURAL, name, {"status": dict(status)}, _content_type=MERGE)
+            _json(self.custom.patch_cluster_custom_object_status, GROUP, VERSION, POOL_PLURAL, name,
+                  {"status": dict(status)}, _content_type=MERGE)
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -66,15 +80,14 @@ class Kube:
     # -- OffloadPoolNodes ---------------------------------------------------------------
     def list_node_objects(self, pool: str) -> list[dict[str, Any]]:
         """A consistent (quorum) read: the rollout must see its own last write."""
-        found = self.custom.list_cluster_custom_object(
-            GROUP, VERSION, NODE_PLURAL, label_selector=f"{POOL_NAME_LABEL}={pool}"
-        )
+        found = _json(self.custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL,
+                      label_selector=f"{POOL_NAME_LABEL}={pool}")
         return [item for item in found.get("items", []) if (item.get("spec") or {}).get("pool") == pool]
 
     def create_node_object(self, body: Mapping[str, Any]) -> bool:
         """True when created now, False when it existed already."""
         try:
-            self.custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, dict(body))
+            _json(self.custom.create_cluster_custom_object, GROUP, VERSION, NODE_PLURAL, dict(body))
             return True
         except ApiException as exc:
             if exc.status == 409:
@@ -84,7 +97,7 @@ class Kube:
     def delete_node_object(self, name: str) -> bool:
         """True when deleted now, False when it was gone already."""
         try:
-            self.custom.delete_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name)
+            _json(self.custom.delete_cluster_custom_object, GROUP, VERSION, NODE_PLURAL, name)
             return True
         except ApiException as exc:
             if exc.status == 404:
@@ -92,7 +105,8 @@ class Kube:
             raise
 
     def patch_node_object(self, name: str, patch: Mapping[str, Any]) -> None:
-        self.custom.patch_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, name, dict(patch), _content_type=MERGE)
+        _json(self.custom.patch_cluster_custom_object, GROUP, VERSION, NODE_PLURAL, name, dict(patch),
+              _content_type=MERGE)
 
     # -- agents' heartbeat Leases ------------------------------------------------------
     def list_agent_leases(self, namespace: str, pool: str) -> dict[str, datetime]:
@@ -101,9 +115,8 @@ class Kube:
         Read as raw JSON: a thousand Leases turned into client model objects would cost more
         than the rest of a pass.
         """
-        resp = self.coordination.list_namespaced_lease(
-            namespace, label_selector=f"{POOL_NAME_LABEL}={pool}", _preload_content=False)
-        items = json.loads(resp.data).get("items") or []
+        items = _json(self.coordination.list_namespaced_lease, namespace,
+                      label_selector=f"{POOL_NAME_LABEL}={pool}").get("items") or []
         out: dict[str, datetime] = {}
         for item in items:
             renewed = parse_time((item.get("spec") or {}).get("renewTime"))
@@ -114,14 +127,14 @@ class Kube:
     # -- Nodes -------------------------------------------------------------------------
     def patch_node(self, name: str, patch: Mapping[str, Any]) -> None:
         try:
-            self.core.patch_node(name, dict(patch), _content_type=MERGE)
+            _json(self.core.patch_node, name, dict(patch), _content_type=MERGE)
         except ApiException as exc:
             if exc.status != 404:
                 raise
 
     def patch_node_status(self, name: str, patch: Mapping[str, Any]) -> None:
         try:
-            self.core.patch_node_status(name, dict(patch), _content_type=MERGE)
+            _json(self.core.patch_node_status, name, dict(patch), _content_type=MERGE)
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -137,29 +150,29 @@ class Kube:
         """
         meta = body["metadata"]
         try:
-            current = self.apps.read_namespaced_daemon_set(meta["name"], meta["namespace"])
+            current = _json(self.apps.read_namespaced_daemon_set, meta["name"], meta["namespace"])
         except ApiException as exc:
             if exc.status != 404:
                 raise
             try:
-                made = self.apps.create_namespaced_daemon_set(meta["namespace"], V1DaemonSet.from_dict(dict(body)))
-                return "created", made.metadata.generation
+                made = _json(self.apps.create_namespaced_daemon_set, meta["namespace"], dict(body))
+                return "created", made["metadata"].get("generation")
             except ApiException as exc2:
                 if exc2.status != 409:
                     raise
                 return "unchanged", None
-        annotations = current.metadata.annotations or {}
+        annotations = current["metadata"].get("annotations") or {}
         if annotations.get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]:
-            return "unchanged", current.metadata.generation
+            return "unchanged", current["metadata"].get("generation")
         replacement = dict(body)
-        replacement["metadata"] = {**meta, "resourceVersion": current.metadata.resource_version}
-        made = self.apps.replace_namespaced_daemon_set(meta["name"], meta["namespace"], V1DaemonSet.from_dict(replacement))
-        return "updated", made.metadata.generation
+        replacement["metadata"] = {**meta, "resourceVersion": current["metadata"]["resourceVersion"]}
+        made = _json(self.apps.replace_namespaced_daemon_set, meta["name"], meta["namespace"], replacement)
+        return "updated", made["metadata"].get("generation")
 
     # -- agent pods --------------------------------------------------------------------
-    def list_agent_pods(self, namespace: str, selector: Mapping[str, str]) -> list[Any]:
+    def list_agent_pods(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
-        return self.core.list_namespaced_pod(namespace, label_selector=label_selector).items
+        return _json(self.core.list_namespaced_pod, namespace, label_selector=label_selector).get("items") or []
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
         """Delete exactly that pod (uid precondition); True when deleted now."""

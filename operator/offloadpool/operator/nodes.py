@@ -14,6 +14,11 @@ On a Node, while the pool is Ready there, the operator keeps:
   it does not manage.
 
 Both are removed (a merge patch with ``null``) as soon as the pool is not Ready there.
+
+Both go in one merge patch of the Node's status subresource (``marks_patch``): the API server
+keeps metadata changes made through a Node's status (tests/test_operator_lifecycle.py checks
+both marks land), and one write instead of two per node is a third of the operator's writes
+while a pool converges, and one watch event less for every consumer of Node events.
 """
 
 from __future__ import annotations
@@ -79,6 +84,14 @@ def resource_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | N
         return None
     value = EXTENDED_RESOURCE_CAPACITY if ready else None
     return {"status": {"capacity": {name: value}, "allocatable": {name: value}}}
+
+
+def marks_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None:
+    """The one patch (for the status subresource) that makes both marks match ``ready``."""
+    patch: dict[str, Any] = {}
+    for part in (label_patch(pool, node, ready), resource_patch(pool, node, ready)):
+        patch.update(part or {})
+    return patch or None
 
 
 def carries_pool(pool: str, node: NodeInfo) -> bool:

@@ -197,6 +197,8 @@ class Reconciler:
         without touching memory and its successor resumes. Image-only template changes (same
         pool generation) never restart agents: they reach a node when its pod is next deleted.
         """
+        if ds_generation <= 1:
+            return  # one template ever: no pod can be from an older one
         name = pool["metadata"]["name"]
         candidates = {
             node for node in selected
@@ -209,14 +211,15 @@ class Reconciler:
             return
         for pod in self.kube.list_agent_pods(self.config.namespace, daemonset.selector_labels(name)):
             node = daemonset.pod_node(pod)
-            if node not in candidates or pod.metadata.deletion_timestamp is not None:
+            meta = pod["metadata"]
+            if node not in candidates or meta.get("deletionTimestamp"):
                 continue
-            if (pod.metadata.labels or {}).get("pod-template-generation") == str(ds_generation):
+            if (meta.get("labels") or {}).get("pod-template-generation") == str(ds_generation):
                 continue
-            if self.kube.delete_pod(self.config.namespace, pod.metadata.name, pod.metadata.uid):
-                result.writes.append(f"replaced agent pod {pod.metadata.name} on {node}")
+            if self.kube.delete_pod(self.config.namespace, meta["name"], meta["uid"]):
+                result.writes.append(f"replaced agent pod {meta['name']} on {node}")
                 self.emit(pool, Event("Normal", "AgentReplaced",
-                                      f"agent pod {pod.metadata.name} on node {node} replaced: generation {generation} "
+                                      f"agent pod {meta['name']} on node {node} replaced: generation {generation} "
                                       "needs the DaemonSet's current requests and limits"))
 
     def _sync_node_marks(
@@ -227,11 +230,7 @@ class Reconciler:
             is_ready = info.name in ready
             if not is_ready and not nodes.carries_pool(pool, info):
                 continue
-            patch = nodes.label_patch(pool, info, is_ready)
-            if patch:
-                self.kube.patch_node(info.name, patch)
-                result.writes.append(f"{'labelled' if is_ready else 'unlabelled'} node {info.name}")
-            patch = nodes.resource_patch(pool, info, is_ready)
+            patch = nodes.marks_patch(pool, info, is_ready)
             if patch:
                 self.kube.patch_node_status(info.name, patch)
-                result.writes.append(f"{'advertised' if is_ready else 'withdrew'} resource on node {info.name}")
+                result.writes.append(f"{'marked' if is_ready else 'unmarked'} node {info.name}")

@@ -31,6 +31,7 @@ class Runtime:
         self.reconciler: Reconciler | None = None
         self._triggers: dict[str, asyncio.Event] = {}
         self._node_seen: dict[str, NodeInfo] = {}
+        self._pool_seen: dict[str, tuple[Any, ...]] = {}
 
     def connect(self) -> None:
         """Load credentials (in-cluster or kubeconfig) and build the reconciler."""
@@ -49,12 +50,30 @@ class Runtime:
 
     def forget(self, pool: str) -> None:
         self._triggers.pop(pool, None)
+        self._pool_seen.pop(pool, None)
 
     def node_changed(self, info: NodeInfo | None, name: str) -> bool:
-        """Record a Node's relevant state; True when it differs from what was seen last."""
+        """Record a Node's state; True when it changed in a way a pass must see at once.
+
+        That is: the Node came or went, its selection (labels, taints) changed, or it lost a
+        pool mark (a label or resource removed by someone else, e.g. a re-registering kubelet).
+        The operator's own marks appearing are no news: waking every pool for each label it
+        wrote itself made passes beget passes while a pool converged.
+        """
         if info is None:
             return self._node_seen.pop(name, None) is not None
-        if self._node_seen.get(name) == info:
-            return False
+        before = self._node_seen.get(name)
         self._node_seen[name] = info
+        if before is None or before == info:
+            return before is None
+        return before.selection_key() != info.selection_key() or bool(before.marks() - info.marks())
+
+    def pool_changed(self, name: str, body: Mapping[str, Any]) -> bool:
+        """True when a pool event carries something a pass acts on: a new spec (generation),
+        deletion, finalizers. Its status — written by the operator's own passes — is not."""
+        meta = body.get("metadata") or {}
+        key = (meta.get("generation"), meta.get("deletionTimestamp"), tuple(meta.get("finalizers") or ()))
+        if self._pool_seen.get(name) == key:
+            return False
+        self._pool_seen[name] = key
         return True

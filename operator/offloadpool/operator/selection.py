@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from offloadpool.api.constants import POOL_LABEL_PREFIX
+
 #: Taints managed by Kubernetes for node conditions; never change pool membership.
 SYSTEM_TAINT_PREFIX = "node.kubernetes.io/"
 #: Only these effects keep a DaemonSet pod off a node.
@@ -36,6 +38,16 @@ class NodeInfo:
     #: offloadpool.io/ extended resources present at all (a kubelet that re-registers a node
     #: zeroes extended resources it does not manage: present but "0" must be re-advertised).
     resource_keys: frozenset[str] = frozenset()
+
+    def selection_key(self) -> tuple[Any, ...]:
+        """What decides which pools select this node: labels (the pools' own marks left out)
+        and taints."""
+        labels = tuple(sorted((k, v) for k, v in self.labels.items() if not k.startswith(POOL_LABEL_PREFIX)))
+        return labels, tuple(tuple(sorted(t.items())) for t in self.taints)
+
+    def marks(self) -> frozenset[str]:
+        """The pool marks the node carries: ready labels and fully advertised resources."""
+        return frozenset(k for k in self.labels if k.startswith(POOL_LABEL_PREFIX)) | self.resources
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], resource_prefix: str) -> "NodeInfo":

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Scale benchmark: one pool over 200, 500 and 1,000 simulated nodes, in one run.
+
+Runs tests/test_scale.py (real control plane, real operator process, in-process agents with
+real 4 MiB tmpfs regions and heartbeat Leases) for each node count against one operator, and
+prints per count: seconds to converge, operator CPU-ms per node to converge, steady-state
+operator CPU % and API writes per second, operator peak RSS; plus the ratio of each cost
+between consecutive counts (doubling the nodes should at most double each cost).
+
+    .venv/bin/python bench/scale.py [--nodes 200,500,1000] [--steady-seconds 30]
+                                    [--json FILE] [--png FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = [
+    ("nodes", "nodes"),
+    ("seconds_to_converge", "s to converge"),
+    ("operator_cpu_ms_per_node_to_converge", "operator CPU-ms / node to converge"),
+    ("operator_cpu_percent_steady", "operator CPU % steady"),
+    ("api_writes_per_second_steady", "API writes/s steady (all clients)"),
+    ("operator_peak_rss_mib", "operator peak RSS MiB"),
+]
+
+
+def table(reports: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r[key]) for key, _ in COLUMNS) + " |" for r in reports]
+    if len(reports) > 1:
+        lines += ["", "Growth between consecutive runs (cost ratio / node-count ratio; <= 1 is linear or better):", ""]
+        lines += ["| from → to | nodes × | converge s × | operator CPU total × | steady CPU × | writes/s × |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for a, b in zip(reports, reports[1:]):
+            k = b["nodes"] / a["nodes"]
+
+            def ratio(key: str, a: dict[str, Any] = a, b: dict[str, Any] = b) -> str:
+                return f"{b[key] / a[key]:.2f}" if a[key] else "n/a"
+
+            total_a = a["operator_cpu_seconds_to_converge"]
+            total_b = b["operator_cpu_seconds_to_converge"]
+            lines.append(f"| {a['nodes']} → {b['nodes']} | {k:.1f} | {ratio('seconds_to_converge')} | "
+                         f"{total_b / total_a if total_a else float('nan'):.2f} | "
+                         f"{ratio('operator_cpu_percent_steady')} | {ratio('api_writes_per_second_steady')} |")
+    return "\n".join(lines)
+
+
+def plot(reports: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["nodes"] for r in reports]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, title in zip(axes, ("seconds_to_converge", "operator_cpu_ms_per_node_to_converge",
+                                     "operator_cpu_percent_steady"),
+                              ("seconds to converge", "operator CPU-ms per node", "operator CPU % steady")):
+        ax.plot(n, [r[key] for r in reports], marker="o")
+        ax.set_title(title)
+        ax.set_xlabel("nodes")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle("offloadpool operator at scale (bench/scale.py, 2-core VM)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", default="200,500,1000", help="comma-separated node counts, run in order")
+    p.add_argument("--steady-seconds", type=float, default=30.0)
+    p.add_argument("--json", help="also write the reports as JSON to this file")
+    p.add_argument("--png", help="write a plot to this file (needs matplotlib)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        env = {**os.environ, "OFFLOADPOOL_SCALE_REPORT": str(report), "OFFLOADPOOL_SCALE_NODES": args.nodes,
+               "OFFLOADPOOL_SCALE_STEADY_SECONDS": str(args.steady_seconds)}
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                              "tests/test_scale.py"], cwd=ROOT, env=env, stdout=sys.stderr)
+        if rc != 0 or not report.exists():
+            print(f"scale test failed (rc={rc})", file=sys.stderr)
+            return rc or 1
+        reports = json.loads(report.read_text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(reports, indent=2) + "\n")
+    if args.png:
+        plot(reports, args.png)
+    print(table(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

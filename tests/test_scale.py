@@ -1,0 +1,177 @@
+"""Scale: one pool over hundreds of nodes converges, and what it costs the operator.
+
+Real Node objects; the real operator process (its own RBAC) creates one OffloadPoolNode per
+node and the DaemonSet (the real DaemonSet controller then creates the pods, left unscheduled:
+starting that many agent processes would measure this 2-core machine, not the operator). The
+agents run in this one process instead — the real ``offloadpool.agent.loop.Agent``, one per
+node, each with its own host root, its own real 4 MiB tmpfs region, its own OffloadPoolNode
+status and heartbeat Lease, talking to the API server with the agent ServiceAccount's token.
+
+The test asserts convergence (all Ready, pool Ready N/N), that a steady pool makes no
+OffloadPoolNode status writes (liveness is the Leases'), and that deletion releases every
+node. It reports, without asserting on them, the time to converge, the operator's CPU per
+node and peak RSS, and steady-state operator CPU and API writes per second.
+
+``OFFLOADPOOL_SCALE_NODES`` is a comma-separated list of node counts run one after the other
+against one operator (CI: 200); ``OFFLOADPOOL_SCALE_REPORT=<file>`` writes the reports as
+JSON (``bench/scale.py`` runs 200, 500 and 1,000).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes import config as kconfig
+from prometheus_client import CollectorRegistry
+
+from fixtures.cluster import mounts_under, release_everything, wait_for
+from fixtures.operator_process import OperatorProcess
+from offloadpool.agent import kube
+from offloadpool.agent.loop import Agent
+from offloadpool.agent.metrics import AgentMetrics
+from offloadpool.api.constants import GROUP, POOL_PLURAL, VERSION
+
+pytestmark = pytest.mark.controlplane
+
+COUNTS = [int(n) for n in os.environ.get("OFFLOADPOOL_SCALE_NODES", "200").split(",")]
+STEADY_SECONDS = float(os.environ.get("OFFLOADPOOL_SCALE_STEADY_SECONDS", "30"))
+HEARTBEAT_SECONDS = 10.0
+WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
+_REQUESTS = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.M)
+
+
+def api_writes(cp: Any) -> Counter[str]:
+    """Write requests served so far by the API server, per resource (its own /metrics)."""
+    text = cp.kubectl("get", "--raw", "/metrics").stdout
+    out: Counter[str] = Counter()
+    for m in _REQUESTS.finditer(text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
+        if labels.get("verb") in WRITE_VERBS:
+            key = labels.get("resource", "?") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
+            out[key] += int(float(m["value"]))
+    return out
+
+
+def test_pool_converges_at_scale(offloadpool_operator: OperatorProcess) -> None:
+    op = offloadpool_operator
+    reports = [run_one(op, n) for n in COUNTS]
+    if os.environ.get("OFFLOADPOOL_SCALE_REPORT"):
+        Path(os.environ["OFFLOADPOOL_SCALE_REPORT"]).write_text(json.dumps(reports, indent=2) + "\n")
+
+
+def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
+    cp = op.cp
+    tag = uuid.uuid4().hex[:6]
+    label = {f"scale.offloadpool.io/{tag}": "true"}
+    work = Path(tempfile.mkdtemp(prefix="offloadpool-scale-"))
+    admin = cp.api_client()
+    core = client.CoreV1Api(admin)
+    custom = client.CustomObjectsApi(admin)
+    names = [f"scale-{tag}-{i:04d}" for i in range(nodes)]
+    pool = f"scale-{tag}"
+
+    token = cp.token_for(op.namespace, "offloadpool-agent", expiration_seconds=3600)
+    agent_cfg = client.Configuration()
+    kconfig.load_kube_config(str(cp.kubeconfig_for_token(token, work / "agent.kubeconfig")),
+                             client_configuration=agent_cfg)
+    agent_cfg.connection_pool_maxsize = 64
+    agent_api = client.ApiClient(agent_cfg)
+    agents: list[Agent] = []
+    try:
+        for name in names:
+            core.create_node({"apiVersion": "v1", "kind": "Node",
+                              "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **label}}})
+        for name in names:
+            access = kube.KubeAccess(agent_api, pool, f"{pool}.{name}", op.namespace)
+            agents.append(Agent(access, work / name, metrics=AgentMetrics(pool, name, CollectorRegistry()),
+                                heartbeat_seconds=HEARTBEAT_SECONDS, retry_seconds=2, watches=False).start())
+        cpu0 = op.cpu_seconds()
+        t0 = time.monotonic()
+        custom.create_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": pool},
+            "spec": {"capacity": "4Mi", "medium": "Memory", "nodeSelector": label}})
+
+        def converged() -> dict[str, Any] | None:
+            st = (custom.get_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool).get("status") or {})
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
+            return st if ready and st.get("readyNodes") == nodes == st.get("desiredNodes") else None
+
+        st = wait_for(f"pool Ready {nodes}/{nodes}", converged, timeout=900, interval=0.25)
+        seconds = time.monotonic() - t0
+        cpu = op.cpu_seconds() - cpu0
+        assert st["totalBytes"] == nodes * 4 * (1 << 20)
+
+        # steady state: heartbeats only (a Lease renewal per agent every 10 s)
+        time.sleep(2 * op_debounce())  # let the last passes of the convergence finish
+        writes0, cpu1, t1 = api_writes(cp), op.cpu_seconds(), time.monotonic()
+        time.sleep(STEADY_SECONDS)
+        elapsed = time.monotonic() - t1
+        steady_cpu = op.cpu_seconds() - cpu1
+        writes = api_writes(cp) - writes0
+        report = {
+            "nodes": nodes,
+            "seconds_to_converge": round(seconds, 1),
+            "operator_cpu_ms_per_node_to_converge": round(1000 * cpu / nodes, 2),
+            "operator_cpu_seconds_to_converge": round(cpu, 2),
+            "operator_cpu_percent_steady": round(100 * steady_cpu / elapsed, 2),
+            "api_writes_per_second_steady": round(sum(writes.values()) / elapsed, 1),
+            "api_writes_per_second_steady_by_resource": {k: round(v / elapsed, 2) for k, v in writes.most_common()},
+            "operator_peak_rss_mib": round(op.peak_rss_bytes() / (1 << 20), 1),
+        }
+        print(f"\nSCALE REPORT {json.dumps(report)}")
+        # liveness costs no OffloadPoolNode write: a steady pool's statuses stay unwritten
+        assert writes.get("offloadpoolnodes/status", 0) == 0, writes
+        assert writes.get("leases", 0) > 0, writes
+
+        custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
+        wait_for("pool deleted after every node released", lambda: not _exists(custom, pool), 900, interval=1)
+        assert not mounts_under(work), "released pools left mounts"
+        return report
+    finally:
+        for a in agents:
+            a.stop.set()
+            a.wake.set()
+        for a in agents:
+            if a.thread is not None:
+                a.thread.join(timeout=30)
+        if _exists(custom, pool):
+            custom.patch_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool, {"metadata": {"finalizers": None}})
+            custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
+        for name in names:
+            try:
+                core.delete_node(name)
+            except client.rest.ApiException:
+                pass
+        release_everything(work)
+        left = mounts_under(work)
+        shutil.rmtree(work, ignore_errors=True)
+        agent_api.close()
+        admin.close()
+        assert not left, f"mounts left: {left}"
+
+
+def op_debounce() -> float:
+    from offloadpool.operator.config import OperatorConfig
+
+    return OperatorConfig().debounce_seconds
+
+
+def _exists(custom: client.CustomObjectsApi, pool: str) -> bool:
+    try:
+        custom.get_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
+        return True
+    except client.rest.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
