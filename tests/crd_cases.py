@@ -181,7 +181,24 @@ INVALID_POOLS: list[InvalidPool] = [
         "spec.compat.vllm",
     ),
     InvalidPool(
-        "compat-with-many-files", _s(compat={"vllm": {"engineId": "e1"}}), "spec.segments.maxFiles"
+        "compat-several-vllm-files-without-row",
+        _s(capacity="2Gi", compat={"vllm": {"engineId": "e1"}}),
+        "spec.compat.vllm.rowSize",
+    ),
+    InvalidPool(
+        "compat-row-not-dividing-capacity",
+        _s(capacity="2Gi", compat={"vllm": {"engineId": "e1", "rowSize": "12Ki"}}),
+        "spec.compat.vllm.rowSize",
+    ),
+    InvalidPool(
+        "compat-row-not-4ki",
+        _s(capacity="64Mi", compat={"vllm": {"engineId": "e1", "rowSize": 1000}}),
+        "spec.compat.vllm.rowSize",
+    ),
+    InvalidPool(
+        "compat-segments-above-32",
+        _s(compat={"vllm": {"engineId": "e1", "numSegments": 33}}),
+        "spec.compat.vllm.numSegments",
     ),
     InvalidPool("spec-missing", None, "spec"),
 ]

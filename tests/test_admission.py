@@ -70,7 +70,7 @@ def test_a_labelled_pod_gets_volume_mounts_env_affinity_resource_and_sidecar() -
 
 
 def test_mutating_its_own_output_changes_nothing() -> None:
-    for p in (pool(), pool(compat={"vllm": {"engineId": "llama"}}, segments={"maxFiles": 1}, medium="MemoryTHP")):
+    for p in (pool(), pool(compat={"vllm": {"engineId": "llama", "rowSize": "2Mi"}}, medium="MemoryTHP")):
         once = admission.mutate(pod(containers=2), p, SETTINGS)
         assert admission.mutate(once, p, SETTINGS) == once
         assert admission.json_patch(once, admission.mutate(once, p, SETTINGS)) == []
@@ -130,7 +130,7 @@ def test_the_sidecar_comes_first_so_the_lease_is_held_before_any_init_container_
 
 
 def test_compat_pool_mounts_the_region_file_where_vllm_looks() -> None:
-    p = pool(compat={"vllm": {"engineId": "llama-70b"}}, segments={"maxFiles": 1}, medium="MemoryTHP")
+    p = pool(capacity="1Gi", compat={"vllm": {"engineId": "llama-70b"}}, medium="MemoryTHP")
     new = admission.mutate(pod(), p, SETTINGS)
     assert {"name": compat_volume_name("kv"),
             "hostPath": {"path": "/var/lib/offloadpool/kv/mnt/vllm_offload_llama-70b.mmap", "type": "File"}} in new["spec"]["volumes"]
@@ -138,6 +138,20 @@ def test_compat_pool_mounts_the_region_file_where_vllm_looks() -> None:
     assert {"name": compat_volume_name("kv"), "mountPath": "/dev/shm/vllm_offload_llama-70b.mmap",
             "mountPropagation": "HostToContainer"} in mounts
     assert env_of(new["spec"]["containers"][0])["OFFLOADPOOL_VLLM_ENGINE_ID"] == "llama-70b"
+
+
+def test_compat_pool_of_several_vllm_files_mounts_each_where_vllm_maps_it() -> None:
+    # 4 GiB in 2 MiB rows: CPUOffloadingSpec's 32 segments make min(32, 4) = 4 files.
+    p = pool(compat={"vllm": {"engineId": "llama-70b", "rowSize": "2Mi"}}, medium="MemoryTHP")
+    new = admission.mutate(pod(), p, SETTINGS)
+    names = ["vllm_offload_llama-70b.mmap"] + [f"vllm_offload_llama-70b.mmap.{i}" for i in (1, 2, 3)]
+    volumes = {v["name"]: v for v in new["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in new["spec"]["containers"][0]["volumeMounts"]}
+    for i, name in enumerate(names):
+        volume = compat_volume_name("kv") + (f"-{i}" if i else "")
+        assert volumes[volume]["hostPath"] == {"path": f"/var/lib/offloadpool/kv/mnt/{name}", "type": "File"}
+        assert mounts[volume]["mountPath"] == f"/dev/shm/{name}"
+    assert f"{compat_volume_name('kv')}-4" not in volumes
 
 
 def test_a_mount_path_taken_by_another_volume_is_refused_with_the_container_named() -> None:

@@ -134,7 +134,7 @@ def test_helpers_give_bytes_and_modes() -> None:
             "layout": {"type": "Interleaved", "ranks": 4, "slotSize": "512Ki"},
             "segments": {"minSize": 2**30, "maxFiles": 1},
             "consumers": {"mode": "0640"},
-            "compat": {"vllm": {"engineId": "e-1"}},
+            "compat": {"vllm": {"engineId": "e-1", "rowSize": "2Mi"}},
         }
     )
     assert spec.capacity_bytes() == 8 * 2**30
@@ -144,6 +144,7 @@ def test_helpers_give_bytes_and_modes() -> None:
     assert spec.mode_int() == 0o640
     assert spec.page_size() == 2 * 2**20
     assert spec.compat_file() == "vllm_offload_e-1.mmap"
+    assert spec.vllm_compat_file_count() == 8  # min(32 segments, 8Gi // 1Gi) files of 512 rows
     per_rank = OffloadPoolSpec(capacity="8Gi", layout={"type": "PerRank", "ranks": 4})
     assert per_rank.region_count() == 4 and per_rank.region_bytes() == 2 * 2**30
 

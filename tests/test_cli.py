@@ -14,25 +14,26 @@ MiB = 1 << 20
 
 def test_provision_from_file_with_overrides_status_release(region_root, hugepage_baseline):
     root = str(region_root)
-    out = cli("provision", "-f", str(REPO / "examples" / "vllm-compat.yaml"), "--capacity", "64Mi",
+    # 80Mi: a whole number of the example's 5Mi vLLM rows, below 2 GiB so vLLM keeps one file
+    out = cli("provision", "-f", str(REPO / "examples" / "vllm-compat.yaml"), "--capacity", "80Mi",
               "--root", root, "--node", "node-a", "--json")
     result = json.loads(out.stdout)
     pool_dir = Path(result["pool_dir"])
     assert pool_dir == region_root / "vllm-stock"
     manifest = result["manifest"]
-    assert manifest["total_bytes"] == 64 * MiB and manifest["medium"] == "Memory"
+    assert manifest["total_bytes"] == 80 * MiB and manifest["medium"] == "Memory"
     assert manifest["compat_file"] == "mnt/vllm_offload_llama-70b-tp4.mmap"
     compat = pool_dir / manifest["compat_file"]
     segment = pool_dir / manifest["regions"][0]["segments"][0]["file"]
     assert os.stat(compat).st_ino == os.stat(segment).st_ino  # the same memory, two names
-    assert os.stat(compat).st_size == 64 * MiB
+    assert os.stat(compat).st_size == 80 * MiB
 
     status = json.loads(cli("status", "--root", root, "--json").stdout)
-    assert [(p["name"], p["phase"], p["populated_bytes"]) for p in status["pools"]] == [("vllm-stock", "Ready", 64 * MiB)]
+    assert [(p["name"], p["phase"], p["populated_bytes"]) for p in status["pools"]] == [("vllm-stock", "Ready", 80 * MiB)]
     table = cli("status", "--root", root).stdout
     assert "vllm-stock" in table and "Ready" in table
 
-    again = json.loads(cli("provision", "-f", str(REPO / "examples" / "vllm-compat.yaml"), "--capacity", "64Mi",
+    again = json.loads(cli("provision", "-f", str(REPO / "examples" / "vllm-compat.yaml"), "--capacity", "80Mi",
                            "--root", root, "--json").stdout)
     assert again["reused"] is True
 

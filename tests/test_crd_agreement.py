@@ -56,9 +56,12 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.integers(0, 2)) == 0:
         segments["minSize"] = draw(st.sampled_from(["4Ki", "1Mi", "2Mi", "1Gi", "2Gi", 4096, 2**21, "0"]))
     if draw(st.integers(0, 5)) == 0:
-        spec["compat"] = {"vllm": {"engineId": "e1"}}
-        if draw(st.integers(0, 3)):
-            segments["maxFiles"] = 1
+        vllm: dict[str, Any] = {"engineId": "e1"}
+        if draw(st.integers(0, 2)):
+            vllm["rowSize"] = draw(st.one_of(quantities(counts=(0, 4)), st.sampled_from([12288, 3 * 4096 * 8, 1000])))
+        if draw(st.booleans()):
+            vllm["numSegments"] = draw(st.sampled_from([1, 2, 32]))
+        spec["compat"] = {"vllm": vllm}
     spec["segments"] = segments
     return spec
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offloadpool.region import vllm_compat
 from offloadpool.region.errors import RequestError
 from offloadpool.region.planner import plan, segment_sizes
 from offloadpool.region.request import PoolRequest
@@ -95,11 +96,26 @@ def test_interleaved_rows_never_straddle_files():
         assert s.offset % (6 * MiB) == 0 and s.bytes >= GiB
 
 
-def test_compat_forces_one_file_and_refuses_per_rank():
-    p = plan(PoolRequest(name="p", capacity=8 * GiB, medium="MemoryTHP", compat_engine_id="e1"))
-    assert len(p.segments) == 1
+def test_compat_splits_as_stock_vllm_does_and_refuses_per_rank():
+    # Below 2 GiB (or numSegments 1) vLLM uses one file, whatever its rows.
+    assert len(plan(PoolRequest(name="p", capacity=2 * GiB - 2 * MiB, medium="MemoryTHP",
+                                compat_engine_id="e1")).segments) == 1
+    assert len(plan(PoolRequest(name="p", capacity=8 * GiB, medium="MemoryTHP", compat_engine_id="e1",
+                                compat_segments=1)).segments) == 1
+    # From 2 GiB on, CPUOffloadingSpec's 32 segments make k = total // 1 GiB files on whole rows.
+    with pytest.raises(RequestError, match="rowSize"):
+        plan(PoolRequest(name="p", capacity=8 * GiB, medium="MemoryTHP", compat_engine_id="e1"))
+    row = 3 * 256 * KiB  # 3 ranks' slots: 8 GiB is 10922.67 rows, so take a whole number of them
+    cap = (8 * GiB // row) * row
+    p = plan(PoolRequest(name="p", capacity=cap, medium="Memory", compat_engine_id="e1", compat_row_bytes=row))
+    assert len(p.segments) == 7  # k = 7 (7.99 GiB): 1561 rows per file, the last holds 1556
+    assert [s.bytes for s in p.segments] == vllm_compat.segment_sizes(p.total_bytes, row, 32)
+    assert all(s.bytes % row == 0 for s in p.segments)
     with pytest.raises(RequestError, match="PerRank"):
         plan(PoolRequest(name="p", capacity=8 * GiB, layout_type="PerRank", ranks=2, compat_engine_id="e1"))
+    with pytest.raises(RequestError, match="whole .*pages"):  # vLLM's files must be whole huge pages
+        plan(PoolRequest(name="p", capacity=6 * GiB, medium="HugePages-1Gi", compat_engine_id="e1",
+                         compat_row_bytes=1536 * MiB))
 
 
 @pytest.mark.parametrize(

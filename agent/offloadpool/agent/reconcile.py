@@ -88,6 +88,12 @@ def pool_request(pool: dict[str, Any], workers_override: int = 0) -> PoolRequest
         compat_engine_id=_get(spec, "compat", "vllm", "engineId"),
         generation=int(_get(pool, "metadata", "generation", default=1)),
     )
+    compat_row = _get(spec, "compat", "vllm", "rowSize")
+    if compat_row is not None:
+        kwargs["compat_row_bytes"] = int(parse_quantity(str(compat_row)))
+    compat_segments = _get(spec, "compat", "vllm", "numSegments")
+    if compat_segments is not None:
+        kwargs["compat_segments"] = int(compat_segments)
     return PoolRequest(**kwargs)
 
 

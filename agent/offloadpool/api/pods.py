@@ -8,6 +8,7 @@ and functions only (no pydantic), like ``constants``.
 
 from __future__ import annotations
 
+from offloadpool.region import vllm_compat
 from offloadpool.region.manifest import LEASE_NAME, MOUNT_NAME
 
 from .constants import GROUP, POOL_NAME_LABEL
@@ -74,15 +75,16 @@ def compat_volume_name(pool: str) -> str:
 
 def vllm_region_file(engine_id: str) -> str:
     """``vllm_offload_<engineId>.mmap``: the file name stock vLLM gives its region."""
-    return f"vllm_offload_{engine_id}.mmap"
+    return vllm_compat.region_file(engine_id)
 
 
-def compat_files(engine_id: str) -> list[tuple[str, str]]:
+def compat_files(engine_id: str, count: int = 1) -> list[tuple[str, str]]:
     """(path relative to the pool directory, path inside the container) of each file stock vLLM
-    maps for ``engine_id``. A compat pool is one segment file (``segments.maxFiles`` is 1), which
-    the agent hard-links as ``mnt/vllm_offload_<id>.mmap``; vLLM looks for it in /dev/shm."""
-    name = vllm_region_file(engine_id)
-    return [(f"{MOUNT_NAME}/{name}", f"{VLLM_SHM_DIR}/{name}")]
+    maps for ``engine_id``: the agent hard-links segment i of a compat pool as
+    ``mnt/vllm_offload_<id>.mmap`` (i = 0) or ``….mmap.<i>``, split as vLLM splits its region
+    (``count`` files: ``OffloadPoolSpec.vllm_compat_file_count``); vLLM looks in /dev/shm."""
+    return [(f"{MOUNT_NAME}/{name}", f"{VLLM_SHM_DIR}/{name}")
+            for name in vllm_compat.file_names(engine_id, count)]
 
 
 def lease_file(pool_dir: str) -> str:

@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from offloadpool.region import vllm_compat
+
 from .base import Quantity, SpecModel
 from .media import LayoutType, Medium, NumaPolicy, ReclaimPolicy, page_size
 from .quantity import parse_quantity
@@ -29,6 +31,7 @@ DEFAULT_UID = 0
 DEFAULT_GID = 0
 DEFAULT_MODE = "0660"
 DEFAULT_RECLAIM: ReclaimPolicy = "Delete"
+DEFAULT_VLLM_SEGMENTS = 32  # CPUOffloadingSpec's _REGION_SEGMENTS in vLLM 0.33.0
 
 MAX_FILES_LIMIT = 32
 MAX_RANKS = 256
@@ -123,13 +126,22 @@ class ConsumersSpec(SpecModel):
 
 
 class VllmCompatSpec(SpecModel):
-    """Stock vLLM: the region as the single file ``vllm_offload_<engineId>.mmap``."""
+    """Stock vLLM: the region under vLLM's own names, ``vllm_offload_<engineId>.mmap`` and
+    ``….mmap.1`` …, split into files exactly as vLLM 0.33.0's ``SharedOffloadRegion`` splits it
+    (``offloadpool.region.vllm_compat``), so unmodified vLLM adopts it as an existing region."""
 
     engine_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    #: vLLM's row (``CPUOffloadingSpec.kv_bytes_per_chunk``); needed when vLLM makes several files.
+    row_size: Quantity | None = None
+    #: vLLM's ``num_segments``: 32 for CPUOffloadingSpec, 1 for TieringOffloadingSpec.
+    num_segments: int = Field(default=DEFAULT_VLLM_SEGMENTS, ge=1, le=MAX_FILES_LIMIT)
 
     @property
     def file_name(self) -> str:
-        return f"vllm_offload_{self.engine_id}.mmap"
+        return vllm_compat.region_file(self.engine_id)
+
+    def row_bytes(self) -> int | None:
+        return None if self.row_size is None else parse_quantity(self.row_size)
 
 
 class CompatSpec(SpecModel):
@@ -181,15 +193,23 @@ class OffloadPoolSpec(SpecModel):
                 f"spec.medium {self.medium} ({page} bytes)"
             )
         if self.compat is not None and self.compat.vllm is not None:
+            vllm = self.compat.vllm
             if self.layout.type == "PerRank":
                 raise ValueError(
-                    "spec.compat.vllm needs one region in one file, which a PerRank layout cannot "
-                    "give: use spec.layout.type Replicated or Interleaved"
+                    "spec.compat.vllm needs one region shared by every rank, which a PerRank "
+                    "layout cannot give: use spec.layout.type Replicated or Interleaved"
                 )
-            if self.segments.max_files != 1:
+            row = vllm.row_bytes()
+            if row is None and cap >= 2 * vllm_compat.VLLM_MIN_SEGMENT and vllm.num_segments > 1:
                 raise ValueError(
-                    "spec.segments.maxFiles must be 1 when spec.compat.vllm is set: stock vLLM maps "
-                    "its region as a single file"
+                    "spec.compat.vllm.rowSize is required when stock vLLM splits its region into "
+                    "several files (spec.capacity of 2Gi or more and numSegments above 1): give "
+                    "vLLM's kv_bytes_per_chunk, or numSegments 1 for TieringOffloadingSpec"
+                )
+            if row is not None and (row <= 0 or row % vllm_compat.VLLM_PAGE or cap % row):
+                raise ValueError(
+                    "spec.compat.vllm.rowSize must be a positive multiple of 4Ki that divides "
+                    "spec.capacity: vLLM's region is a whole number of its 4Ki-aligned rows"
                 )
         return self
 
@@ -232,3 +252,14 @@ class OffloadPoolSpec(SpecModel):
         if self.compat is None or self.compat.vllm is None:
             return None
         return self.compat.vllm.file_name
+
+    def vllm_compat_file_count(self) -> int:
+        """How many files stock vLLM maps for this pool (0 without spec.compat.vllm): what the
+        webhook mounts into a pod and the agent links, by vLLM's own split."""
+        if self.compat is None or self.compat.vllm is None:
+            return 0
+        vllm = self.compat.vllm
+        row = vllm.row_bytes()
+        if row is None:
+            return 1
+        return len(vllm_compat.segment_sizes(self.capacity_bytes(), row, vllm.num_segments))

@@ -39,7 +39,7 @@ def load_pool(path: str | Path) -> OffloadPool:
 def request_from_pool(pool: OffloadPool) -> PoolRequest:
     """The PoolRequest one node provisions for ``pool`` (capacity is per node)."""
     spec = pool.spec
-    compat = spec.compat.vllm.engine_id if spec.compat and spec.compat.vllm else None
+    vllm = spec.compat.vllm if spec.compat else None
     return PoolRequest(
         name=pool.name,
         capacity=spec.capacity_bytes(),
@@ -54,7 +54,9 @@ def request_from_pool(pool: OffloadPool) -> PoolRequest:
         uid=spec.consumers.uid,
         gid=spec.consumers.gid,
         mode=spec.mode_int(),
-        compat_engine_id=compat,
+        compat_engine_id=vllm.engine_id if vllm else None,
+        compat_row_bytes=vllm.row_bytes() if vllm else None,
+        compat_segments=vllm.num_segments if vllm else 32,
         generation=max(1, pool.generation),
     )
 
@@ -91,7 +93,8 @@ def pool_from_flags(base: dict[str, Any] | None, **flags: Any) -> OffloadPool:
         if flags.get(flag) is not None:
             nested(section)[key] = flags[flag]
     if flags.get("engine_id") is not None:
-        nested("compat")["vllm"] = {"engineId": flags["engine_id"]}
+        compat = nested("compat")
+        compat["vllm"] = {**(compat.get("vllm") or {}), "engineId": flags["engine_id"]}
     if not doc["metadata"].get("name"):
         raise PoolFileError("the pool needs a name: give -f POOL.yaml or --name")
     if "capacity" not in spec:

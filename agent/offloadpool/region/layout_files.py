@@ -1,4 +1,4 @@
-"""Creating and checking the files of a pool: segment files, the lease file, the compat link.
+"""Creating and checking the files of a pool: segment files, the lease file, the compat links.
 
 hugetlbfs files cannot be written with write(2); they are sized with ftruncate (which
 allocates nothing) and filled later by the pre-fault through a mapping. Growing a file with
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from offloadpool.region import vllm_compat
 from offloadpool.region.errors import RegionError, fmt_bytes
 from offloadpool.region.lease import lease_path
 from offloadpool.region.manifest import MOUNT_NAME
@@ -19,7 +20,12 @@ from offloadpool.region.request import PoolRequest
 
 def compat_name(engine_id: str) -> str:
     """Where stock vLLM looks for an existing region, relative to the pool directory."""
-    return f"{MOUNT_NAME}/vllm_offload_{engine_id}.mmap"
+    return f"{MOUNT_NAME}/{vllm_compat.region_file(engine_id)}"
+
+
+def compat_names(engine_id: str, count: int) -> list[str]:
+    """Every file of a ``count``-file region under vLLM's names, relative to the pool directory."""
+    return [f"{MOUNT_NAME}/{name}" for name in vllm_compat.file_names(engine_id, count)]
 
 
 def own(path: Path, req: PoolRequest) -> None:
@@ -54,17 +60,23 @@ def ensure_lease_file(pool_dir: Path, req: PoolRequest) -> None:
 
 
 def sync_compat(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
-    """Hard-link the single segment as ``vllm_offload_<id>.mmap`` (and drop stale links)."""
-    wanted = compat_name(req.compat_engine_id) if req.compat_engine_id else None
-    for stale in (pool_dir / MOUNT_NAME).glob("vllm_offload_*.mmap"):
-        if wanted is None or stale != pool_dir / wanted:
+    """Hard-link segment i as vLLM's file i (``vllm_offload_<id>.mmap``, ``.mmap.1`` …), drop
+    stale links, and return the name of file 0 (the manifest's ``compat_file``).
+
+    Hard links, not copies or symlinks: the same memory under vLLM's names, visible through a
+    hostPath file mount, and the segment names the pinning helper maps stay as they are."""
+    wanted = (compat_names(req.compat_engine_id, len(plan.segments))
+              if req.compat_engine_id else [])
+    for stale in (pool_dir / MOUNT_NAME).glob("vllm_offload_*.mmap*"):
+        if stale.relative_to(pool_dir).as_posix() not in wanted:
             stale.unlink()
-    if wanted is None:
-        return None
-    target = pool_dir / wanted
-    if not target.exists():
-        os.link(pool_dir / plan.segments[0].file, target)
-    return wanted
+    for name, seg in zip(wanted, plan.segments):
+        target = pool_dir / name
+        if target.exists() and os.stat(target).st_ino != os.stat(pool_dir / seg.file).st_ino:
+            target.unlink()  # a link to another shape's segment
+        if not target.exists():
+            os.link(pool_dir / seg.file, target)
+    return wanted[0] if wanted else None
 
 
 def check_segments(pool_dir: Path, plan: Plan) -> str | None:

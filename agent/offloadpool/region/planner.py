@@ -13,9 +13,12 @@ Rules (DESIGN "Node side in detail"), and why:
   pages (hugetlbfs refuses anything else) and no row straddles two files (so an engine's copy
   unit never spans a file boundary). k is lowered, if needed, so that every file holds at least
   ``min_segment`` bytes; when g divides both R and ``min_segment`` (the usual case) this is
-  exactly the formula above. With a stock-vLLM compat file the region is one file (vLLM adopts
-  exactly one). Sizes differ by at most one granule, the larger ones first; a
+  exactly the formula above. Sizes differ by at most one granule, the larger ones first; a
   remainder smaller than g (R not a multiple of the lcm) goes to the last file.
+* A stock-vLLM compat pool is split the way vLLM itself splits its region (``vllm_compat``:
+  up to ``num_segments`` files of >= 1 GiB on vLLM's rows, larger ones first, the rest last),
+  because unmodified vLLM maps the files by name at the offsets it computes; ``segments``
+  settings do not apply to it. Each file must still be whole pages of the medium.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from offloadpool.region import vllm_compat
 from offloadpool.region.errors import RequestError, fmt_bytes
 from offloadpool.region.manifest import MOUNT_NAME, Layout, Region, Segment
 from offloadpool.region.media import Medium, medium
@@ -83,6 +87,48 @@ def row_bytes_of(req: PoolRequest) -> int | None:
     return req.slot_bytes * req.ranks if req.layout_type == "Interleaved" else req.slot_bytes
 
 
+def compat_segment_sizes(req: PoolRequest, page_size: int, layout_rows: int | None) -> list[int]:
+    """The file sizes stock vLLM expects for ``req`` (a compat pool), or RequestError saying
+    which setting would make vLLM adopt the pool."""
+    if req.layout_type == "PerRank":
+        raise RequestError(
+            "compat.vllm exposes one region that every rank of an unmodified vLLM maps; it "
+            "cannot be combined with the PerRank layout (one region per rank)"
+        )
+    total, row = req.capacity, req.compat_row_bytes
+    wanted = vllm_compat.file_count(total, req.compat_segments)
+    if row is None:
+        if wanted > 1:
+            raise RequestError(
+                f"stock vLLM splits a {fmt_bytes(total)} region into {wanted} files on its rows "
+                f"(num_segments {req.compat_segments}); give compat.vllm.rowSize (vLLM's "
+                f"kv_bytes_per_chunk) so the pool splits the same way, or numSegments 1 "
+                f"(TieringOffloadingSpec)"
+            )
+        return [total]
+    if row % vllm_compat.VLLM_PAGE or total % row:
+        raise RequestError(
+            f"compat.vllm.rowSize {row} must be a multiple of {vllm_compat.VLLM_PAGE} (vLLM rounds "
+            f"its rows up to it) and divide the capacity {fmt_bytes(total)} (vLLM's region is "
+            f"a whole number of rows: capacity {(total // row) * row} would fit)"
+        )
+    if layout_rows is not None and layout_rows != row:
+        raise RequestError(
+            f"the layout's rows ({layout_rows} bytes: ranks x slotSize) differ from "
+            f"compat.vllm.rowSize ({row}); vLLM's row is the one its files are split on"
+        )
+    sizes = vllm_compat.segment_sizes(total, row, req.compat_segments)
+    odd = [s for s in sizes if s % page_size]
+    if odd:
+        raise RequestError(
+            f"stock vLLM splits this region into files of {fmt_bytes(sizes[0])} "
+            f"({len(sizes)} files), which are not whole {fmt_bytes(page_size)} pages of "
+            f"{req.medium}; use a medium with 4 KiB pages (Memory, MemoryTHP) or a rowSize "
+            f"whose files come out as whole pages"
+        )
+    return sizes
+
+
 def plan(req: PoolRequest) -> Plan:
     """Validate ``req`` and lay out its regions and segment files; touches nothing."""
     req.validate()
@@ -102,19 +148,13 @@ def plan(req: PoolRequest) -> Plan:
         region_sizes = [req.capacity // req.ranks] * req.ranks
     else:
         region_sizes = [req.capacity]
-    max_files = req.max_files
-    if req.compat_engine_id is not None:
-        # Stock vLLM adopts exactly one file; the compat name is a hard link to it.
-        if req.layout_type == "PerRank":
-            raise RequestError(
-                "compat.vllm exposes one file that every rank of an unmodified vLLM maps; it "
-                "cannot be combined with the PerRank layout (one region per rank)"
-            )
-        max_files = 1
     regions = []
     for index, size in enumerate(region_sizes):
         offset, segs = 0, []
-        sizes = segment_sizes(size, med.page_size, rows, max_files, req.min_segment)
+        if req.compat_engine_id is not None:
+            sizes = compat_segment_sizes(req, med.page_size, rows)
+        else:
+            sizes = segment_sizes(size, med.page_size, rows, req.max_files, req.min_segment)
         for s, nbytes in enumerate(sizes):
             segs.append(Segment(file=f"{MOUNT_NAME}/r{index}-s{s:03d}", offset=offset, bytes=nbytes))
             offset += nbytes

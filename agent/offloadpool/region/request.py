@@ -31,6 +31,12 @@ class PoolRequest:
     0 means "decide" (cores available, at most files x 4). ``numa`` is ``"None"`` (no binding),
     ``"Interleave"`` (pages spread across all nodes), ``"Spread"`` (region i on node i mod N),
     or a node list such as ``"0"`` or ``"0,1"`` / ``"0-1"`` (bind there).
+
+    ``compat_engine_id`` exposes the region under stock vLLM's own file names; its files are
+    then split exactly as vLLM splits them (``region.vllm_compat``): ``compat_segments`` is
+    vLLM's ``num_segments`` (32 for CPUOffloadingSpec, 1 for TieringOffloadingSpec) and
+    ``compat_row_bytes`` vLLM's row (``kv_bytes_per_chunk``), needed when that makes more than
+    one file.
     """
 
     name: str
@@ -47,6 +53,8 @@ class PoolRequest:
     gid: int = 0
     mode: int = 0o660
     compat_engine_id: str | None = None
+    compat_row_bytes: int | None = None
+    compat_segments: int = 32
     generation: int = 1
 
     def validate(self) -> None:
@@ -81,6 +89,12 @@ class PoolRequest:
                 f"compat engine id {self.compat_engine_id!r} must be 1-128 characters of "
                 f"[A-Za-z0-9_.-] (it becomes part of a file name)"
             )
+        if self.compat_row_bytes is not None and (
+                not isinstance(self.compat_row_bytes, int) or self.compat_row_bytes < 1):
+            raise RequestError(f"compat row bytes must be a positive integer, got {self.compat_row_bytes!r}")
+        if not isinstance(self.compat_segments, int) or not 1 <= self.compat_segments <= MAX_FILES_LIMIT:
+            raise RequestError(
+                f"compat segments must be 1-{MAX_FILES_LIMIT} (vLLM's num_segments), got {self.compat_segments!r}")
         from offloadpool.region.numa import parse_policy  # local: numa imports ctypes lazily
 
         parse_policy(self.numa)
@@ -92,7 +106,10 @@ class PoolRequest:
         out: they can change on a live region (applied in place) without rebuilding it.
         """
         shape = {k: getattr(self, k) for k in SHAPE_FIELDS}
-        shape["single_file"] = self.compat_engine_id is not None  # compat forces one file
+        shape["single_file"] = self.compat_engine_id is not None  # compat: vLLM's split
+        if self.compat_engine_id is not None and self.compat_row_bytes is not None:
+            # Only when given, so the fingerprints of pools made before these fields stay put.
+            shape["vllm_split"] = [self.compat_row_bytes, self.compat_segments]
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -251,7 +251,7 @@ def _compat(pool: Pool) -> list[tuple[str, str]]:
     spec = _spec(pool)
     if spec.compat is None or spec.compat.vllm is None:
         return []
-    return compat_files(spec.compat.vllm.engine_id)
+    return compat_files(spec.compat.vllm.engine_id, spec.vllm_compat_file_count())
 
 
 def _compat_volume(pool: str, index: int) -> str:
