@@ -29,6 +29,7 @@ _PLUGINS: dict[str, tuple[str, ...]] = {
     "fixtures.operator_world": ("kubernetes", "pydantic", "yaml"),
     "fixtures.pinning_pools": (),
     "fixtures.chaos": (),
+    "fixtures.vllm_env": (),
 }
 
 pytest_plugins = [

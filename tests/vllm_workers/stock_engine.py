@@ -1,0 +1,152 @@
+"""A stock vLLM 0.33.0 engine's KV offload workers, as they start in a pod on a compat pool.
+
+Run by the pinned vLLM environment's Python (hack/vllm_env.py) inside
+``unshare --mount --propagation private``, with the clone's ``agent/`` on PYTHONPATH:
+
+    unshare --mount --propagation private <vllm python> stock_engine.py '<json>'
+
+It builds the pod's view first: a private tmpfs on /dev/shm (the pod's own, as an emptyDir of
+medium Memory gives it) with the pool's files bind-mounted where the admission webhook mounts
+them (``/dev/shm/vllm_offload_<id>.mmap[.N]``). Then it forks ``world_size`` workers, and each
+runs vLLM's own code, unmodified: ``OffloadingSpecFactory.create_spec`` (CPUOffloadingSpec by
+default) and ``CPUOffloadingSpec.create_worker``, which builds vLLM's ``SharedOffloadRegion``
+with the arguments vLLM itself computes; then ``pin_mmap_region`` and vLLM's worker views.
+
+Only what needs a GPU or torch.distributed is replaced, in vLLM's module namespace: the
+platform check that enables the shared region (``_uses_shared_region``), the gloo barrier
+(``_all_workers_barrier``: a multiprocessing barrier across the forked workers), and the
+CUDA-stream ``CPUOffloadingWorker`` (which receives the region: we keep it). Everything that
+decides names, sizes, create-or-join, mapping, populate, pin and unlink is vLLM's.
+
+Prints one JSON object: each worker's report and the pod's /dev/shm before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+
+def shm_view() -> dict[str, Any]:
+    """What the pod's /dev/shm holds: its own tmpfs usage and each file there."""
+    st = os.statvfs("/dev/shm")
+    files = {}
+    for name in sorted(os.listdir("/dev/shm")):
+        s = os.stat(os.path.join("/dev/shm", name))
+        files[name] = {"size": s.st_size, "ino": s.st_ino, "dev": s.st_dev}
+    return {"used_bytes": (st.f_blocks - st.f_bfree) * st.f_frsize, "files": files}
+
+
+def make_pod_view(cfg: dict[str, Any]) -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={cfg['shm_size']}", "pod-shm", "/dev/shm"], check=True)
+    for host_path, pod_path in cfg["mounts"]:
+        open(pod_path, "w").close()  # a hostPath File mount's target
+        subprocess.run(["mount", "--bind", host_path, pod_path], check=True)
+
+
+def offloading_config(cfg: dict[str, Any], rank: int):
+    """vLLM's own OffloadingConfig, as build_offloading_config would fill it for this engine."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    world = cfg["world_size"]
+    return OffloadingConfig(
+        groups=(),
+        worker_kv_bytes_per_block=cfg["worker_kv_bytes_per_block"],
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": cfg["cpu_bytes_to_use"], **cfg.get("extra_config", {})},
+        engine_id=cfg["engine_id"],
+        model=OffloadingModelConfig(name="test-model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=cfg.get("blocks_per_chunk", 1)),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+        replicated_layout=cfg.get("replicated_layout", False),
+    )
+
+
+def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
+    report: dict[str, Any] = {"rank": rank}
+    region = None
+    try:
+        import vllm.v1.kv_offload.cpu.spec as cpu_spec
+        from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        timeout = cfg.get("barrier_timeout", 60)
+        cpu_spec._all_workers_barrier = lambda: barrier.wait(timeout)
+        cpu_spec.CPUOffloadingWorker = lambda **kw: kw["mmap_region"]
+        spec = OffloadingSpecFactory.create_spec(offloading_config(cfg, rank))
+        spec._uses_shared_region = lambda: True
+        report["spec"] = type(spec).__name__
+        t0 = time.perf_counter()
+        region = spec.create_worker(kv_caches=None)
+        report["attach_seconds"] = time.perf_counter() - t0
+        report.update(
+            mmap_path=region.mmap_path, num_chunks=region.num_chunks, row_stride=region._row_stride,
+            cpu_page_size=region.cpu_page_size, total_bytes=region.total_size_bytes,
+            segments=[[path, offset, length] for path, offset, length in region._segments],
+        )
+        pin_mmap_region(region, worker_slot_only=True)
+        report["pinned"] = region.is_pinned
+        # While mapped: memory vLLM made in the pod's own /dev/shm (a region it created counts
+        # there even after vLLM unlinked its names) and the mapped pool files.
+        report["shm_attached"] = shm_view()
+        base = region.base_tensor
+        report["read"] = {str(off): int(base[off].item()) & 0xFF for off in cfg.get("read_offsets", [])}
+        # vLLM's own view of this worker's slots: write a marker into the first byte of each row.
+        view = region.create_next_worker_view(region.cpu_page_size)
+        view[:, 0] = 0x40 + rank
+        barrier.wait(timeout)
+        # every worker wrote; read the other ranks' markers through this worker's mapping
+        row, stride, slot = 0, region._row_stride, region.cpu_page_size
+        report["seen_markers"] = [int(base[row * stride + r * slot].item()) & 0xFF for r in range(cfg["world_size"])]
+        barrier.wait(timeout)
+    except BaseException as exc:  # reported, and the parent's verdict is the test's
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()[-3000:]
+        barrier.abort()
+    finally:
+        if region is not None:
+            report["creator_at_cleanup"] = region._creator
+            region.cleanup()  # what vLLM does at shutdown: unlinks only what it created
+        out.put(report)
+
+
+def main() -> int:
+    cfg = json.loads(sys.argv[1])
+    # Import vLLM once, before forking, as vLLM's own worker processes inherit it.
+    import vllm.v1.kv_offload.cpu.gpu_worker  # noqa: F401
+    import vllm.v1.kv_offload.cpu.spec  # noqa: F401
+    import vllm.v1.kv_offload.factory  # noqa: F401
+
+    make_pod_view(cfg)
+    result: dict[str, Any] = {"shm_before": shm_view()}
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(cfg["world_size"]), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, cfg, barrier, out)) for r in range(cfg["world_size"])]
+    for p in procs:
+        p.start()
+    reports = [out.get(timeout=cfg.get("timeout", 240)) for _ in procs]
+    for p in procs:
+        p.join(30)
+    result["workers"] = sorted(reports, key=lambda r: r["rank"])
+    result["shm_during_exit"] = shm_view()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
