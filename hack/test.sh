@@ -8,7 +8,8 @@
 #   1. installs missing system packages (python3-venv, openssl, ...) with apt-get,
 #   2. finds Go >= 1.26, or has an older go command switch to the pinned release
 #      (GOTOOLCHAIN, fetched through the Go module proxy),
-#   3. creates/updates .venv with `pip install -e '.[test]'`,
+#   3. creates/updates .venv with `pip install -e '.[test]'`, and installs the pinned vLLM the
+#      vllm tests drive into a venv cached outside the clone (hack/vllm_env.py, docs/vllm.md),
 #   4. builds the real control plane (etcd, kube-apiserver, kube-controller-manager, kubectl,
 #      helm) into ${OFFLOADPOOL_CACHE:-/var/cache/offloadpool} — once; later runs reuse it,
 #   5. runs the whole suite: .venv/bin/python -m pytest "$@".
@@ -122,6 +123,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -
 else
   echo "pyproject.toml unchanged since the last install; skipping pip" >&2
 fi
+phase_end
+
+# ---- 3b. the pinned vLLM (its own venv under $OFFLOADPOOL_CACHE; once, then a stamp check) ------
+phase_start "pinned vLLM env"
+.venv/bin/python hack/vllm_env.py ensure >/dev/null
 phase_end
 
 # ---- 4. control plane binaries -----------------------------------------------------------------
