@@ -1,0 +1,185 @@
+"""A vLLM 0.33.0 engine's KV offload workers using offloadpool's native spec, as in a pod.
+
+Run by the pinned vLLM environment's Python inside ``unshare --mount --propagation private``
+with the clone's ``agent/`` on PYTHONPATH (tests/fixtures/vllm_env.py):
+
+* the pod's view: the pool directory bind-mounted (recursively: its ``mnt/`` is a mount of
+  its own) at ``<pod_root>/offloadpool/<pool>``, and ``OFFLOADPOOL_POOL_DIR`` pointing there,
+  as the admission webhook does;
+* ``world_size`` forked workers, each going through vLLM's own path: ``OffloadingSpecFactory``
+  loads ``offloadpool.vllm.spec.OffloadPoolOffloadingSpec`` by ``spec_module_path`` /
+  ``spec_name`` (vLLM's out-of-tree loading), then ``create_worker``.
+
+What needs a GPU is replaced in vLLM's module namespace, and only that: the platform check for
+the shared region (``CPUOffloadingSpec._uses_shared_region``), and the CUDA-stream
+``CPUOffloadingWorker``, whose stand-in does what vLLM's worker does with the region before it
+builds CUDA handlers — vLLM's ``pin_mmap_region`` (unconditionally: on a GPU vLLM calls it,
+so it must register nothing twice) and one ``create_next_worker_view`` per KV tensor — and
+``cleanup()`` at shutdown. vLLM's ``host_register`` is wrapped to count its calls.
+
+The parent checks the pool's lease while the workers hold it, then after they exit, and prints
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def make_pod_view(cfg: dict[str, Any]) -> str:
+    pod_dir = Path(cfg["pod_root"]) / "offloadpool" / Path(cfg["pool_dir"]).name
+    subprocess.run(["mount", "-t", "tmpfs", "pod-root", cfg["pod_root"]], check=True)
+    pod_dir.mkdir(parents=True)
+    subprocess.run(["mount", "--rbind", cfg["pool_dir"], str(pod_dir)], check=True)
+    os.environ["OFFLOADPOOL_POOL_DIR"] = str(pod_dir)
+    return str(pod_dir)
+
+
+def offloading_config(cfg: dict[str, Any], rank: int):
+    """vLLM's own OffloadingConfig, as build_offloading_config fills it for this engine."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    world = cfg["world_size"]
+    extra = {"spec_name": "OffloadPoolOffloadingSpec", "spec_module_path": "offloadpool.vllm.spec",
+             "pin_backend": "mlock", **cfg.get("extra_config", {})}
+    return OffloadingConfig(
+        groups=(),
+        worker_kv_bytes_per_block=cfg["worker_kv_bytes_per_block"],
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=cfg.get("engine_id", "native"),
+        model=OffloadingModelConfig(name="test-model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=cfg.get("blocks_per_chunk", 1)),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=cfg.get("dp_index", 0), data_parallel_size=1,
+            data_parallel_rank_local=None, is_parallelism_agnostic=True,
+        ),
+        replicated_layout=cfg.get("replicated_layout", False),
+    )
+
+
+class WorkerStandIn:
+    """What vLLM's CPUOffloadingWorker does with the region before its CUDA handlers."""
+
+    def __init__(self, *, kv_caches: Any, blocks_per_chunk: int, num_cpu_chunks: int, mmap_region: Any) -> None:
+        from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
+
+        self.region = mmap_region
+        pin_mmap_region(mmap_region, worker_slot_only=True)
+        self.views = [mmap_region.create_next_worker_view(page * blocks_per_chunk) for page in kv_caches]
+
+    def shutdown(self) -> None:
+        self.views.clear()
+        self.region.cleanup()
+
+
+def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any) -> None:
+    report: dict[str, Any] = {"rank": rank}
+    stand_in = None
+    timeout = cfg.get("barrier_timeout", 60)
+    try:
+        import vllm.v1.kv_offload.cpu.gpu_worker as gpu_worker
+        import vllm.v1.kv_offload.cpu.spec as cpu_spec
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        vllm_registrations: list[int] = []
+        original = gpu_worker.host_register
+        gpu_worker.host_register = lambda ptr, n: (vllm_registrations.append(n), original(ptr, n))[1]
+        cpu_spec.CPUOffloadingSpec._uses_shared_region = lambda self: True
+        cpu_spec.CPUOffloadingWorker = WorkerStandIn
+        spec = OffloadingSpecFactory.create_spec(offloading_config(cfg, rank))
+        report["spec"] = f"{type(spec).__module__}.{type(spec).__name__}"
+        report.update(num_chunks=spec.num_chunks, row_bytes=spec.kv_bytes_per_chunk,
+                      slot_bytes=spec.cpu_page_size_per_worker,
+                      cpu_bytes_to_use=int(spec.extra_config["cpu_bytes_to_use"]))
+        # one "KV tensor" per layer group: this worker's slot split in two
+        slot = spec.cpu_page_size_per_worker
+        stand_in = spec.create_worker(kv_caches=[slot // 2, slot - slot // 2])
+        region = stand_in.region
+        stats = region.pin_stats
+        report.update(
+            region=type(region).__name__, pinned=region.is_pinned,
+            offloadpool_pin={"bytes": stats.bytes_registered, "calls": stats.calls, "backend": stats.backend},
+            vllm_registrations=len(vllm_registrations), vllm_pinned_addresses=len(region.pinned_addresses),
+            views=[[list(v.shape), list(v.stride()), v.storage_offset()] for v in stand_in.views],
+        )
+        # write through vLLM's views: this rank's marker in every row of its first view
+        stand_in.views[0][:, 0] = 0x40 + rank
+        stand_in.views[1][:, -1] = 0x60 + rank
+        barrier.wait(timeout)
+        base, stride = region.base_tensor, region._row_stride
+        last = (spec.num_chunks - 1) * stride
+        slots_per_row = min(cfg["world_size"], stride // slot)  # 1 under vLLM's replicated layout
+        report["seen"] = [[int(base[r * slot].item()) & 0xFF, int(base[last + r * slot + slot - 1].item()) & 0xFF]
+                          for r in range(slots_per_row)]
+        out.put({"rank": rank, "attached": True})
+        go.wait(timeout)  # the parent checks the lease while every worker is attached
+    except BaseException as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()[-3000:]
+        barrier.abort()
+    finally:
+        if stand_in is not None:
+            stand_in.shutdown()  # vLLM's worker shutdown: region.cleanup()
+        out.put(report)
+
+
+def main() -> int:
+    cfg = json.loads(sys.argv[1])
+    import vllm.v1.kv_offload.cpu.gpu_worker  # noqa: F401  (import once, before forking)
+    import vllm.v1.kv_offload.cpu.spec  # noqa: F401
+    import vllm.v1.kv_offload.factory  # noqa: F401
+
+    from offloadpool.region.lease import Lease, LeaseHeld
+
+    pod_dir = make_pod_view(cfg)
+    ctx = mp.get_context("fork")
+    world = cfg["world_size"]
+    barrier, out, go = ctx.Barrier(world), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=worker, args=(r, cfg, barrier, out, go)) for r in range(world)]
+    for p in procs:
+        p.start()
+    reports, attached = [], 0
+    while attached < world and len(reports) < world:
+        msg = out.get(timeout=cfg.get("timeout", 240))
+        if msg.get("attached"):
+            attached += 1
+        else:
+            reports.append(msg)
+    result: dict[str, Any] = {"pod_dir": pod_dir}
+    if attached == world:
+        try:
+            Lease.exclusive(pod_dir).close()
+            result["lease_while_attached"] = "free"
+        except LeaseHeld:
+            result["lease_while_attached"] = "held"
+    go.set()
+    while len(reports) < world:
+        reports.append(out.get(timeout=cfg.get("timeout", 240)))
+    for p in procs:
+        p.join(30)
+    try:
+        Lease.exclusive(pod_dir).close()
+        result["lease_after_exit"] = "free"
+    except LeaseHeld:
+        result["lease_after_exit"] = "held"
+    result["workers"] = sorted(reports, key=lambda r: r["rank"])
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
