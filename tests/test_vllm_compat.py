@@ -15,20 +15,27 @@ mismatches show what each wrong setting does, as vLLM reports it (or does not).
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from offloadpool.api import OffloadPool
 from offloadpool.api.pods import compat_files
+from offloadpool.cli.pool_file import request_from_pool
+from offloadpool.region import vllm_compat
+from offloadpool.region.planner import plan
 from offloadpool.region.provision import ProvisionResult, provision
 from offloadpool.region.request import PoolRequest
 
 pytestmark = pytest.mark.vllm
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+REPO = Path(__file__).resolve().parents[1]
 #: TP-2 with 256 KiB of KV per rank per block: vLLM's row (kv_bytes_per_chunk) is 512 KiB.
 TP, RANK_BLOCK = 2, 256 * KiB
 ROW = TP * RANK_BLOCK
@@ -176,3 +183,19 @@ def test_a_region_larger_than_the_pool_times_out_after_30_s(region_root: Path, v
         assert w["error"] == f"TimeoutError: Timed out waiting for mmap file to reach {66 * MiB} bytes", \
             w.get("traceback")
     assert identity(pool_files(result)) == before and pool_usage(result) == usage
+
+
+def test_the_stock_example_pod_names_its_pools_region() -> None:
+    """examples/vllm/pod-stock-compat.yaml passes the engine id and size of examples/vllm-compat.yaml,
+    whose file split the node engine makes as vLLM would (31 files of whole 5Mi rows)."""
+    (pod,) = yaml.safe_load_all((REPO / "examples" / "vllm" / "pod-stock-compat.yaml").read_text())
+    (arg,) = [a for a in pod["spec"]["containers"][0]["args"] if a.startswith("--kv-transfer-config=")]
+    config = json.loads(arg.split("=", 1)[1])
+    pool = OffloadPool.model_validate(yaml.safe_load((REPO / "examples" / "vllm-compat.yaml").read_text()))
+    vllm = pool.spec.compat.vllm
+    assert config["kv_connector"] == "OffloadingConnector"
+    assert config["engine_id"] == vllm.engine_id
+    assert config["kv_connector_extra_config"]["cpu_bytes_to_use"] == pool.spec.capacity_bytes()
+    sizes = [s.bytes for s in plan(request_from_pool(pool)).segments]
+    assert sizes == vllm_compat.segment_sizes(pool.spec.capacity_bytes(), vllm.row_bytes(), vllm.num_segments)
+    assert len(sizes) == pool.spec.vllm_compat_file_count() == 31

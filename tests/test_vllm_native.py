@@ -13,18 +13,22 @@ cannot serve the engine fails every worker at start with one message naming a fi
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from offloadpool.api.quantity import parse_quantity
 from offloadpool.region.provision import ProvisionResult, provision
 from offloadpool.region.request import PoolRequest
 
 pytestmark = pytest.mark.vllm
 
 KiB, MiB = 1 << 10, 1 << 20
+REPO = Path(__file__).resolve().parents[1]
 SLOT = 256 * KiB  # one rank's KV bytes per block
 
 
@@ -118,3 +122,33 @@ def test_a_tier_larger_than_the_pool_fails_with_both_numbers(region_root: Path, 
         assert w["error"].startswith(
             f"PoolMismatch: pool 'small' at {run['pod_dir']} holds {32 * 2 * SLOT} bytes, vLLM's CPU tier "
             f"needs {64 * 2 * SLOT} (64 rows of {2 * SLOT}); lower cpu_bytes_to_use or use a pool that fits"), w
+
+
+def example_docs(name: str) -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all((REPO / "examples" / "vllm" / name).read_text()))
+
+
+def kv_transfer_config(container: dict[str, Any]) -> dict[str, Any]:
+    (arg,) = [a for a in container["args"] if a.startswith("--kv-transfer-config=")]
+    return json.loads(arg.split("=", 1)[1])
+
+
+def test_the_native_example_deployment_runs_on_its_pool_scaled_down(region_root: Path, tmp_path: Path,
+                                                                    vllm_engine) -> None:
+    """examples/vllm/deployment-native-tp4.yaml: its --kv-transfer-config, loaded by vLLM, on its
+    pool's layout (Llama-3.1-70B TP4: 1280Ki per rank per block) with 8 rows instead of 13104."""
+    pool_doc, deployment = example_docs("deployment-native-tp4.yaml")
+    layout = pool_doc["spec"]["layout"]
+    slot = parse_quantity(layout["slotSize"])
+    config = kv_transfer_config(deployment["spec"]["template"]["spec"]["containers"][0])
+    assert config["kv_connector"] == "OffloadingConnector"
+    result = make_pool(region_root, "example", 8 * layout["ranks"] * slot, ranks=layout["ranks"], slot=slot)
+    pod_root = tmp_path / "pod-example"
+    pod_root.mkdir()
+    run = vllm_engine("native_engine.py", {
+        "pool_dir": str(result.pool_dir), "pod_root": str(pod_root), "world_size": layout["ranks"],
+        "worker_kv_bytes_per_block": slot, "extra_config": config["kv_connector_extra_config"]})
+    for w in run["workers"]:
+        assert "error" not in w, w.get("traceback")
+        assert w["spec"] == "offloadpool.vllm.spec.OffloadPoolOffloadingSpec" and w["num_chunks"] == 8
+    assert run["lease_after_exit"] == "free"
