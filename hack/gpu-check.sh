@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check, one prepared run (about 10 minutes):  sudo bash hack/gpu-check.sh
+#
+# For a machine with an NVIDIA GPU (and PyPI reachable for the first run). It
+#   1. installs the pinned vLLM (hack/vllm_env.py: CUDA torch and the CUDA libraries it links),
+#   2. adds what the gpu tests need on top of it, into a directory of its own next to that
+#      environment (cuda-python for offloadpool's cuda backend, pytest), never into it,
+#   3. runs every test marked `gpu` (found with grep, so no other test module is imported) with
+#      that Python: real cuMemHostRegister, real copies, vLLM's own worker moving blocks
+#      GPU <-> pool,
+#   4. runs `offloadpool bench startup --backend cuda` (what an engine pays at start-up: building
+#      its region itself vs attaching a pool, pinned with the driver API), and prints it.
+# Output goes to stdout and to $OUT_DIR (default: a temp dir): gpu-tests.xml, bench-startup.json.
+# Exits non-zero if a test failed, none ran, or the GPU is not visible.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export OFFLOADPOOL_CACHE="${OFFLOADPOOL_CACHE:-/var/cache/offloadpool}"
+OUT_DIR="${OUT_DIR:-$(mktemp -d)}"
+mkdir -p "$OUT_DIR"
+CAPACITY="${BENCH_CAPACITY:-8Gi}"
+REPS="${BENCH_REPS:-3}"
+
+nvidia-smi -L || { echo "no NVIDIA GPU visible (nvidia-smi -L failed)" >&2; exit 1; }
+
+echo "==> pinned vLLM" >&2
+VLLM_PY="$(python3 hack/vllm_env.py ensure)"
+EXTRAS="$(dirname "$(dirname "$(dirname "$VLLM_PY")")")/gpu-check-extras"
+if [ ! -f "$EXTRAS/.done" ]; then
+  echo "==> gpu test extras into $EXTRAS" >&2
+  rm -rf "$EXTRAS"
+  # cuda-bindings/cuda-pathfinder at the versions torch 2.14.0 resolves to (hack/vllm-requirements.txt's torch)
+  "$VLLM_PY" -m pip install -q --disable-pip-version-check --target "$EXTRAS" \
+    cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 pytest pytest-timeout hypothesis
+  touch "$EXTRAS/.done"
+fi
+export PYTHONPATH="$ROOT/agent:$EXTRAS"
+
+mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py)
+echo "==> gpu tests: ${GPU_TESTS[*]}" >&2
+set +e
+"$VLLM_PY" -m pytest -p no:cacheprovider -m gpu -v --junitxml="$OUT_DIR/gpu-tests.xml" "${GPU_TESTS[@]}"
+rc=$?
+set -e
+
+echo "==> offloadpool bench startup --backend cuda --capacity $CAPACITY --reps $REPS" >&2
+"$VLLM_PY" -m offloadpool.cli bench startup --backend cuda --capacity "$CAPACITY" --reps "$REPS" --json \
+  | tee "$OUT_DIR/bench-startup.json"
+
+echo "==> results in $OUT_DIR" >&2
+if [ "$rc" -eq 5 ]; then echo "FAIL: no gpu test ran" >&2; exit 1; fi
+exit "$rc"
