@@ -1,10 +1,15 @@
 """The Helm chart, with the real helm: lint, template, the same CRDs and RBAC rules as the
-repository's crds/ and deploy/, and a real install against the real API server."""
+repository's crds/ and deploy/, the values schema, every example values file (charts/offloadpool/ci/)
+accepted by the real API server (server-side dry run), and real installs, upgrades and uninstalls
+against the real API server."""
 
 from __future__ import annotations
 
 import filecmp
+import json
 import secrets
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +18,16 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "offloadpool"
+#: The chart's copies of crds/ (rendered by templates/crds.yaml; not the chart's crds/ folder,
+#: which Helm would install once and never upgrade).
+CHART_CRDS = CHART / "files" / "crds"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 DEPLOY = REPO / "deploy"
+CRD_NAMES = ("offloadpools.offloadpool.io", "offloadpoolnodes.offloadpool.io")
+#: Kinds whose CRDs the test cluster does not have (prometheus-operator, cert-manager): left out
+#: of the server-side dry run and checked structurally instead.
+ABSENT_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate"),
+                ("cert-manager.io/v1", "Issuer")}
 
 
 def docs_of(text: str) -> list[dict[str, Any]]:
@@ -30,13 +44,15 @@ def by_kind_and_app(docs: list[dict[str, Any]], kind: str, app: str) -> dict[str
 
 
 def test_chart_crds_are_the_repository_crds() -> None:
-    """crds/ is the source of truth; the chart ships byte-identical copies (cp crds/*.yaml
-    charts/offloadpool/crds/ after changing them)."""
+    """crds/ is the source of truth; the chart ships byte-identical copies in files/crds/
+    (cp crds/*.yaml charts/offloadpool/files/crds/ after changing them). The chart has no crds/
+    folder: Helm would install those CRDs before the templates' own and the install would fail."""
     repo = sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
-    chart = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    chart = sorted(p.name for p in CHART_CRDS.glob("*.yaml"))
     assert repo and chart == repo
-    match, mismatch, errors = filecmp.cmpfiles(REPO / "crds", CHART / "crds", repo, shallow=False)
+    match, mismatch, errors = filecmp.cmpfiles(REPO / "crds", CHART_CRDS, repo, shallow=False)
     assert not mismatch and not errors, f"chart CRDs differ from crds/: {mismatch + errors}"
+    assert not (CHART / "crds").exists(), "charts/offloadpool/crds/ must not exist: the copies go to files/crds/"
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +62,12 @@ def rendered(control_plane: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.controlplane
-def test_helm_lint(control_plane: Any) -> None:
-    out = control_plane.helm("lint", "--strict", str(CHART))
-    assert "0 chart(s) failed" in out.stdout, out.stdout + out.stderr
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: v.stem if v else "defaults")
+def test_helm_lint(control_plane: Any, values: Path | None) -> None:
+    args = ["-f", str(values)] if values else []
+    out = control_plane.helm("lint", "--strict", str(CHART), *args)
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout, out.stdout + out.stderr
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
 
 
 @pytest.mark.controlplane
@@ -67,8 +86,9 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
     assert "--agent-service-account=offloadpool-agent" in c["args"]
     assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
     kinds = sorted({d["kind"] for d in rendered})
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "MutatingWebhookConfiguration", "Role",
-                     "RoleBinding", "Service", "ServiceAccount", "ValidatingWebhookConfiguration"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
+                     "MutatingWebhookConfiguration", "Role", "RoleBinding", "Service", "ServiceAccount",
+                     "ValidatingWebhookConfiguration"]
     peered = docs_of(control_plane.helm("template", "op", str(CHART), "--set", "operator.peering=offloadpool").stdout)
     args = by_kind_and_app(peered, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--peering=offloadpool" in args and "--standalone" not in args
@@ -79,10 +99,16 @@ def test_helm_install_into_a_fresh_namespace(crds_installed: Any) -> None:
     cp = crds_installed
     release = f"op{secrets.token_hex(3)}"
     ns = f"offloadpool-{release}"
-    cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", timeout=120)
+    # The CRDs exist already (applied with kubectl by crds_installed, or kept by an earlier
+    # release): --take-ownership lets the release adopt them (docs/operator.md).
+    out = cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", "--take-ownership",
+                  timeout=120).stdout
     try:
         status = cp.helm("status", release, "--namespace", ns).stdout
         assert "STATUS: deployed" in status, status
+        # NOTES.txt: what to do next
+        assert "kubectl get op,opn" in out and "offloadpool.io/pool: <pool name>" in out, out
+        assert f"kubectl label namespace {ns} pod-security.kubernetes.io/enforce=privileged" in out, out
         cp.kubectl("get", "deployment", f"{release}-operator", "-n", ns)
         agent = f"system:serviceaccount:{ns}:offloadpool-agent"
         operator = f"system:serviceaccount:{ns}:{release}-operator"
@@ -167,3 +193,327 @@ def test_plain_manifests_are_accepted(operator_rbac: Any, control_plane: Any) ->
     """deploy/ (namespace, RBAC, the operator Deployment) passes the API server's validation."""
     out = control_plane.kubectl("apply", "--dry-run=server", "-f", str(DEPLOY))
     assert "deployment.apps/offloadpool-operator" in out.stdout, out.stdout
+
+
+# --- CRDs, values schema, example values, install / upgrade / uninstall ---------------------------
+
+def helm_template(cp: Any, *args: str, namespace: str = "offloadpool-system", chart: Path = CHART) -> list[dict[str, Any]]:
+    return docs_of(cp.helm("template", "op", str(chart), "--namespace", namespace, *args).stdout)
+
+
+def repo_crds() -> dict[str, dict[str, Any]]:
+    docs = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "crds").glob("*.yaml"))]
+    return {d["metadata"]["name"]: d for d in docs}
+
+
+def values_id(values: Path | None) -> str:
+    return values.stem if values else "defaults"
+
+
+@pytest.mark.controlplane
+def test_chart_renders_the_repository_crds_kept_on_uninstall(control_plane: Any) -> None:
+    """templates/crds.yaml renders crds/ as they are, plus the release's labels and
+    helm.sh/resource-policy: keep; crds.keep=false drops the annotation, crds.install=false the CRDs."""
+    docs = helm_template(control_plane)
+    crds = {d["metadata"]["name"]: d for d in docs if d["kind"] == "CustomResourceDefinition"}
+    repo = repo_crds()
+    assert sorted(crds) == sorted(repo) == sorted(CRD_NAMES)
+    for name, got in crds.items():
+        meta = got.pop("metadata")
+        want_meta = repo[name].pop("metadata")
+        assert got == repo[name], f"{name}: the chart's CRD is not crds/'s"
+        assert meta["annotations"] == {"helm.sh/resource-policy": "keep"}
+        assert meta["name"] == want_meta["name"] and meta["labels"] == {
+            **want_meta["labels"], "app.kubernetes.io/instance": "op", "app.kubernetes.io/managed-by": "Helm",
+            "helm.sh/chart": "offloadpool-0.1.0"}
+
+    unkept = [d for d in helm_template(control_plane, "--set", "crds.keep=false") if d["kind"] == "CustomResourceDefinition"]
+    assert len(unkept) == 2 and all("annotations" not in d["metadata"] for d in unkept)
+    assert not [d for d in helm_template(control_plane, "--set", "crds.install=false")
+                if d["kind"] == "CustomResourceDefinition"]
+
+
+@pytest.fixture(scope="module")
+def dry_run_namespace(crds_installed: Any) -> Iterator[tuple[Any, str]]:
+    ns = f"offloadpool-dryrun-{secrets.token_hex(3)}"
+    crds_installed.kubectl("create", "namespace", ns)
+    try:
+        yield crds_installed, ns
+    finally:
+        crds_installed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def check_absent_kinds(docs: list[dict[str, Any]], ns: str) -> None:
+    """What the server cannot check for lack of their CRDs: ServiceMonitor and cert-manager
+    objects point at what the chart renders."""
+    for sm in [d for d in docs if d["kind"] == "ServiceMonitor"]:
+        from offloadpool.operator.config import OperatorConfig
+        from offloadpool.operator.daemonset import render
+
+        (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-agent-metrics")]
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+        assert sm["spec"]["namespaceSelector"] == {"matchNames": [svc["metadata"]["namespace"]]} and svc["metadata"]["namespace"] == ns
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        ports = {p["name"]: p for p in svc["spec"]["ports"]}
+        assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"] and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+        # the Service reaches the agent pods the operator renders, on their metrics port
+        agent = render({"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool",
+                        "metadata": {"name": "p", "uid": "u"}, "spec": {"capacity": "1Gi", "medium": "Memory"}},
+                       OperatorConfig(namespace=ns))
+        pod = agent["spec"]["template"]
+        assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        (c,) = pod["spec"]["containers"]
+        (port,) = [p for p in c["ports"] if p["name"] == ports["metrics"]["targetPort"]]
+        assert port["containerPort"] == ports["metrics"]["port"] == 9475
+    for cert in [d for d in docs if d["kind"] == "Certificate"]:
+        volumes = by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["volumes"]
+        assert volumes == [{"name": "webhook-certs", "secret": {"secretName": cert["spec"]["secretName"]}}]
+        ref = cert["spec"]["issuerRef"]
+        issuers = [d for d in docs if d["kind"] == "Issuer"]
+        if issuers:
+            (issuer,) = issuers
+            assert ref == {"kind": "Issuer", "name": issuer["metadata"]["name"]} and issuer["spec"] == {"selfSigned": {}}
+        else:
+            assert ref["kind"] in ("Issuer", "ClusterIssuer") and ref["name"]
+
+
+@pytest.mark.controlplane
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=values_id)
+def test_rendered_chart_is_accepted_by_the_api_server(dry_run_namespace: tuple[Any, str], values: Path | None) -> None:
+    """helm template with the defaults and each charts/offloadpool/ci/ file, through the real API
+    server's validation (kubectl apply --dry-run=server): CRDs, RBAC, Deployment, webhook
+    configurations, Services, the sample pool against the OffloadPool CRD. ServiceMonitor and
+    cert-manager's Certificate/Issuer are left out (their CRDs are not in the test cluster; the
+    test asserts that) and checked structurally."""
+    cp, ns = dry_run_namespace
+    # --api-versions: as `helm install` against this cluster, which serves OffloadPools
+    docs = helm_template(cp, *(["-f", str(values)] if values else []), "--api-versions",
+                         "offloadpool.io/v1alpha1/OffloadPool", namespace=ns)
+    absent = [d for d in docs if (d["apiVersion"], d["kind"]) in ABSENT_KINDS]
+    present = [d for d in docs if (d["apiVersion"], d["kind"]) not in ABSENT_KINDS]
+    served = set(cp.kubectl("api-resources", "-o", "name").stdout.split())
+    for d in absent:  # left out only because the server cannot know them
+        group = d["apiVersion"].split("/")[0]
+        assert not [r for r in served if r.endswith("." + group)], f"{group} is served: dry-run {d['kind']} too"
+    out = cp.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(present))
+    done = {}
+    for line in out.stdout.splitlines():
+        ref, _, outcome = line.partition(" ")
+        kind, _, name = ref.partition("/")
+        done[(kind.split(".")[0], name)] = outcome
+    for d in present:
+        outcome = done.get((d["kind"].lower(), d["metadata"]["name"]), "")
+        assert outcome.endswith("(server dry run)"), f"{d['kind']}/{d['metadata']['name']}: {out.stdout}"
+    assert len(done) == len(present), out.stdout
+    check_absent_kinds(docs, ns)
+    if values is not None and values.stem == "servicemonitor-values":
+        assert [d["kind"] for d in absent] == ["ServiceMonitor"]
+    if values is not None and values.stem == "sample-pool-values":
+        (pool,) = [d for d in present if d["kind"] == "OffloadPool"]
+        assert pool["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+        assert pool["spec"] == yaml.safe_load(values.read_text())["samplePool"]["spec"]
+        # a cluster without the OffloadPool API (a fresh install creates the CRDs first): no pool
+        assert not [d for d in helm_template(cp, "-f", str(values)) if d["kind"] == "OffloadPool"]
+    if values is None:
+        assert not absent and not [d for d in docs if d["kind"] == "OffloadPool"]  # all optional parts off
+
+
+@pytest.mark.controlplane
+@pytest.mark.parametrize(("setting", "message"), [
+    ("image.pullPolicy=Sometimes", "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'"),
+    ("image.tag=1", "at '/image/tag': got number, want string"),
+    ("crds.install=maybe", "at '/crds/install': got string, want boolean"),
+    ("operater.peering=x", "additional properties 'operater' not allowed"),
+    ("operator.livenessPort=80", "at '/operator/livenessPort': minimum: got 80, want 1,024"),
+    ("operator.resyncSeconds=0", "at '/operator/resyncSeconds'"),
+    ("webhook.port=443", "at '/webhook/port': minimum: got 443, want 1,024"),
+    ("webhook.excludeNamespaces={Batch}", "at '/webhook/excludeNamespaces/0'"),
+    ("webhook.certManager.issuerRef.kind=Issuer", "at '/webhook/certManager/issuerRef': missing property 'name'"),
+    ("webhook.certManager.issuerRef.kind=CA", "at '/webhook/certManager/issuerRef/kind': value must be one of 'Issuer', 'ClusterIssuer'"),
+    ("agent.memoryOverhead=lots", "at '/agent/memoryOverhead'"),
+    ("metrics.serviceMonitor.interval=soon", "at '/metrics/serviceMonitor/interval': 'soon' does not match pattern"),
+    ("samplePool.spec.medium=Disk", "at '/samplePool/spec/medium': value must be one of 'HugePages-2Mi'"),
+    ("samplePool.name=Not_A_Pool", "at '/samplePool/name'"),
+])
+def test_invalid_values_are_refused_naming_the_field(control_plane: Any, setting: str, message: str) -> None:
+    out = control_plane.helm("template", "op", str(CHART), "--set", setting, check=False)
+    assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr, out.stderr
+    assert message in out.stderr, out.stderr
+
+
+@pytest.mark.controlplane
+def test_helm_install_refuses_invalid_values_and_clashing_ports(control_plane: Any) -> None:
+    release = f"bad{secrets.token_hex(3)}"
+    out = control_plane.helm("install", release, str(CHART), "--namespace", "default", "--set", "webhook.port=80",
+                             check=False)
+    assert out.returncode != 0 and "at '/webhook/port': minimum: got 80, want 1,024" in out.stderr, out.stderr
+    listed = control_plane.helm("list", "--all", "--namespace", "default", "-o", "json").stdout
+    assert release not in listed  # nothing was installed
+    out = control_plane.helm("template", "op", str(CHART), "--set", "operator.livenessPort=9443", check=False)
+    assert out.returncode != 0 and "webhook.port and operator.livenessPort are both 9443" in out.stderr, out.stderr
+
+
+def kubectl_json(cp: Any, *args: str) -> dict[str, Any]:
+    return json.loads(cp.kubectl(*args, "-o", "json").stdout)
+
+
+def pool_names(cp: Any) -> list[str]:
+    return [i["metadata"]["name"] for i in kubectl_json(cp, "get", "offloadpools")["items"]]
+
+
+def restore_crds(cp: Any) -> None:
+    """Put crds/ back as the other tests expect them, should a test end without them or with
+    another chart's version of them."""
+    repo = repo_crds()
+    for name in CRD_NAMES:
+        live = cp.kubectl("get", "crd", name, "-o", "json", check=False)
+        if live.returncode != 0:
+            cp.kubectl("apply", "--server-side", "--field-manager=offloadpool-tests", "--force-conflicts",
+                       "-f", str(REPO / "crds"))
+            continue
+        crd = json.loads(live.stdout)
+        if crd["spec"]["versions"] != repo[name]["spec"]["versions"]:
+            crd["spec"] = repo[name]["spec"]
+            cp.kubectl("replace", "-f", "-", input=json.dumps(crd))
+    cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in CRD_NAMES], timeout=90)
+
+
+def assert_uninstalled_but_kept(cp: Any, release: str, ns: str, pools: list[str]) -> None:
+    """After helm uninstall: the operator is gone, the CRDs and the pools are not."""
+    assert cp.kubectl("get", "deployment", f"{release}-operator", "-n", ns, check=False).returncode != 0
+    assert release not in cp.helm("list", "--all", "--namespace", ns, "-o", "json").stdout
+    for name in CRD_NAMES:
+        crd = kubectl_json(cp, "get", "crd", name)
+        assert crd["metadata"].get("deletionTimestamp") is None, f"{name} is being deleted"
+    left = pool_names(cp)
+    assert set(pools) <= set(left), left
+
+
+@pytest.mark.controlplane
+def test_helm_install_creates_the_crds_and_the_sample_pool_on_a_fresh_cluster(crds_installed: Any) -> None:
+    """A cluster without offloadpool's CRDs: the install creates them (templates, not crds/), the
+    next upgrade the sample pool (Helm cannot create a kind its own install creates; NOTES.txt
+    says so); uninstall leaves both. The session's CRDs are deleted for this and come back from
+    the release, identical to crds/ (the suite's other tests have no pools at this point:
+    asserted)."""
+    cp = crds_installed
+    assert pool_names(cp) == [], "pools from another test: this test deletes the CRDs"
+    release = f"op{secrets.token_hex(3)}"
+    ns = f"offloadpool-{release}"
+    sample = f"sample-{release}"
+    cp.kubectl("delete", "crd", *CRD_NAMES, "--wait=true", timeout=120)
+    installed = False
+    try:
+        out = cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace",
+                      "--set", "webhook.enabled=false", "--set", "samplePool.enabled=true",
+                      "--set", f"samplePool.name={sample}", timeout=180)
+        installed = True
+        assert "STATUS: deployed" in out.stdout, out.stdout
+        assert f"helm upgrade {release} <this chart> -n {ns} --reuse-values" in out.stdout, out.stdout
+        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in CRD_NAMES], timeout=90)
+        repo = repo_crds()
+        for name in CRD_NAMES:
+            crd = kubectl_json(cp, "get", "crd", name)
+            assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+            assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
+            assert crd["spec"]["versions"] == repo[name]["spec"]["versions"]
+        assert pool_names(cp) == []
+        out = cp.helm("upgrade", release, str(CHART), "--namespace", ns, "--reuse-values", timeout=180)
+        assert f"The sample pool {sample} (1Gi of Memory) is part of this release" in out.stdout, out.stdout
+        pool = kubectl_json(cp, "get", "offloadpool", sample)
+        assert pool["spec"]["capacity"] == "1Gi" and pool["spec"]["medium"] == "Memory"
+        cp.kubectl("get", "deployment", f"{release}-operator", "-n", ns)
+
+        cp.helm("uninstall", release, "--namespace", ns, timeout=120)
+        installed = False
+        assert_uninstalled_but_kept(cp, release, ns, [sample])
+        assert kubectl_json(cp, "get", "offloadpool", sample)["metadata"]["uid"] == pool["metadata"]["uid"]
+    finally:
+        if installed:
+            cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
+        restore_crds(cp)
+        cp.kubectl("delete", "offloadpool", sample, "--ignore-not-found", check=False)
+        cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def chart_with_a_new_pool_field(tmp_path: Path) -> Path:
+    """A copy of the chart, version 0.1.1, whose OffloadPool CRD has an added optional field
+    spec.note (what a next release's CRD looks like)."""
+    chart = tmp_path / "offloadpool"
+    shutil.copytree(CHART, chart)
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    (chart / "Chart.yaml").write_text(yaml.safe_dump({**meta, "version": "0.1.1"}))
+    path = chart / "files" / "crds" / "offloadpool.io_offloadpools.yaml"
+    crd = yaml.safe_load(path.read_text())
+    for version in crd["spec"]["versions"]:
+        version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["note"] = {
+            "type": "string", "maxLength": 64, "description": "Free text (added in chart 0.1.1)."}
+    path.write_text(yaml.safe_dump(crd, sort_keys=False))
+    return chart
+
+
+POOL_STATUS = {"phase": "Ready", "desiredNodes": 2, "readyNodes": 2}
+NODE_STATUS = {"phase": "Ready", "progress": 100, "enginesAttached": 1}
+
+
+@pytest.mark.controlplane
+def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: Any, tmp_path: Path) -> None:
+    """helm upgrade to a chart whose CRD gained a field: the CRD is upgraded (Helm would never
+    upgrade a crds/ folder), existing pools keep their spec and status, the new field is accepted
+    (it was refused before); back to the old chart the field is gone again; helm uninstall
+    leaves the CRDs and the pools."""
+    cp = crds_installed
+    release = f"op{secrets.token_hex(3)}"
+    ns = f"offloadpool-{release}"
+    pool, node = f"up-{release}", f"up-{release}.node-a"
+    settings = ["--set", "webhook.enabled=false"]
+    new_chart = chart_with_a_new_pool_field(tmp_path)
+    installed = True
+    try:
+        cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", "--take-ownership",
+                *settings, timeout=180)
+        body = {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": pool},
+                "spec": {"capacity": "64Mi", "medium": "Memory"}}
+        cp.kubectl("create", "-f", "-", input=json.dumps(body))
+        cp.kubectl("create", "-f", "-", input=json.dumps({
+            "apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPoolNode", "metadata": {"name": node},
+            "spec": {"pool": pool, "nodeName": "node-a"}}))
+        cp.kubectl("patch", "offloadpool", pool, "--subresource=status", "--type=merge",
+                   "-p", json.dumps({"status": POOL_STATUS}))
+        cp.kubectl("patch", "offloadpoolnode", node, "--subresource=status", "--type=merge",
+                   "-p", json.dumps({"status": NODE_STATUS}))
+        before = kubectl_json(cp, "get", "offloadpool", pool)
+        noted = {**body, "spec": {**body["spec"], "note": "kv cache for team a"}}
+        refused = cp.kubectl("apply", "--validate=strict", "-f", "-", input=json.dumps(noted), check=False)
+        assert refused.returncode != 0 and 'unknown field "spec.note"' in refused.stderr, refused.stderr
+
+        cp.helm("upgrade", release, str(new_chart), "--namespace", ns, *settings, timeout=180)
+        crd = kubectl_json(cp, "get", "crd", CRD_NAMES[0])
+        assert "note" in crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        after = kubectl_json(cp, "get", "offloadpool", pool)
+        assert after["metadata"]["uid"] == before["metadata"]["uid"]
+        assert after["spec"] == before["spec"] and after["status"] == before["status"]
+        assert kubectl_json(cp, "get", "offloadpoolnode", node)["status"] == NODE_STATUS
+        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAMES[0]}", timeout=90)
+        cp.kubectl("apply", "--validate=strict", "-f", "-", input=json.dumps(noted))
+        got = kubectl_json(cp, "get", "offloadpool", pool)
+        assert got["spec"]["note"] == "kv cache for team a" and got["status"] == before["status"]
+
+        # back to the repository's chart: the CRD is crds/'s again, the pools stay
+        cp.helm("upgrade", release, str(CHART), "--namespace", ns, *settings, timeout=180)
+        crd = kubectl_json(cp, "get", "crd", CRD_NAMES[0])
+        assert crd["spec"]["versions"] == repo_crds()[CRD_NAMES[0]]["spec"]["versions"]
+        assert kubectl_json(cp, "get", "offloadpool", pool)["status"] == POOL_STATUS
+
+        cp.helm("uninstall", release, "--namespace", ns, timeout=120)
+        installed = False
+        assert_uninstalled_but_kept(cp, release, ns, [pool])
+        assert kubectl_json(cp, "get", "offloadpool", pool)["status"] == POOL_STATUS
+        assert kubectl_json(cp, "get", "offloadpoolnode", node)["status"] == NODE_STATUS
+    finally:
+        if installed:
+            cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
+        restore_crds(cp)
+        cp.kubectl("delete", "offloadpoolnode", node, "--ignore-not-found", check=False)
+        cp.kubectl("delete", "offloadpool", pool, "--ignore-not-found", check=False)
+        cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
