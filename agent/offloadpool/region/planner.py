@@ -18,7 +18,8 @@ Rules (DESIGN "Node side in detail"), and why:
 * A stock-vLLM compat pool is split the way vLLM itself splits its region (``vllm_compat``:
   up to ``num_segments`` files of >= 1 GiB on vLLM's rows, larger ones first, the rest last),
   because unmodified vLLM maps the files by name at the offsets it computes; ``segments``
-  settings do not apply to it. Each file must still be whole pages of the medium.
+  settings do not apply to it. Each file must still be whole pages of the medium, and a
+  hugetlbfs medium can serve only a one-file region (vLLM maps several with MAP_FIXED at 4 KiB).
 """
 
 from __future__ import annotations
@@ -97,6 +98,16 @@ def compat_segment_sizes(req: PoolRequest, page_size: int, layout_rows: int | No
         )
     total, row = req.capacity, req.compat_row_bytes
     wanted = vllm_compat.file_count(total, req.compat_segments)
+    if wanted > 1 and medium(req.medium).hugetlb:
+        # vLLM maps file i with MAP_FIXED at its offset in an anonymous reservation aligned only
+        # to 4 KiB (2 MiB at best, on kernels that align large anonymous mappings); hugetlbfs
+        # refuses a mapping not aligned to its page (EINVAL, shown with vLLM's own code for
+        # HugePages-1Gi in tests/test_vllm_compat.py). One file is mapped without MAP_FIXED.
+        raise RequestError(
+            f"stock vLLM maps a {fmt_bytes(total)} region as {wanted} files with MAP_FIXED at 4 KiB "
+            f"alignment, which {req.medium} (hugetlbfs) refuses; use Memory or MemoryTHP, or a "
+            f"region vLLM keeps in one file (below 2 GiB, or numSegments 1)"
+        )
     if row is None:
         if wanted > 1:
             raise RequestError(
@@ -123,8 +134,8 @@ def compat_segment_sizes(req: PoolRequest, page_size: int, layout_rows: int | No
         raise RequestError(
             f"stock vLLM splits this region into files of {fmt_bytes(sizes[0])} "
             f"({len(sizes)} files), which are not whole {fmt_bytes(page_size)} pages of "
-            f"{req.medium}; use a medium with 4 KiB pages (Memory, MemoryTHP) or a rowSize "
-            f"whose files come out as whole pages"
+            f"{req.medium}; use Memory (4 KiB pages) or a rowSize whose files come out as "
+            f"whole pages"
         )
     return sizes
 
