@@ -161,3 +161,26 @@ def test_reservation_tool_fails_at_once_with_one_message_and_gives_back_its_page
     assert given.returncode == 0 and "gave back 1 x HugePages-2Mi" in given.stderr
     assert hugepage_totals() == hugepage_baseline
     assert reservation_tool().needs()[GiB] >= 2
+
+
+def test_pool_lock_falls_back_to_the_root_where_run_lock_is_read_only(region_root, hugepage_baseline):
+    """An agent container has a read-only root file system: /run/lock cannot hold the host-wide
+    huge page lock, so the engine locks in the host root all agents of the node share."""
+    script = (
+        "import sys\n"
+        "from offloadpool.region.provision import provision\n"
+        "from offloadpool.region.release import release\n"
+        "from offloadpool.region.request import PoolRequest\n"
+        "root = sys.argv[1]\n"
+        "r = provision(PoolRequest(name='ro', capacity=16 << 20, medium='HugePages-2Mi', min_segment=8 << 20), root)\n"
+        "release(root, 'ro')\n"
+        "print('ok', r.manifest.total_bytes)\n"
+    )
+    ro_run = ("mkdir -p /run/lock && mount --bind /run/lock /run/lock && mount -o remount,bind,ro /run/lock && "
+              "exec \"$@\"")
+    out = subprocess.run(["unshare", "--mount", "--propagation", "slave", "sh", "-c", ro_run, "engine",
+                          sys.executable, "-c", script, str(region_root)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split() == ["ok", str(16 << 20)]
+    assert (region_root / hugepages.ROOT_LOCK_NAME).exists()  # where the lock was taken
+    assert mounts.mounts_under(region_root) == [] and hugepage_totals() == hugepage_baseline

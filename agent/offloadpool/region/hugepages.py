@@ -24,6 +24,7 @@ from typing import Iterator
 from offloadpool.region import locks
 
 LOCK_PATH = "/run/lock/offloadpool-hugepages.lock"
+ROOT_LOCK_NAME = ".hugepages.lock"
 COMPACT_PATH = "/proc/sys/vm/compact_memory"
 BUDDYINFO_PATH = "/proc/buddyinfo"
 BASE_PAGE = 4096
@@ -64,11 +65,26 @@ def counters(page_size: int) -> PoolCounters:
 
 
 @contextmanager
-def pool_lock() -> Iterator[None]:
-    """Serialise read-modify-write of nr_hugepages among offloadpool processes on this host."""
-    os.makedirs(os.path.dirname(LOCK_PATH), exist_ok=True)
-    with locks.exclusive(LOCK_PATH):
+def pool_lock(root: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Serialise read-modify-write of nr_hugepages among offloadpool processes on this host.
+
+    The lock file is host-wide (``/run/lock``). An agent in a container with a read-only root
+    file system cannot create it there; it falls back to ``<root>/.hugepages.lock`` in the host
+    root every agent of the node shares through its hostPath, which serialises them just as well.
+    """
+    try:
+        os.makedirs(os.path.dirname(LOCK_PATH), exist_ok=True)
+        lock = locks.exclusive(LOCK_PATH)
+        lock.__enter__()
+    except OSError:
+        if root is None:
+            raise
+        lock = locks.exclusive(os.path.join(root, ROOT_LOCK_NAME))
+        lock.__enter__()
+    try:
         yield
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def _write_total(page_size: int, value: int) -> None:

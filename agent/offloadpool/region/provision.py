@@ -248,7 +248,7 @@ def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[i
             rec.boot_id = records.boot_id()
             # Growing the pool and mounting (which reserves the pages) under one lock, so two
             # offloadpool processes cannot take each other's freshly added pages.
-            with hugepages.pool_lock():
+            with hugepages.pool_lock(pool_dir.parent):
                 rec.hugepages_added += _reserve_hugepages(plan)
                 records.save(pool_dir, rec)
                 mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))

@@ -45,7 +45,7 @@ def teardown(pool_dir: Path, *, lazy: bool = False, keep_dir: bool = False) -> i
     given = 0
     if rec is not None and rec.hugepages_added and rec.hugepage_size:
         if rec.boot_id == records.boot_id():  # after a reboot the pool was reset: nothing to return
-            with hugepages.pool_lock():
+            with hugepages.pool_lock(pool_dir.parent):
                 hugepages.shrink(rec.hugepage_size, rec.hugepages_added)
             given = rec.hugepages_added
         rec.hugepages_added = 0
