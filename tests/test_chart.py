@@ -517,3 +517,30 @@ def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: An
         cp.kubectl("delete", "offloadpoolnode", node, "--ignore-not-found", check=False)
         cp.kubectl("delete", "offloadpool", pool, "--ignore-not-found", check=False)
         cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.mark.controlplane
+def test_existing_crds_are_refused_without_take_ownership_and_left_alone_with_crds_install_false(crds_installed: Any) -> None:
+    """CRDs this release does not own (applied with kubectl, or kept by another release): a plain
+    install refuses to adopt them and says so; with crds.install=false the chart leaves them alone."""
+    cp = crds_installed
+    release = f"op{secrets.token_hex(3)}"
+    ns = f"offloadpool-{release}"
+    try:
+        refused = cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace",
+                          "--set", "webhook.enabled=false", check=False, timeout=120)
+        assert refused.returncode != 0, refused.stdout
+        assert "CustomResourceDefinition" in refused.stderr and "cannot be imported into the current release" in refused.stderr, refused.stderr
+        cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
+        before = {n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES}
+        out = cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace",
+                      "--set", "webhook.enabled=false", "--set", "crds.install=false", timeout=120).stdout
+        assert "STATUS: deployed" in out and "not in this release: crds.install=false" in out, out
+        manifest = cp.helm("get", "manifest", release, "--namespace", ns).stdout
+        assert "kind: CustomResourceDefinition" not in manifest
+        assert {n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES} == before
+        cp.kubectl("get", "deployment", f"{release}-operator", "-n", ns)
+    finally:
+        cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
+        cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    assert {n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES} == before
