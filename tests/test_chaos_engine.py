@@ -191,7 +191,9 @@ def test_kill9_engine_mid_pin(seed: int, chaos_run: Run, engine_pools: dict[str,
         for at, data in pool.writes.items():
             run.check("data every earlier engine wrote is intact", bytes(view[at:at + DATA_BYTES]) == data, f"offset {at}")
         view.release()
-    run.check("the next attach is immediate (no lease wait)", attached < 1.0, f"{attached:.3f} s")
+    # lease_timeout=0 already fails the attach if anything held the lease; the bound only
+    # catches an attach that is slow for another reason (generous: the machine may be loaded)
+    run.check("the next attach is immediate (no lease wait)", attached < 5.0, f"{attached:.3f} s")
     run.say(f"next engine attached in {attached * 1000:.1f} ms, pinned in {pinned * 1000:.1f} ms")
     run.check("nothing stays locked after the next engine detached", vm_locked_bytes() == base)
     run.check("lease free after the next engine", count_holders(lease_path(pool.dir)) == 0)
