@@ -4,6 +4,8 @@ One call does whichever of these the pool needs, judged from what is on disk:
 
 * **Ready with the same shape** → validate mount, files and manifest; apply ownership, mode,
   compat link and generation in place; return ``reused=True`` without touching the memory.
+  A provision killed after writing the manifest and before recording Ready left a complete pool
+  (engines may already use it): it is finished the same way, without the exclusive lease.
 * **Absent** → capacity check (before anything is created), reserve huge pages, mount, create
   files, pre-fault, write the manifest last.
 * **Interrupted** (same shape, not Ready: a provision was killed) → finish what is missing;
@@ -30,7 +32,8 @@ from offloadpool.region import capacity, hugepages, layout_files, locks, mounts,
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.holders import exclusive_unused
-from offloadpool.region.manifest import MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.journal import populated_bytes, units
+from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import Plan, plan as make_plan
 from offloadpool.region.populate import DEFAULT_CHUNK, Progress, populate
@@ -151,7 +154,7 @@ def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progr
     say = on_phase or (lambda phase: None)
 
     rec = records.load(pool_dir) if pool_dir.is_dir() else None
-    if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == "Ready":
+    if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase in ("Ready", "Populating"):
         with pool_lock(pool_dir):
             reused = _reuse(pool_dir, plan, req, t0)
         if reused is not None:
@@ -191,11 +194,29 @@ def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progr
         raise
 
 
+def _finished_but_unrecorded(pool_dir: Path, plan: Plan, rec: records.Record) -> bool:
+    """A provision killed after writing the manifest, before recording Ready.
+
+    The manifest is written only after the last page is populated, so the memory is complete
+    and engines may already be attached; finishing is only the record, which needs neither
+    the exclusive lease nor a pre-fault (the journal must agree, as a second proof).
+    """
+    if rec.phase != "Populating" or not (pool_dir / MANIFEST_NAME).exists():
+        return False
+    return populated_bytes(pool_dir, units(plan.segments, plan.page_size)) == plan.total_bytes
+
+
 def _reuse(pool_dir: Path, plan: Plan, req: PoolRequest, t0: float) -> ProvisionResult | None:
     _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
-    if rec is None or rec.phase != "Ready" or _validate_ready(pool_dir, plan) is not None:
+    if rec is None or not (rec.phase == "Ready" or _finished_but_unrecorded(pool_dir, plan, rec)):
         return None
+    if _validate_ready(pool_dir, plan) is not None:
+        return None
+    if rec.phase != "Ready":
+        rec.hugepage_coverage_percent = float(
+            load_manifest(pool_dir).extra.get("hugepage_coverage_percent", rec.hugepage_coverage_percent))
+        rec.phase = "Ready"
     for seg in plan.segments:
         layout_files.own(pool_dir / seg.file, req)
     layout_files.ensure_lease_file(pool_dir, req)
