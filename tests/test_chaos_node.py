@@ -163,7 +163,8 @@ def kill_provision(run: Run, rng: random.Random, pool: Pool, processes, point: s
     proc = processes(cli_argv("provision", *pool.flags(), *rate))
     if how == "progress":
         target = rng.uniform(0.05, 0.95) * pool.capacity
-        while proc.poll() is None and pool.recorded_bytes() < target:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and pool.recorded_bytes() < target and time.monotonic() < deadline:
             time.sleep(0.005)
         written = pool.write_engine_data(rng) if proc.poll() is None else None
         if written is not None:
