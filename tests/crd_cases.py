@@ -196,6 +196,11 @@ INVALID_POOLS: list[InvalidPool] = [
         "spec.compat.vllm.rowSize",
     ),
     InvalidPool(
+        "compat-several-vllm-files-on-hugepages",
+        _s(capacity="2Gi", medium="HugePages-1Gi", compat={"vllm": {"engineId": "e1", "rowSize": "512Ki"}}),
+        "spec.compat.vllm",
+    ),
+    InvalidPool(
         "compat-segments-above-32",
         _s(compat={"vllm": {"engineId": "e1", "numSegments": 33}}),
         "spec.compat.vllm.numSegments",

@@ -200,7 +200,15 @@ class OffloadPoolSpec(SpecModel):
                     "layout cannot give: use spec.layout.type Replicated or Interleaved"
                 )
             row = vllm.row_bytes()
-            if row is None and cap >= 2 * vllm_compat.VLLM_MIN_SEGMENT and vllm.num_segments > 1:
+            several = cap >= 2 * vllm_compat.VLLM_MIN_SEGMENT and vllm.num_segments > 1
+            if several and self.medium.startswith("HugePages"):
+                raise ValueError(
+                    "spec.compat.vllm on a HugePages medium needs a region stock vLLM keeps in one "
+                    "file (capacity below 2Gi, or numSegments 1): vLLM maps several files with "
+                    "MAP_FIXED into a 4Ki-aligned reservation, which hugetlbfs refuses (EINVAL); "
+                    "use Memory or MemoryTHP"
+                )
+            if row is None and several:
                 raise ValueError(
                     "spec.compat.vllm.rowSize is required when stock vLLM splits its region into "
                     "several files (spec.capacity of 2Gi or more and numSegments above 1): give "

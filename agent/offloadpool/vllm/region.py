@@ -54,7 +54,8 @@ class PoolRegion(SharedOffloadRegion):
                 self._worker_area_end = (rank + 1) * cpu_page_size
             import torch
 
-            self._base = self.attachment.tensor(torch.int8)
+            # The tier's rows only (a pool may be larger): vLLM's create_kv_memoryview reshapes it.
+            self._base = self.attachment.tensor(torch.int8)[: self._bytes]
             self._views: list[Any] = []
             self._canonical_offset = 0
             self.is_pinned = False
@@ -85,10 +86,6 @@ class PoolRegion(SharedOffloadRegion):
 
         vLLM reads this only to plan its own registration (the views use rows and chunks)."""
         return 0 if self.is_pinned else self._bytes
-
-    @total_size_bytes.setter
-    def total_size_bytes(self, value: int) -> None:  # SharedOffloadRegion's __init__ assigns it
-        self._bytes = value
 
     def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
         """This worker's slots vLLM would register or populate: none (registered, and the node
