@@ -106,7 +106,7 @@ def test_bench_populate_json_schema():
     """Shape of the benchmark's output only (speed belongs in the benchmark, not in tests)."""
     out = cli("bench", "populate", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi", "--json")
     result = json.loads(out.stdout)
-    for name in ("engine_baseline", "sharded", "segmented", "per_rank", "offloadpool_Memory",
+    for name in ("engine_baseline", "sharded", "segmented", "per_rank", "vllm_0_33", "offloadpool_Memory",
                  "offloadpool_HugePages-2Mi", "memset_limit", "memset_bulk"):
         s = result["strategies"][name]
         assert s["gib_per_s"] > 0 and s["seconds"] > 0 and len(s["samples_s"]) == 1

@@ -7,6 +7,10 @@ Strategies, all for the same capacity C, in one run (see docs/bench-populate.md)
 * ``sharded`` - one file, rank i pre-faults only share i;
 * ``segmented`` - the region in k = min(32, C / 1 GiB) files, ranks sharded across them;
 * ``per_rank`` - one file of C/R per rank, each rank pre-faults its own;
+* ``vllm_0_33`` - what vLLM 0.33.0's ``SharedOffloadRegion`` does at start (non-replicated
+  layout): its split (``region.vllm_compat``: k = min(32, C / 1 GiB) files on whole rows of R
+  slots of ``VLLM_SLOT``), and each rank pre-faults only its own slot of every row, one
+  ``madvise`` per slot, starting at a different file per rank, 4 KiB pages;
 * ``offloadpool_<medium>`` - :func:`offloadpool.region.provision.provision` (reserve, mount,
   create, populate with the default worker count, manifest), for every medium this node has;
 * ``memset_limit`` - W threads ``memset`` over memory that is already mapped and populated, in
@@ -37,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from offloadpool.bench.stats import machine, summarize
-from offloadpool.region import hugepages, mounts, vm
+from offloadpool.region import hugepages, mounts, vllm_compat, vm
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
@@ -128,8 +132,49 @@ def _shares(total: int, n: int, page: int = 4096) -> list[tuple[int, int]]:
     return [(min(i * step, total), max(0, min(step, total - i * step))) for i in range(n)]
 
 
+#: One rank's slot per row in ``vllm_0_33`` (Llama-3-70B at TP4 keeps 1.25 MiB per block per rank).
+VLLM_SLOT = 1 << 20
+
+
+def _populate_files(files: list[tuple[int, int]], ranges: list[tuple[int, int, int]]) -> Callable[[], None]:
+    """A rank mapping every file (its own mappings) and pre-faulting (file, offset, length)s in order."""
+
+    def job() -> None:
+        addrs = [vm.map_shared(fd, size) for fd, size in files]
+        try:
+            for f, off, length in ranges:
+                vm.populate_write(addrs[f] + off, length)
+        finally:
+            for addr, (_, size) in zip(addrs, files):
+                vm.unmap(addr, size)
+
+    return job
+
+
+def vllm_jobs(scratch: Scratch, cap: int, ranks: int) -> tuple[list[tuple[int, int]], list[Callable[[], None]]]:
+    """vLLM 0.33.0's start: its file split, every rank its own slots (``iter_worker_slot_ranges``)."""
+    row = ranks * VLLM_SLOT
+    total = cap - cap % row
+    sizes = vllm_compat.segment_sizes(total, row, vllm_compat.CPU_OFFLOADING_SEGMENTS)
+    files = scratch.files(sizes)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    chunks = total // row
+    jobs = []
+    for rank in range(ranks):
+        first = rank * chunks // ranks if len(sizes) > 1 else 0  # each rank starts in another file
+        ranges = []
+        for i in range(chunks):
+            offset = ((first + i) % chunks) * row + rank * VLLM_SLOT
+            f = max(j for j, start in enumerate(starts) if start <= offset)
+            ranges.append((f, offset - starts[f], VLLM_SLOT))
+        jobs.append(_populate_files(files, ranges))
+    return files, jobs
+
+
 def engine_case(kind: str, scratch: Scratch, cap: int, ranks: int) -> float:
-    if kind == "per_rank":
+    if kind == "vllm_0_33":
+        files, jobs = vllm_jobs(scratch, cap, ranks)
+    elif kind == "per_rank":
         files = scratch.files([cap // ranks] * ranks)
         jobs = [_populate_ranges(fd, size, [(0, size)]) for fd, size in files]
     elif kind == "segmented":
@@ -255,7 +300,7 @@ def run(cap: int, ranks: int, reps: int, workers: int, media: list[str],
         root = base / "root"
         cases: dict[str, tuple[Callable[[], float], Callable[[], object]]] = {
             k: ((lambda k=k: engine_case(k, scratch, cap, ranks)), _nothing)
-            for k in ("engine_baseline", "sharded", "segmented", "per_rank")
+            for k in ("engine_baseline", "sharded", "segmented", "per_rank", "vllm_0_33")
         }
         held = ExitStack()  # 1 GiB pages: taken once for the whole run (see run_wide)
         for medium in media:
