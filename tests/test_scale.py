@@ -34,7 +34,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 from kubernetes import client
@@ -70,8 +70,23 @@ def api_writes(cp: Any) -> Counter[str]:
     return out
 
 
-def test_pool_converges_at_scale(offloadpool_operator: OperatorProcess) -> None:
-    op = offloadpool_operator
+@pytest.fixture
+def scale_operator(crds_installed: Any, operator_rbac: Path, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The operator as a real process, with a heartbeat timeout of 5 minutes: a thousand
+    in-process agents share this machine's two cores with the API server, and under that load
+    an agent's step can come later than the default 60 s would allow (a real node's agent has
+    a machine of its own)."""
+    workdir = tmp_path / "operator"
+    workdir.mkdir()
+    op = OperatorProcess(crds_installed, operator_rbac, workdir, extra_args=("--heartbeat-timeout", "300")).start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+def test_pool_converges_at_scale(scale_operator: OperatorProcess) -> None:
+    op = scale_operator
     reports: list[dict[str, Any]] = []
     for n in COUNTS:
         reports.append(run_one(op, n))
