@@ -74,8 +74,9 @@ def tier_bytes(manifest: Manifest) -> int:
     return manifest.regions[0].bytes
 
 
-def check(manifest: Manifest, pool_dir: Path, tier: EngineTier) -> int:
-    """Raise PoolMismatch unless the pool serves ``tier``; return the rank to attach as."""
+def check(manifest: Manifest, pool_dir: Path, tier: EngineTier) -> int | None:
+    """Raise PoolMismatch unless the pool serves ``tier``; return the rank every worker attaches
+    the pool as (0: a Replicated pool has one rank), or None: each worker as its own rank."""
     name = f"pool {manifest.pool!r} at {pool_dir}"
     lay = manifest.layout
     fit = f"a pool that fits: spec: {{{tier.fitting_spec()}}}"
@@ -107,4 +108,4 @@ def check(manifest: Manifest, pool_dir: Path, tier: EngineTier) -> int:
         raise PoolMismatch(
             f"{name} holds {tier_bytes(manifest)} bytes, vLLM's CPU tier needs {tier.bytes} "
             f"({tier.num_chunks} rows of {tier.row_bytes}); lower cpu_bytes_to_use or use {fit}")
-    return 0 if lay.type == "Replicated" else -1  # -1: attach as the worker's own rank
+    return 0 if lay.type == "Replicated" else None

@@ -40,14 +40,13 @@ class OffloadPoolOffloadingSpec(CPUOffloadingSpec):
             config = dataclasses.replace(config, extra_config=extra)
         super().__init__(config)
         self.pin_backend = str(extra.get("pin_backend", "auto"))
-        self._attach_rank = None
+        self._attach_rank: int | None = None  # None: each worker attaches as its own rank
         if self.num_chunks > 0:  # 0 on a scheduler that does not know the KV size yet
             tier = geometry.EngineTier(
                 world_size=config.parallel.world_size, row_bytes=self.kv_bytes_per_chunk,
                 slot_bytes=self.cpu_page_size_per_worker, num_chunks=self.num_chunks,
                 replicated=self.replicated_layout)
-            fixed = geometry.check(manifest, self.pool_dir, tier)
-            self._attach_rank = fixed if fixed >= 0 else None
+            self._attach_rank = geometry.check(manifest, self.pool_dir, tier)
             logger.info("offloadpool: CPU KV tier of %d rows of %d bytes in pool %s (%s)",
                         self.num_chunks, self.kv_bytes_per_chunk, manifest.pool, self.pool_dir)
 
