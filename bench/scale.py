@@ -37,7 +37,8 @@ def table(reports: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r[key]) for key, _ in COLUMNS) + " |" for r in reports]
     if len(reports) > 1:
-        lines += ["", "Growth between consecutive runs (cost ratio / node-count ratio; <= 1 is linear or better):", ""]
+        lines += ["", "Growth between consecutive counts (each cost's ratio; linear or better means at most the "
+                  "node-count ratio):", ""]
         lines += ["| from → to | nodes × | converge s × | operator CPU total × | steady CPU × | writes/s × |",
                   "|---|---:|---:|---:|---:|---:|"]
         for a, b in zip(reports, reports[1:]):
