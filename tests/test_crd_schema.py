@@ -99,8 +99,8 @@ def _quantity_props() -> list[tuple[str, dict[str, Any]]]:
 
 def test_quantity_fields_are_int_or_string_with_a_pattern() -> None:
     props = _quantity_props()
-    assert [p for p, _ in props] == [".spec.capacity", ".spec.compat.vllm.rowSize", ".spec.layout.slotSize",
-                                     ".spec.segments.minSize"]
+    assert [p for p, _ in props] == [".spec.capacity", ".spec.layout.slotSize", ".spec.segments.minSize",
+                                     ".spec.compat.vllm.rowSize"]
     for _, prop in props:
         assert prop["anyOf"] == [{"type": "integer"}, {"type": "string"}]
         assert prop["pattern"] and prop["x-kubernetes-validations"]
