@@ -191,6 +191,11 @@ INVALID_POOLS: list[InvalidPool] = [
         "spec.compat.vllm.rowSize",
     ),
     InvalidPool(
+        "compat-row-not-whole-bytes",
+        _s(capacity="64Mi", compat={"vllm": {"engineId": "e1", "rowSize": "0.5"}}),
+        "spec.compat.vllm.rowSize",
+    ),
+    InvalidPool(
         "compat-row-not-4ki",
         _s(capacity="64Mi", compat={"vllm": {"engineId": "e1", "rowSize": 1000}}),
         "spec.compat.vllm.rowSize",
