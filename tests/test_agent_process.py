@@ -229,3 +229,49 @@ def test_retain_reports_released_and_keeps_the_memory(env: dict[str, Any]) -> No
     assert st["reason"] == "Retained" and "Retain" in st["message"]
     pool_dir = env["root"] / pool
     assert mounts_under(pool_dir / "mnt") and (pool_dir / "manifest.json").exists(), "Retain gave the memory back"
+
+
+def test_agent_waits_for_a_lockless_holder_in_another_mount_namespace(env: dict[str, Any], processes,
+                                                                     tmp_path: Path) -> None:
+    """Stock vLLM's way of holding a pool — a mapping through a bind mount in its own mount
+    namespace, no lease — keeps the agent from reshaping and from releasing it: the spec change
+    stays pending and the deletion waits, both naming the holder; once it exits each proceeds,
+    and nothing is left."""
+    from test_region_holders import PATTERN, start_holder, stop
+
+    pool, node = "agent-nsheld", "node-n"
+    create(env, pool, node, {"capacity": "64Mi", "medium": "Memory", "segments": {"minSize": "16Mi"}})
+    name = f"{pool}.{node}"
+    start_agent(env, pool, node)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    pool_dir = env["root"] / pool
+    segment = sorted((pool_dir / "mnt").iterdir())[0]
+    holder = start_holder(processes, tmp_path, segment, "map")
+
+    st = wait_for("enginesAttached 1", lambda: (s := status(env, name)).get("enginesAttached") == 1 and s, timeout=30)
+    # a reshaping spec change waits, naming the holder
+    env["custom"].patch_cluster_custom_object(GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "128Mi"}})
+    st = wait_for("generation 2 pending", lambda: (s := status(env, name)).get("pendingGeneration") == 2 and s, timeout=30)
+    assert st["phase"] == "Ready" and st["observedGeneration"] == 1 and st["reason"] == "LeaseHeld", st
+    assert f"pid {holder.pid}" in st["message"], st["message"]
+    assert segment.read_bytes()[:len(PATTERN)] == PATTERN
+    assert json.loads((pool_dir / "manifest.json").read_text())["total_bytes"] == 64 * MiB
+
+    # the holder exits: the reshape is applied
+    stop(holder)
+    st = wait_for("generation 2 applied", lambda: (s := status(env, name)).get("observedGeneration") == 2
+                  and s.get("phase") == "Ready" and s, timeout=60)
+    assert st["bytesTotal"] == 128 * MiB and "pendingGeneration" not in st
+    assert json.loads((pool_dir / "manifest.json").read_text())["total_bytes"] == 128 * MiB
+
+    # deletion waits for a new holder, naming it; the memory and the holder's data stay
+    segment = sorted((pool_dir / "mnt").iterdir())[0]
+    holder = start_holder(processes, tmp_path, segment, "map")
+    env["custom"].delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
+    st = wait_for("Draining", lambda: (s := status(env, name)).get("phase") == "Draining" and s, timeout=30)
+    assert f"pid {holder.pid}" in st["message"], st["message"]
+    assert mounts_under(pool_dir / "mnt") and segment.read_bytes()[:len(PATTERN)] == PATTERN
+
+    stop(holder)
+    wait_for("Released", lambda: status(env, name).get("phase") == "Released", timeout=30)
+    assert not mounts_under(env["root"]) and not pool_dir.exists()
