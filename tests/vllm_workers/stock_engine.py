@@ -106,6 +106,7 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
         report["shm_attached"] = shm_view()
         base = region.base_tensor
         report["read"] = {str(off): int(base[off].item()) & 0xFF for off in cfg.get("read_offsets", [])}
+        barrier.wait(timeout)  # every rank has read what was there before any rank writes
         # vLLM's own view of this worker's slots: write a marker into the first byte of each row.
         view = region.create_next_worker_view(region.cpu_page_size)
         view[:, 0] = 0x40 + rank
