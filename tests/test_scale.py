@@ -112,6 +112,7 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
     agent_cfg.connection_pool_maxsize = 64
     agent_api = client.ApiClient(agent_cfg)
     agents: list[Agent] = []
+    stop_watch = threading.Event()
     try:
         for name in names:
             core.create_node({"apiVersion": "v1", "kind": "Node",
@@ -121,10 +122,8 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
             agents.append(Agent(access, work / name, metrics=AgentMetrics(pool, name, CollectorRegistry()),
                                 heartbeat_seconds=HEARTBEAT_SECONDS, retry_seconds=HEARTBEAT_SECONDS,
                                 watches=False).start())
-        stop_watch = threading.Event()
-        watcher = threading.Thread(target=wake_agents, args=(custom, pool, {f"{pool}.{a.access.node_object.split('.', 1)[1]}": a
-                                                                           for a in agents}, stop_watch), daemon=True)
-        watcher.start()
+        threading.Thread(target=wake_agents, args=(custom, pool, {a.access.node_object: a for a in agents}, stop_watch),
+                         daemon=True).start()
         cpu0 = op.cpu_seconds()
         t0 = time.monotonic()
         custom.create_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, {
@@ -177,8 +176,7 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         assert not mounts_under(work), "released pools left mounts"
         return report
     finally:
-        if "stop_watch" in locals():
-            stop_watch.set()
+        stop_watch.set()
         for a in agents:
             a.stop.set()
             a.wake.set()
