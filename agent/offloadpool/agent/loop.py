@@ -186,7 +186,7 @@ class Agent:
         # the object as read this step lost what we wrote (re-created by the operator, edited
         # by hand): write all of it again, not just what changed
         seen = ((self._pool_node or {}).get("status") or {}).get("phase")
-        self.status.heartbeat(full=seen != self.status.phase, enginesAttached=n, **fields)
+        self.status.set(full=seen != self.status.phase, enginesAttached=n, **fields)
 
     def _renew_lease(self, pool: dict[str, Any]) -> None:
         """Renew the heartbeat Lease, at most twice per heartbeat period (steps also run on

@@ -52,23 +52,17 @@ class StatusWriter:
         with self._lock:
             return {**self._written, **self._dirty}
 
-    def set(self, **fields: Any) -> bool:
+    def set(self, *, full: bool = False, **fields: Any) -> bool:
         """Record ``fields`` (camelCase status keys) and write those that changed now, with a
-        fresh ``heartbeat`` timestamp; nothing is written when none changed."""
-        with self._lock:
-            if "phase" in fields and fields["phase"] is not None:
-                self.phase = fields["phase"]
-            self._dirty.update(fields)
-        return self._flush()
-
-    def heartbeat(self, *, full: bool = False, **fields: Any) -> bool:
-        """Record ``fields``; write only if something differs from what was written.
+        fresh ``heartbeat`` timestamp; nothing is written when none changed.
 
         Liveness is the heartbeat Lease's job, so an unchanged status costs no write and wakes
         no one. ``full`` re-sends the whole status (an object that lost it: re-created, or
         written by someone else); so does the first write after the object was missing.
         """
         with self._lock:
+            if fields.get("phase") is not None:
+                self.phase = fields["phase"]
             self._dirty.update(fields)
         return self._flush(full=full)
 
