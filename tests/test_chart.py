@@ -9,6 +9,8 @@ import filecmp
 import json
 import secrets
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,7 @@ def by_kind_and_app(docs: list[dict[str, Any]], kind: str, app: str) -> dict[str
 
 def test_chart_crds_are_the_repository_crds() -> None:
     """crds/ is the source of truth; the chart ships byte-identical copies in files/crds/
-    (cp crds/*.yaml charts/offloadpool/files/crds/ after changing them). The chart has no crds/
+    (written by hack/sync_chart.py after changing them). The chart has no crds/
     folder: Helm would install those CRDs before the templates' own and the install would fail."""
     repo = sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
     chart = sorted(p.name for p in CHART_CRDS.glob("*.yaml"))
@@ -53,6 +55,14 @@ def test_chart_crds_are_the_repository_crds() -> None:
     match, mismatch, errors = filecmp.cmpfiles(REPO / "crds", CHART_CRDS, repo, shallow=False)
     assert not mismatch and not errors, f"chart CRDs differ from crds/: {mismatch + errors}"
     assert not (CHART / "crds").exists(), "charts/offloadpool/crds/ must not exist: the copies go to files/crds/"
+
+
+def test_chart_crds_and_rbac_are_what_sync_chart_writes() -> None:
+    """hack/sync_chart.py is how the chart's CRDs and RBAC templates come to equal crds/ and
+    deploy/: its --check fails naming every file that differs from what it would write."""
+    out = subprocess.run([sys.executable, str(REPO / "hack" / "sync_chart.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")

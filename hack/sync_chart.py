@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Make the Helm chart's CRDs and RBAC what the repository's crds/ and deploy/ say.
+
+crds/ and deploy/ are the sources of truth (plain ``kubectl apply`` installs use them as they
+are); the chart ships the same objects with release-specific names. Hand copies drift, so this
+script writes them instead:
+
+- ``crds/*.yaml`` are copied byte for byte to ``charts/offloadpool/files/crds/`` (the chart
+  renders them from there, see templates/crds.yaml; stale copies are removed);
+- ``deploy/rbac-operator.yaml`` and ``deploy/rbac-agent.yaml`` become
+  ``templates/rbac-operator.yaml`` and ``templates/rbac-agent.yaml``: the same documents, rules
+  and comments, with the names, the namespace and the labels of the release (Helm expressions),
+  and the admission webhook's rule only when ``webhook.enabled``.
+
+``--check`` writes nothing and exits 1 naming every file that is not what it would write (the
+test command runs it; tests/test_chart.py also renders the chart and compares the rules).
+
+The RBAC conversion works on lines, not on parsed YAML, so the comments that explain each rule
+survive into the chart. It knows the few shapes deploy/ uses (metadata name/namespace/labels,
+roleRef, subjects, rules) and refuses anything else it would have to guess at.
+
+Standard library only: it runs before any virtual environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CRDS = REPO / "crds"
+DEPLOY = REPO / "deploy"
+CHART = REPO / "charts" / "offloadpool"
+CHART_CRDS = CHART / "files" / "crds"
+TEMPLATES = CHART / "templates"
+
+#: the namespace deploy/ is written for; the chart installs into the release's namespace
+DEPLOY_NAMESPACE = "offloadpool-system"
+FULLNAME = '{{ include "offloadpool.fullname" . }}'
+LABELS = '{{- include "offloadpool.labels" . | nindent 4 }}'
+#: API groups whose rules the chart renders only when a value is set (the rule serves a feature
+#: the chart can turn off)
+CONDITIONAL_GROUPS = {"admissionregistration.k8s.io": ".Values.webhook.enabled"}
+
+
+@dataclass(frozen=True)
+class Component:
+    """One deploy/rbac-*.yaml: whose it is and what its ServiceAccount is called in the chart."""
+
+    app: str  # app.kubernetes.io/name, and the name of every object in deploy/
+    source: Path
+    target: Path
+    service_account: str  # Helm expression for the ServiceAccount's name
+
+
+COMPONENTS = (
+    Component("offloadpool-operator", DEPLOY / "rbac-operator.yaml", TEMPLATES / "rbac-operator.yaml",
+              '{{ include "offloadpool.operatorServiceAccount" . }}'),
+    Component("offloadpool-agent", DEPLOY / "rbac-agent.yaml", TEMPLATES / "rbac-agent.yaml",
+              "{{ .Values.agent.serviceAccountName }}"),
+)
+
+_KEY = re.compile(r"^(?P<indent> *)(?P<dash>- )?(?P<key>[A-Za-z./-]+):(?: (?P<value>.*))?$")
+
+
+class ShapeError(ValueError):
+    """deploy/ has a line this script does not know how to carry into the chart."""
+
+
+def rbac_template(component: Component, text: str) -> str:
+    """The chart template for one deploy/rbac-*.yaml (see the module docstring)."""
+    out = [f"# Generated from deploy/{component.source.name} by hack/sync_chart.py: edit that file, then run",
+           "# `python3 hack/sync_chart.py`. The chart renders the same rules (tests/test_chart.py)."]
+    lines = text.splitlines()
+    start = 0
+    while start < len(lines) and (lines[start].startswith("#") or not lines[start].strip()):
+        start += 1  # deploy/'s own header comment describes plain manifests, not the chart
+    kind = ""
+    section = ""  # the top-level key the current line is under
+    pending_comments: list[str] = []
+    open_condition = ""  # the value an open {{ if }} around the current rule tests
+    for number, line in enumerate(lines[start:], start + 1):
+        where = f"{component.source.relative_to(REPO)}:{number}"
+        if line == "---":
+            out += _close(open_condition) + pending_comments + [line]
+            open_condition, pending_comments, kind, section = "", [], "", ""
+            continue
+        if not line.strip() or line.lstrip().startswith("#"):
+            pending_comments.append(line)
+            continue
+        m = _KEY.match(line)
+        if m is None:
+            raise ShapeError(f"{where}: cannot read {line!r}")
+        indent, key, value = len(m["indent"]), m["key"], m["value"]
+        if indent == 0:
+            section = key
+            if key == "kind":
+                kind = value or ""
+        if section == "rules" and m["dash"] and indent == 2:  # a new rule starts
+            condition = next((v for g, v in CONDITIONAL_GROUPS.items() if key == "apiGroups" and g in (value or "")), "")
+            if condition != open_condition:
+                out += _close(open_condition)
+                if condition:
+                    out.append(f"  {{{{- if {condition} }}}}")
+                open_condition = condition
+        elif indent == 0 and open_condition:
+            out += _close(open_condition)
+            open_condition = ""
+        out += pending_comments
+        pending_comments = []
+        out.append(_line(component, kind, section, line, key, value, where))
+    out += _close(open_condition) + pending_comments
+    return "\n".join(out) + "\n"
+
+
+def _close(condition: str) -> list[str]:
+    return ["  {{- end }}"] if condition else []
+
+
+def _line(component: Component, kind: str, section: str, line: str, key: str, value: str | None, where: str) -> str:
+    """One line of deploy/ as the chart writes it."""
+    indent = line[: len(line) - len(line.lstrip())]
+    if key == "namespace" and section in ("metadata", "subjects"):
+        if value != DEPLOY_NAMESPACE:
+            raise ShapeError(f"{where}: namespace {value!r}, expected {DEPLOY_NAMESPACE!r}")
+        return line.replace(DEPLOY_NAMESPACE, "{{ .Release.Namespace }}")
+    if key == "name" and section in ("metadata", "roleRef", "subjects"):
+        if value != component.app:
+            raise ShapeError(f"{where}: name {value!r}, expected {component.app!r}")
+        account = (section == "metadata" and kind == "ServiceAccount") or section == "subjects"
+        new = component.service_account if account else f"{FULLNAME}-{component.app.removeprefix('offloadpool-')}"
+        return line.replace(f"name: {value}", f"name: {new}")
+    if key == "app.kubernetes.io/part-of":
+        return f"{indent}{LABELS}"
+    if key.startswith("app.kubernetes.io/") and key != "app.kubernetes.io/name":
+        raise ShapeError(f"{where}: label {key} has no chart equivalent")
+    return line
+
+
+def expected_files() -> dict[Path, bytes]:
+    """Every file the chart should have, with its content."""
+    files = {CHART_CRDS / p.name: p.read_bytes() for p in sorted(CRDS.glob("*.yaml"))}
+    if not files:
+        raise ShapeError(f"no CRDs in {CRDS}")
+    for component in COMPONENTS:
+        files[component.target] = rbac_template(component, component.source.read_text()).encode()
+    return files
+
+
+def stale_files() -> list[Path]:
+    """CRD copies in the chart whose source is gone."""
+    sources = {p.name for p in CRDS.glob("*.yaml")}
+    return [p for p in sorted(CHART_CRDS.glob("*.yaml")) if p.name not in sources]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the chart is out of date")
+    args = parser.parse_args(argv)
+    try:
+        files = expected_files()
+    except ShapeError as exc:
+        print(f"sync_chart: {exc}", file=sys.stderr)
+        return 2
+    differing = [p for p, content in files.items() if not p.is_file() or p.read_bytes() != content]
+    stale = stale_files()
+    if args.check:
+        for p in differing:
+            print(f"out of date: {p.relative_to(REPO)}", file=sys.stderr)
+        for p in stale:
+            print(f"not in crds/: {p.relative_to(REPO)}", file=sys.stderr)
+        if differing or stale:
+            print("run: python3 hack/sync_chart.py", file=sys.stderr)
+            return 1
+        return 0
+    for p in differing:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(files[p])
+        print(f"wrote {p.relative_to(REPO)}")
+    for p in stale:
+        p.unlink()
+        print(f"removed {p.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
