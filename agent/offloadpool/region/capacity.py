@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offloadpool.region import hugepages
+from offloadpool.region import cgroup_limits, hugepages
 from offloadpool.region.errors import CapacityError, fmt_bytes
 from offloadpool.region.planner import Plan
 
@@ -64,13 +64,19 @@ class CapacityReport:
 
 def check(plan: Plan, *, credit_bytes: int = 0, credit_pages: int = 0) -> CapacityReport:
     """Raise CapacityError unless ``plan`` fits; ``credit_bytes``/``credit_pages`` are memory
-    and huge pages about to be freed (an existing pool this one replaces)."""
+    and huge pages about to be freed (an existing pool this one replaces).
+
+    The limits of this process's own cgroup are checked first: in a pod they are tighter
+    than the node, and past them the kernel fails the build late (mmap ENOMEM, SIGBUS, OOM
+    kill) instead of with a reason."""
     _check_mount_limit()
+    med = plan.medium
+    cgroup_credit = credit_pages * med.page_size if med.hugetlb else credit_bytes
+    cgroup_limits.check(med, plan.total_bytes, credit=cgroup_credit)
     info = meminfo()
     avail = info.get("MemAvailable", info.get("MemFree", 0)) + credit_bytes
     room = headroom(info.get("MemTotal", avail))
     need = plan.total_bytes
-    med = plan.medium
     if not med.hugetlb:
         if need > avail - room:
             raise CapacityError(

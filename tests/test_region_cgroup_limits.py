@@ -1,0 +1,267 @@
+"""A pool its own cgroup cannot hold is refused before a byte is touched, with the limit named.
+
+Real cgroups: each test makes a child cgroup (hugetlb on the cgroup v2 hierarchy, memory on
+whichever hierarchy holds it here — v1 on the hybrid machines), sets a limit as the kubelet
+would from a pod's resources, and runs ``offloadpool provision`` (or the agent) as a process
+moved into it. Before the check, such a process crashed with a traceback
+(``VMError: [Errno 12] mmap ... Cannot allocate memory`` past ``hugetlb.2MB.rsvd.max``); the
+last test shows that the kernel still enforces the limit the check reads, so the refusal is
+about a real limit. Every cgroup made here is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from fixtures.host import cli_argv, hugepage_totals
+from offloadpool.region import cgroup_limits, mounts
+
+MiB = 1 << 20
+GROUP, VERSION = "offloadpool.io", "v1alpha1"
+
+
+class Cgroups:
+    """Child cgroups of this test process's own, removed (deepest first) at the end."""
+
+    def __init__(self) -> None:
+        self.made: list[Path] = []
+        self.enabled: list[Path] = []  # cgroup.subtree_control files we added +hugetlb to
+
+    def child(self, controller: str, parent: Path | None = None) -> Path:
+        h = cgroup_limits.hierarchy(controller)
+        assert h is not None, f"no {controller} cgroup hierarchy is mounted on this machine"
+        base = parent or h.directory
+        if h.version == 2:
+            control = base / "cgroup.subtree_control"
+            if controller not in control.read_text().split():
+                control.write_text(f"+{controller}")
+                self.enabled.append(control)
+        path = base / f"offloadpool-test-{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        self.made.append(path)
+        return path
+
+    def cleanup(self) -> None:
+        for path in sorted(self.made, key=lambda p: len(p.parts), reverse=True):
+            for _ in range(50):  # a process just killed may still be leaving the cgroup
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            else:
+                raise AssertionError(f"cannot remove test cgroup {path}: {(path / 'cgroup.procs').read_text()!r}")
+        for control in reversed(self.enabled):
+            try:
+                control.write_text("-hugetlb")
+            except OSError:
+                pass  # another cgroup below uses it now; leaving a controller enabled is harmless
+
+
+@pytest.fixture
+def cgroups() -> Iterator[Cgroups]:
+    if os.geteuid() != 0:
+        pytest.fail("cgroup tests need root")
+    made = Cgroups()
+    try:
+        yield made
+    finally:
+        made.cleanup()
+
+
+def in_cgroups(groups: list[Path], argv: list[str]) -> list[str]:
+    """``argv`` run by a shell that first moves itself into every cgroup of ``groups``."""
+    moves = " && ".join(f"echo $$ > '{g}/cgroup.procs'" for g in groups)
+    return ["sh", "-c", f'{moves} && exec "$@"', "sh", *argv]
+
+
+def run_provision(groups: list[Path], root: Path, name: str, capacity: str, medium: str) -> subprocess.CompletedProcess:
+    argv = cli_argv("provision", "--root", str(root), "--name", name, "--capacity", capacity, "--medium", medium)
+    return subprocess.run(in_cgroups(groups, argv), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "400"})
+
+
+def read_int(path: Path) -> int:
+    return int(path.read_text().split()[0])
+
+
+def flat(text: str) -> str:
+    """The CLI's message on one line (rich wraps long lines)."""
+    return " ".join(text.split())
+
+
+def assert_nothing_built(root: Path, baseline: dict[int, int]) -> None:
+    assert list(root.iterdir()) == [], "a refused pool left files behind"
+    assert mounts.mounts_under(root) == [], "a refused pool left a mount behind"
+    assert hugepage_totals() == baseline, "a refused pool changed the huge page pool"
+
+
+@pytest.mark.parametrize("limit_file", ["hugetlb.2MB.max", "hugetlb.2MB.rsvd.max"])
+def test_hugetlb_limit_refuses_the_pool_on_the_cli(cgroups, region_root, hugepage_baseline, limit_file) -> None:
+    cg = cgroups.child("hugetlb")
+    (cg / limit_file).write_text(str(16 * MiB))
+    out = run_provision([cg], region_root, "capped", "32Mi", "HugePages-2Mi")
+    message = flat(out.stderr)
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "insufficient capacity" in message, message
+    assert f"{cg / limit_file} is 16.00 MiB ({16 * MiB} bytes)" in message, message
+    assert f"needs 32.00 MiB ({32 * MiB} bytes)" in message, message
+    assert "short by 16.00 MiB" in message, message
+    assert "resources.limits.hugepages-2Mi: 32Mi" in message, message
+    assert read_int(cg / "hugetlb.2MB.current") == 0 and read_int(cg / "hugetlb.2MB.rsvd.current") == 0
+    assert_nothing_built(region_root, hugepage_baseline)
+
+
+def test_a_limit_on_an_ancestor_binds_and_is_named(cgroups, region_root, hugepage_baseline) -> None:
+    parent = cgroups.child("hugetlb")
+    (parent / "hugetlb.2MB.max").write_text(str(8 * MiB))
+    child = cgroups.child("hugetlb", parent=parent)  # no limit of its own
+    out = run_provision([child], region_root, "capped", "16Mi", "HugePages-2Mi")
+    message = flat(out.stderr)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{parent / 'hugetlb.2MB.max'} is 8.00 MiB" in message, message
+    assert f"an ancestor of this process's cgroup ({child})" in message, message
+    assert_nothing_built(region_root, hugepage_baseline)
+
+
+def test_memory_limit_refuses_a_tmpfs_pool(cgroups, region_root, hugepage_baseline) -> None:
+    h = cgroup_limits.hierarchy("memory")
+    assert h is not None
+    cg = cgroups.child("memory")
+    limit_name = "memory.max" if h.version == 2 else "memory.limit_in_bytes"
+    (cg / limit_name).write_text(str(96 * MiB))
+    out = run_provision([cg], region_root, "capped", "128Mi", "Memory")
+    message = flat(out.stderr)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{cg / limit_name} is 96.00 MiB ({96 * MiB} bytes)" in message, message
+    assert "Memory pool (tmpfs) needs 128.00 MiB" in message, message
+    # the pod must ask for the pool plus what the process itself uses, in whole MiB
+    asked = re.search(r"resources\.limits\.memory: (\d+)Mi", message)
+    assert asked and 128 < int(asked[1]) < 128 + 96, message
+    assert_nothing_built(region_root, hugepage_baseline)
+
+
+@pytest.mark.parametrize("medium", ["HugePages-2Mi", "MemoryTHP"])
+def test_a_pool_within_the_limits_is_built_and_charged_to_that_cgroup(cgroups, region_root, hugepage_baseline,
+                                                                       medium) -> None:
+    """The check passes what fits, and the charge lands where the module says it does."""
+    huge, mem = cgroups.child("hugetlb"), cgroups.child("memory")
+    mem_h = cgroup_limits.hierarchy("memory")
+    assert mem_h is not None
+    (huge / "hugetlb.2MB.max").write_text(str(32 * MiB))
+    (huge / "hugetlb.2MB.rsvd.max").write_text(str(32 * MiB))
+    (mem / ("memory.max" if mem_h.version == 2 else "memory.limit_in_bytes")).write_text(str(256 * MiB))
+    out = run_provision([huge, mem], region_root, "fits", "32Mi", medium)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    usage = "memory.current" if mem_h.version == 2 else "memory.usage_in_bytes"
+    if medium == "HugePages-2Mi":
+        # both charges stay with the provisioning process's cgroup after it exited
+        assert read_int(huge / "hugetlb.2MB.current") == 32 * MiB
+        assert read_int(huge / "hugetlb.2MB.rsvd.current") == 32 * MiB
+    else:
+        assert read_int(huge / "hugetlb.2MB.current") == 0
+        assert read_int(mem / usage) >= 32 * MiB  # the tmpfs pages, still charged
+
+
+def test_the_kernel_enforces_the_limit_the_check_reads(cgroups, tmp_path) -> None:
+    """Without the check, the pre-fault's own mmap fails past hugetlb.2MB.rsvd.max (the
+    traceback the issue reported): the limits read are the ones that bite."""
+    cg = cgroups.child("hugetlb")
+    (cg / "hugetlb.2MB.rsvd.max").write_text(str(4 * MiB))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,size=8M", "probe", str(mnt)], check=True)
+    try:
+        code = ("import os, sys; from offloadpool.region import vm\n"
+                f"fd = os.open({str(mnt / 'f')!r}, os.O_RDWR | os.O_CREAT, 0o600); os.ftruncate(fd, {8 * MiB})\n"
+                "try:\n    vm.map_shared(fd, %d)\nexcept vm.VMError as e:\n    print(e.errno); sys.exit(3)\n" % (8 * MiB))
+        out = subprocess.run(in_cgroups([cg], [sys.executable, "-c", code]), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 3 and out.stdout.strip() == "12", (out.stdout, out.stderr)  # ENOMEM
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+# ---- the agent: the same refusal reaches the OffloadPoolNode status ---------------------------
+
+@pytest.fixture
+def agent_world(crds_installed: Any, cgroups: Cgroups) -> Iterator[dict[str, Any]]:
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    from fixtures.cluster import mounts_under, release_everything
+
+    cp = crds_installed
+    work = Path(tempfile.mkdtemp(prefix="offloadpool-cgroup-agent-"))
+    api = cp.api_client()
+    custom = client.CustomObjectsApi(api)
+    state: dict[str, Any] = {"cp": cp, "work": work, "custom": custom, "procs": [], "names": []}
+    try:
+        yield state
+    finally:
+        for proc in state["procs"]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+        for plural, name in state["names"]:
+            try:
+                custom.delete_cluster_custom_object(GROUP, VERSION, plural, name)
+            except ApiException:
+                pass
+        release_everything(work)
+        left = mounts_under(work)
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+        api.close()
+        assert not left, f"mounts left: {left}"
+
+
+@pytest.mark.controlplane
+def test_agent_reports_the_cgroup_limit_in_status(agent_world, cgroups) -> None:
+    from fixtures.cluster import free_port, wait_for
+
+    pool, node = "cg-capped", "node-cg"
+    custom = agent_world["custom"]
+    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpools", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": pool},
+        "spec": {"capacity": "32Mi", "medium": "HugePages-2Mi"}})
+    agent_world["names"].append(("offloadpools", pool))
+    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPoolNode", "metadata": {"name": f"{pool}.{node}"},
+        "spec": {"pool": pool, "nodeName": node}})
+    agent_world["names"].append(("offloadpoolnodes", f"{pool}.{node}"))
+
+    cg = cgroups.child("hugetlb")
+    (cg / "hugetlb.2MB.max").write_text(str(16 * MiB))
+    root = agent_world["work"] / "root"
+    env = {**os.environ, "KUBECONFIG": str(agent_world["cp"].kubeconfig), "POOL_NAME": pool, "NODE_NAME": node,
+           "POD_NAMESPACE": "default", "OFFLOADPOOL_ROOT": str(root), "OFFLOADPOOL_HTTP_PORT": str(free_port()),
+           "OFFLOADPOOL_HEARTBEAT_SECONDS": "1", "OFFLOADPOOL_RETRY_SECONDS": "1", "PYTHONUNBUFFERED": "1"}
+    exe = str(Path(sys.executable).parent / "offloadpool-agent")
+    log = open(agent_world["work"] / "agent.log", "wb")
+    agent_world["procs"].append(subprocess.Popen(in_cgroups([cg], [exe]), env=env, stdout=log,
+                                                 stderr=subprocess.STDOUT, start_new_session=True))
+
+    def failed() -> dict[str, Any] | None:
+        obj = custom.get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", f"{pool}.{node}")
+        st = obj.get("status") or {}
+        return st if st.get("phase") == "Failed" else None
+
+    st = wait_for("Failed", failed, timeout=90)
+    assert st["reason"] == "InsufficientHugePages", st
+    assert f"{cg / 'hugetlb.2MB.max'} is 16.00 MiB" in st["message"], st["message"]
+    assert "resources.limits.hugepages-2Mi: 32Mi" in st["message"], st["message"]
+    assert not (root / pool).exists() or not any((root / pool).iterdir())
+    assert read_int(cg / "hugetlb.2MB.current") == 0
+    assert "Traceback" not in (agent_world["work"] / "agent.log").read_text()
