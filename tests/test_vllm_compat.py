@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -27,7 +29,7 @@ import yaml
 from offloadpool.api import OffloadPool
 from offloadpool.api.pods import compat_files
 from offloadpool.cli.pool_file import request_from_pool
-from offloadpool.region import vllm_compat
+from offloadpool.region import engine_id_mismatch, holders, vllm_compat
 from offloadpool.region.planner import plan
 from offloadpool.region.provision import ProvisionResult, provision
 from offloadpool.region.request import PoolRequest
@@ -118,13 +120,38 @@ def assert_adopted(result: ProvisionResult, run: dict[str, Any], before: list[tu
     assert read_bytes(result, [last_row + r * RANK_BLOCK for r in range(TP)]) == [0x40 + r for r in range(TP)]
 
 
-def test_stock_vllm_adopts_a_one_file_pool(region_root: Path, vllm_engine) -> None:
+def run_held(vllm_engine, cfg: dict[str, Any], hold_dir: Path,
+             look: Callable[[], Any]) -> tuple[dict[str, Any], list[int], Any]:
+    """Run the engine; while every worker is attached, ``look()`` at it from the host (the node
+    agent's view: the host's /proc); then let it finish. Returns the run, the workers' pids and
+    what ``look`` saw."""
+    hold_dir.mkdir()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(vllm_engine, "stock_engine.py", {**cfg, "hold_dir": str(hold_dir)})
+        try:
+            deadline = time.monotonic() + 240
+            while len(list(hold_dir.glob("ready.*"))) < TP and not running.done():
+                assert time.monotonic() < deadline, "the engine's workers never attached"
+                time.sleep(0.1)
+            pids = sorted(int(p.read_text()) for p in hold_dir.glob("ready.*"))
+            seen = look()
+        finally:
+            (hold_dir / "go").touch()
+        return running.result(), pids, seen
+
+
+def test_stock_vllm_adopts_a_one_file_pool(region_root: Path, vllm_engine, tmp_path: Path) -> None:
+    """Also: the attached engine is seen from the host as a holder, and not as a mismatch."""
     result = make_pool(region_root, "one", 256 * MiB, "llama-tp2")
     assert len(pool_files(result)) == 1
     marks = {1: 0x11, 128 * MiB + 3: 0x22, 256 * MiB - 1: 0x33}
     write_bytes(result, marks)
     before, usage = identity(pool_files(result)), pool_usage(result)
-    run = vllm_engine("stock_engine.py", engine_config(result, "llama-tp2", read_offsets=list(marks)))
+    run, pids, (held_by, mismatches) = run_held(
+        vllm_engine, engine_config(result, "llama-tp2", read_offsets=list(marks)), tmp_path / "hold",
+        lambda: (holders.find_holders(result.pool_dir), engine_id_mismatch.find(result.pool_dir)))
+    assert len(pids) == TP and {h.pid for h in held_by if h.mapped} >= set(pids), held_by
+    assert mismatches == []
     assert [w["segments"] for w in run["workers"]] == [[["/dev/shm/vllm_offload_llama-tp2.mmap", 0, 256 * MiB]]] * TP
     assert_adopted(result, run, before, usage, marks)
 
@@ -158,13 +185,19 @@ def test_a_pool_in_one_file_where_vllm_wants_several_fails_on_the_second_file(re
 
 
 def test_an_engine_id_that_differs_makes_vllm_silently_build_its_own_region(region_root: Path,
-                                                                              vllm_engine) -> None:
+                                                                              vllm_engine, tmp_path: Path) -> None:
     """Data parallelism appends _dp<rank> to kv_transfer_config.engine_id: a pool named for the
     bare id is not found, and vLLM creates, pre-faults and unlinks a region of its own in the
-    pod's /dev/shm — no error anywhere, the node's memory spent twice."""
+    pod's /dev/shm — no error from vLLM, the node's memory spent twice. The node side sees it
+    from the host while the engine runs: each worker, by pid, with the id it uses."""
     result = make_pool(region_root, "dp", 64 * MiB, "llama")
     before, usage = identity(pool_files(result)), pool_usage(result)
-    run = vllm_engine("stock_engine.py", engine_config(result, "llama_dp0", pool_engine_id="llama"))
+    run, pids, found = run_held(vllm_engine, engine_config(result, "llama_dp0", pool_engine_id="llama"),
+                                tmp_path / "hold", lambda: engine_id_mismatch.find(result.pool_dir))
+    assert len(pids) == TP and sorted((m.pid, m.engine_id) for m in found) == [(p, "llama_dp0") for p in pids]
+    message = engine_id_mismatch.describe(found, "llama")
+    assert f"pid {pids[0]} " in message and 'engine_id "llama_dp0"' in message
+    assert 'compat.vllm.engineId is "llama"' in message
     for w in run["workers"]:
         assert "error" not in w, w.get("traceback")
         assert w["mmap_path"] == "/dev/shm/vllm_offload_llama_dp0.mmap"

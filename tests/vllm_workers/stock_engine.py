@@ -77,6 +77,19 @@ def offloading_config(cfg: dict[str, Any], rank: int):
     )
 
 
+def hold(cfg: dict[str, Any], rank: int) -> None:
+    """With ``hold_dir``: stay attached (mapped, pinned) until the test has looked at the engine
+    from the host, as the node agent does while a pod runs. ``ready.<rank>`` holds the pid."""
+    where = cfg.get("hold_dir")
+    if not where:
+        return
+    with open(os.path.join(where, f"ready.{rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    deadline = time.monotonic() + cfg.get("hold_seconds", 120)
+    while not os.path.exists(os.path.join(where, "go")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
     report: dict[str, Any] = {"rank": rank}
     region = None
@@ -115,6 +128,7 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
         row, stride, slot = 0, region._row_stride, region.cpu_page_size
         report["seen_markers"] = [int(base[row * stride + r * slot].item()) & 0xFF for r in range(cfg["world_size"])]
         barrier.wait(timeout)
+        hold(cfg, rank)
     except BaseException as exc:  # reported, and the parent's verdict is the test's
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()[-3000:]

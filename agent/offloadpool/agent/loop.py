@@ -25,7 +25,7 @@ from offloadpool.agent.reconcile import Action, Decision, SpecError, decide
 from offloadpool.agent.status_writer import StatusWriter
 from offloadpool.region import manifest as manifest_mod
 from offloadpool.region.errors import CapacityError, RegionError
-from offloadpool.region import holders
+from offloadpool.region import engine_id_mismatch, holders
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
@@ -101,6 +101,19 @@ class Agent:
         sees other pods' processes only when this agent reads the host's /proc.
         """
         return holders.count(self.pool_dir)
+
+    def engine_id_mismatch(self) -> str | None:
+        """For a stock-vLLM compat pool: a process that was given the pool but maps a vLLM
+        region of its own (another engine id), in one line; None when there is none.
+
+        vLLM itself reports nothing in that case (it builds its own region and the pool stays
+        unused), so this is the only place the mistake becomes visible.
+        """
+        engine_id = self.applied.request.compat_engine_id if self.applied else None
+        if engine_id is None:
+            return None
+        found = engine_id_mismatch.find(self.pool_dir)
+        return engine_id_mismatch.describe(found, engine_id)[:4096] if found else None
 
     # -- health ------------------------------------------------------------------------------
     def live(self) -> tuple[bool, str]:
@@ -186,7 +199,10 @@ class Agent:
         # the object as read this step lost what we wrote (re-created by the operator, edited
         # by hand): write all of it again, not just what changed
         seen = ((self._pool_node or {}).get("status") or {}).get("phase")
-        self.status.set(full=seen != self.status.phase, enginesAttached=n, **fields)
+        mismatch = self.engine_id_mismatch()
+        self.status.set(full=seen != self.status.phase, enginesAttached=n, engineIdMismatch=mismatch, **fields)
+        if mismatch is not None:
+            self._event("Warning", "EngineIdMismatch", mismatch)
 
     def _renew_lease(self, pool: dict[str, Any]) -> None:
         """Renew the heartbeat Lease, at most twice per heartbeat period (steps also run on

@@ -38,6 +38,8 @@ class OffloadPoolNodeStatus(StatusModel):
     huge_page_coverage: float | None = Field(default=None, ge=0, le=100)
     numa_nodes: list[int] | None = None
     engines_attached: int | None = Field(default=None, ge=0)
+    #: Compat pools: a process given the pool maps a vLLM region of its own (another engine id).
+    engine_id_mismatch: str | None = Field(default=None, max_length=4096)
     agent_version: str | None = Field(default=None, max_length=64)
     heartbeat: Timestamp | None = None
     #: The OffloadPool generation the region on this node was built from.

@@ -109,7 +109,7 @@ def _file_id(path: str | os.PathLike[str]) -> FileId | None:
     return st.st_dev, st.st_ino
 
 
-def _parse_dev(text: str) -> int:
+def parse_dev(text: str) -> int:
     """``fe:01`` (hex major:minor, as /proc prints it) -> a st_dev value."""
     major, minor = text.split(":")
     return os.makedev(int(major, 16), int(minor, 16))
@@ -133,7 +133,7 @@ def lease_lockers(lease: FileId | None, proc: str = "/proc") -> set[int]:
                     continue
                 dev, _, ino = parts[5].rpartition(":")
                 try:
-                    if int(ino) == lease[1] and _parse_dev(dev) == lease[0] and int(parts[4]) > 0:
+                    if int(ino) == lease[1] and parse_dev(dev) == lease[0] and int(parts[4]) > 0:
                         pids.add(int(parts[4]))
                 except ValueError:
                     continue
@@ -150,7 +150,7 @@ def _maps_any(proc: str, pid: int, files: set[FileId], inodes: set[str]) -> bool
             parts = line.split(None, 5)
             if len(parts) >= 5 and parts[4] in inodes:
                 try:
-                    if (_parse_dev(parts[3]), int(parts[4])) in files:
+                    if (parse_dev(parts[3]), int(parts[4])) in files:
                         return True
                 except ValueError:
                     continue
@@ -173,7 +173,7 @@ def _opens_any(proc: str, pid: int, files: set[FileId]) -> bool:
     return False
 
 
-def _comm(proc: str, pid: int) -> str:
+def command_name(proc: str, pid: int) -> str:
     try:
         with open(f"{proc}/{pid}/comm") as fh:
             return fh.read().strip() or "?"
@@ -181,7 +181,7 @@ def _comm(proc: str, pid: int) -> str:
         return "?"
 
 
-def _self_pid(proc: str) -> int:
+def self_pid(proc: str) -> int:
     """This process's pid as ``proc`` numbers it (differs from os.getpid() in a container
     reading the host's procfs)."""
     try:
@@ -199,7 +199,7 @@ def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> li
     """
     files = memory_files(pool_dir)
     lockers = lease_lockers(_file_id(lease_path(pool_dir)), proc)
-    me = _self_pid(proc)
+    me = self_pid(proc)
     inodes = {str(ino) for _, ino in files}
     found: dict[int, Holder] = {}
     if files:
@@ -216,10 +216,10 @@ def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> li
             except (FileNotFoundError, ProcessLookupError, PermissionError):
                 continue  # exited during the scan, or not ours to read
             if mapped or opened:
-                found[pid] = Holder(pid, _comm(proc, pid), mapped=mapped, open=opened,
+                found[pid] = Holder(pid, command_name(proc, pid), mapped=mapped, open=opened,
                                     lease=pid in lockers)
     for pid in lockers - set(found) - {me}:
-        found[pid] = Holder(pid, _comm(proc, pid), lease=True)
+        found[pid] = Holder(pid, command_name(proc, pid), lease=True)
     return [found[pid] for pid in sorted(found)]
 
 
