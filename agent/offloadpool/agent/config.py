@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-DEFAULT_ROOT = "/var/lib/offloadpool"
-DEFAULT_HTTP_PORT = 9475
+from offloadpool.api.constants import AGENT_HTTP_PORT, HOST_ROOT, node_object_name
+
+DEFAULT_ROOT = HOST_ROOT
+DEFAULT_HTTP_PORT = AGENT_HTTP_PORT
 DEFAULT_HEARTBEAT_SECONDS = 10.0
 
 
@@ -41,8 +43,8 @@ class AgentConfig:
 
     @property
     def node_object_name(self) -> str:
-        """Name of this node's OffloadPoolNode: ``<pool>.<node>`` (see OPERATOR-AGENT.md)."""
-        return f"{self.pool}.{self.node_name}"
+        """Name of this node's OffloadPoolNode: ``<pool>.<node>`` (docs/api.md)."""
+        return node_object_name(self.pool, self.node_name)
 
 
 def _parser() -> argparse.ArgumentParser:

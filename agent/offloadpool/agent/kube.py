@@ -8,16 +8,26 @@ Keeping the calls here keeps RBAC easy to audit against what the code does.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from offloadpool.api.constants import (API_VERSION, GROUP, LEASE_API_VERSION, NODE_PLURAL, POOL_KIND,
-                                       POOL_NAME_LABEL, POOL_PLURAL, VERSION)
+from offloadpool.api import base
+from offloadpool.api.constants import (
+    API_VERSION,
+    GROUP,
+    LEASE_API_VERSION,
+    NODE_PLURAL,
+    POOL_KIND,
+    POOL_NAME_LABEL,
+    POOL_PLURAL,
+    VERSION,
+    split_node_object_name,
+)
 
+# Short names the agent loop watches by (the plurals of offloadpool.api.constants).
 POOLS = POOL_PLURAL
 POOL_NODES = NODE_PLURAL
 MERGE = "application/merge-patch+json"
@@ -41,13 +51,13 @@ def api_client(kubeconfig: str | None = None) -> client.ApiClient:
 
 
 def now() -> str:
-    """RFC 3339 UTC timestamp with seconds precision, as Kubernetes writes them."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """RFC 3339 UTC timestamp with seconds precision, as Kubernetes writes a metav1.Time."""
+    return base.format_time(base.now().replace(microsecond=0))
 
 
 def micro_now() -> str:
     """A Lease's MicroTime (RFC 3339 with microseconds)."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return base.format_micro_time(base.now())
 
 
 class KubeAccess:
@@ -127,11 +137,11 @@ class KubeAccess:
         the ``default`` namespace, so that is where they go (as kopf's do).
         """
         meta = obj.get("metadata", {})
-        stamp = _dt.datetime.now(_dt.timezone.utc)
+        stamp = base.now()
         body = client.CoreV1Event(
             metadata=client.V1ObjectMeta(generate_name=f"{meta.get('name', 'offloadpool')}.", namespace=EVENT_NAMESPACE),
             involved_object=client.V1ObjectReference(
-                api_version=f"{GROUP}/{VERSION}",
+                api_version=API_VERSION,
                 kind=kind,
                 name=meta.get("name"),
                 uid=meta.get("uid"),
@@ -143,7 +153,7 @@ class KubeAccess:
             first_timestamp=stamp,
             last_timestamp=stamp,
             count=1,
-            source=client.V1EventSource(component="offloadpool-agent", host=self.node_object.split(".", 1)[-1]),
+            source=client.V1EventSource(component="offloadpool-agent", host=split_node_object_name(self.node_object)[1]),
             reporting_component="offloadpool.io/agent",
             reporting_instance=self.node_object[:128],
         )

@@ -7,11 +7,13 @@ Importing this package needs pydantic (the ``agent`` extra); the engine-side lib
 """
 
 from .constants import (
+    AGENT_HTTP_PORT,
     API_VERSION,
     CATEGORY,
     CRD_NAMES,
     FINALIZER,
     GROUP,
+    HOST_ROOT,
     MAX_POOL_NAME,
     NODE_KIND,
     NODE_PLURAL,
@@ -31,8 +33,9 @@ from .constants import (
     pool_name_error,
     split_node_object_name,
 )
-from .base import format_time, now
+from .base import format_micro_time, format_time, now, parse_time
 from .media import (
+    HUGEPAGE_MEDIA,
     LAYOUTS,
     MEDIA,
     NODE_PHASES,
@@ -56,7 +59,7 @@ from .spec import (
     Toleration,
     VllmCompatSpec,
 )
-from .status import Condition, FailingNode, OffloadPoolStatus
+from .status import MAX_FAILING_NODES, Condition, FailingNode, OffloadPoolStatus
 
 import types as _types
 

@@ -50,15 +50,39 @@ def _check_quantity(value: Any) -> int | str:
 Quantity = Annotated[int | str, BeforeValidator(_check_quantity)]
 
 
-def format_time(value: datetime) -> str:
-    """RFC 3339 in UTC with a ``Z``, as Kubernetes writes times; fractions only when present."""
+def _utc(value: datetime) -> datetime:
+    """``value`` in UTC; a naive time is taken to be UTC already."""
     if value.tzinfo is None:
         value = value.replace(tzinfo=timezone.utc)
-    value = value.astimezone(timezone.utc)
+    return value.astimezone(timezone.utc)
+
+
+def format_time(value: datetime) -> str:
+    """RFC 3339 in UTC with a ``Z``, as Kubernetes writes times; fractions only when present
+    (pass ``value.replace(microsecond=0)`` for a metav1.Time's whole seconds)."""
+    value = _utc(value)
     text = value.strftime("%Y-%m-%dT%H:%M:%S")
     if value.microsecond:
         text += f".{value.microsecond:06d}".rstrip("0")
     return text + "Z"
+
+
+def format_micro_time(value: datetime) -> str:
+    """A metav1.MicroTime (a Lease's ``renewTime``): RFC 3339 in UTC, always six fraction digits."""
+    return _utc(value).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    """An RFC 3339 time as the API server writes it (``2026-11-29T16:00:00Z``, fractions
+    optional) as an aware UTC datetime; None when absent or unreadable (a hand-edited status
+    must not stop a reconcile)."""
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 
 def now() -> datetime:

@@ -1,8 +1,13 @@
-"""Names of the offloadpool API: group, version, kinds, plurals, and the names derived from a
-pool's name (label key, extended resource, OffloadPoolNode name).
+"""Names of the offloadpool API: group, version, kinds, plurals, the names derived from a
+pool's name (label key, extended resource, OffloadPoolNode name), and the node-side places
+every component must agree on (the agents' host root, the agent's HTTP port).
 
 Kept free of pydantic so the operator, the agent and the CLI agree on every derived name by
-importing one function instead of formatting strings in three places.
+importing one function instead of formatting strings in three places. (Importing it still runs
+``offloadpool.api``'s ``__init__``, which loads pydantic: the stdlib-only engine library,
+``offloadpool.region`` and ``offloadpool.pinning``, never imports this package; the values the
+engine also needs, such as the default medium and the file limit, are the engine's own
+constants in ``offloadpool.region.request``, which ``offloadpool.api`` imports.)
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ POOL_LABEL_READY = "ready"
 #: Label the operator puts on objects it renders for a pool (DaemonSet, its pods).
 POOL_NAME_LABEL = f"{GROUP}/pool"
 FINALIZER = f"{GROUP}/release"
+
+#: The host directory holding every pool's directory (``<root>/<pool>/``) on a node: the
+#: agents' hostPath, the webhook's pod volumes, and the CLI's default (``OFFLOADPOOL_ROOT``).
+HOST_ROOT = "/var/lib/offloadpool"
+#: The agent's one HTTP port (/healthz, /readyz, /metrics).
+AGENT_HTTP_PORT = 9475
 
 #: Liveness, the way the kubelet reports it: each agent renews a small coordination.k8s.io
 #: Lease named like its OffloadPoolNode, in the agents' namespace, labelled with its pool.

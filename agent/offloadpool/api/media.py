@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from offloadpool.region import media as engine_media
+
 Medium = Literal["HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"]
 LayoutType = Literal["Replicated", "PerRank", "Interleaved"]
 NumaPolicy = Literal["None", "Interleave", "Spread"]
@@ -48,6 +50,12 @@ def page_size(medium: str) -> int:
         raise ValueError(f"unknown medium {medium!r}; known: {', '.join(MEDIA)}") from None
 
 
+#: Media backed by a hugetlbfs mount (pages reserved up front): the node engine's own list.
+HUGEPAGE_MEDIA: tuple[str, ...] = tuple(
+    name for name, spec in engine_media.MEDIA.items() if spec.hugetlb
+)
+
+
 def is_hugetlbfs(medium: str) -> bool:
     """True for media backed by a hugetlbfs mount (pages reserved up front)."""
-    return medium.startswith("HugePages-")
+    return medium in HUGEPAGE_MEDIA

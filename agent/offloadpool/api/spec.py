@@ -16,24 +16,30 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from offloadpool.region import vllm_compat
+from offloadpool.region.request import (
+    DEFAULT_LAYOUT,
+    DEFAULT_MAX_FILES,
+    DEFAULT_MEDIUM,
+    DEFAULT_MIN_SEGMENT,
+    DEFAULT_MODE as DEFAULT_MODE_BITS,
+    DEFAULT_NUMA,
+    DEFAULT_VLLM_SEGMENTS,
+    MAX_FILES_LIMIT,
+)
 
 from .base import Quantity, SpecModel
-from .media import LayoutType, Medium, NumaPolicy, ReclaimPolicy, page_size
-from .quantity import parse_quantity
+from .media import LayoutType, Medium, NumaPolicy, ReclaimPolicy, is_hugetlbfs, page_size
+from .quantity import format_quantity, parse_quantity
 
-DEFAULT_MEDIUM: Medium = "HugePages-2Mi"
-DEFAULT_LAYOUT: LayoutType = "Replicated"
-DEFAULT_MAX_FILES = 32
-DEFAULT_MIN_SIZE = "1Gi"
+# The defaults the node engine also applies are the engine's own constants (imported, never
+# restated: the engine is stdlib-only and cannot import this module); the rest are the API's.
+# The CRD carries the same values for the API server; tests/test_crd_defaults.py checks them.
+DEFAULT_MIN_SIZE = format_quantity(DEFAULT_MIN_SEGMENT)
 DEFAULT_PREFAULT_WORKERS = 0
-DEFAULT_NUMA: NumaPolicy = "None"
 DEFAULT_UID = 0
 DEFAULT_GID = 0
-DEFAULT_MODE = "0660"
+DEFAULT_MODE = f"{DEFAULT_MODE_BITS:04o}"
 DEFAULT_RECLAIM: ReclaimPolicy = "Delete"
-DEFAULT_VLLM_SEGMENTS = 32  # CPUOffloadingSpec's _REGION_SEGMENTS in vLLM 0.33.0
-
-MAX_FILES_LIMIT = 32
 MAX_RANKS = 256
 MAX_PREFAULT_WORKERS = 256
 MAX_ID = 2**31 - 1
@@ -201,7 +207,7 @@ class OffloadPoolSpec(SpecModel):
                 )
             row = vllm.row_bytes()
             several = cap >= 2 * vllm_compat.VLLM_MIN_SEGMENT and vllm.num_segments > 1
-            if several and self.medium.startswith("HugePages"):
+            if several and is_hugetlbfs(self.medium):
                 raise ValueError(
                     "spec.compat.vllm on a HugePages medium needs a region stock vLLM keeps in one "
                     "file (capacity below 2Gi, or numSegments 1): vLLM maps several files with "

@@ -20,16 +20,26 @@ import os
 import sys
 from typing import Any
 
-DEFAULT_ROOT = os.environ.get("OFFLOADPOOL_ROOT", "/run/offloadpool")
 EXIT_ERROR, EXIT_USAGE, EXIT_HELD = 1, 2, 3
 
 
+def default_root() -> str:
+    """``OFFLOADPOOL_ROOT``, else the agents' host root, so ``offloadpool status`` on a cluster
+    node shows the pools the agents made. Imported here, not at the top: ``hold-lease`` (the
+    inference pods' sidecar) must load nothing but the standard library."""
+    from offloadpool.api.constants import HOST_ROOT
+
+    return os.environ.get("OFFLOADPOOL_ROOT") or HOST_ROOT
+
+
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
+    from offloadpool.api.media import LAYOUTS, MEDIA
+
     g = p.add_argument_group("pool fields (override the file)")
     g.add_argument("--name")
     g.add_argument("--capacity", help="bytes per node, e.g. 4Gi")
-    g.add_argument("--medium", choices=("HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"))
-    g.add_argument("--layout", choices=("Replicated", "PerRank", "Interleaved"))
+    g.add_argument("--medium", choices=MEDIA)
+    g.add_argument("--layout", choices=LAYOUTS)
     g.add_argument("--ranks", type=int)
     g.add_argument("--slot-size", help="Interleaved: bytes per rank per row, e.g. 1Mi")
     g.add_argument("--max-files", type=int)
@@ -44,23 +54,24 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offloadpool", description=__doc__.split("\n\n")[0])
+    root = default_root()
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("provision", help="provision (or validate, or finish) a pool on this node")
     p.add_argument("-f", "--file", help="OffloadPool YAML")
-    p.add_argument("--root", default=DEFAULT_ROOT, help=f"host root for pools (default {DEFAULT_ROOT})")
+    p.add_argument("--root", default=root, help=f"host root for pools (default {root})")
     p.add_argument("--node", help="node name to show (informational)")
     p.add_argument("--rate-limit", help="cap the pre-fault at this many bytes/s, e.g. 2Gi")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_pool_flags(p)
 
     s = sub.add_parser("status", help="show the pools on this node")
-    s.add_argument("--root", default=DEFAULT_ROOT)
+    s.add_argument("--root", default=root)
     s.add_argument("--json", action="store_true")
 
     r = sub.add_parser("release", help="unmount and free a pool (refuses while an engine holds it)")
     r.add_argument("name")
-    r.add_argument("--root", default=DEFAULT_ROOT)
+    r.add_argument("--root", default=root)
     r.add_argument("--force", action="store_true",
                    help="release even while engines are attached: they keep memory no pool accounts "
                         "for until they exit, and their next start finds no pool")
@@ -69,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job: provision a pool here, show it, release it")
     d.add_argument("--capacity", default="4Gi")
     d.add_argument("--medium", help="default: HugePages-2Mi if the pages can be reserved, else MemoryTHP")
-    d.add_argument("--root", default=DEFAULT_ROOT)
+    d.add_argument("--root", default=root)
     d.add_argument("--name", default="demo")
     d.add_argument("--keep", action="store_true", help="leave the pool provisioned")
 

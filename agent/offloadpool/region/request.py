@@ -2,7 +2,12 @@
 
 The region engine takes only this (never the Kubernetes objects), so it stays stdlib-only and
 runs the same under the agent, the CLI and tests. Converting an OffloadPool spec into a
-PoolRequest is the caller's job (``offloadpool.cli.pool_file``).
+PoolRequest is the caller's job (``offloadpool.api.conversion.pool_request``, used by both).
+
+The defaults and limits below are the engine's, stdlib-only because the engine must not import
+pydantic; ``offloadpool.api`` imports them (never restates them) so the API models, the agent,
+the operator and the CLI use the same values, and ``tests/test_crd_defaults.py`` checks the
+CRD's defaults equal the models'.
 """
 
 from __future__ import annotations
@@ -11,15 +16,28 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from typing import Final
 
 from offloadpool.region.errors import RequestError
+from offloadpool.region.manifest import LAYOUTS
 from offloadpool.region.media import MEDIA
 
-LAYOUTS = ("Replicated", "PerRank", "Interleaved")
+DEFAULT_MEDIUM: Final = "HugePages-2Mi"
+DEFAULT_LAYOUT: Final = "Replicated"
+DEFAULT_MAX_FILES: Final = 32
+DEFAULT_MIN_SEGMENT: Final = 1 << 30
+DEFAULT_NUMA: Final = "None"
+DEFAULT_MODE: Final = 0o660
+#: vLLM 0.33.0's ``num_segments`` for CPUOffloadingSpec (``_REGION_SEGMENTS``).
+DEFAULT_VLLM_SEGMENTS: Final = 32
+#: Most segment files per region, and most files stock vLLM may split a region into: the
+#: CRD's ``maximum`` of ``segments.maxFiles`` and ``compat.vllm.numSegments`` (the CRD is the
+#: truth; the engine used to allow 1024, which no pool could ask for).
+MAX_FILES_LIMIT: Final = 32
+
 # DNS-1123 subdomain, like a Kubernetes object name; it becomes a directory name.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-MAX_FILES_LIMIT = 1024
 
 
 @dataclass(frozen=True)
@@ -41,20 +59,20 @@ class PoolRequest:
 
     name: str
     capacity: int
-    medium: str = "HugePages-2Mi"
-    layout_type: str = "Replicated"
+    medium: str = DEFAULT_MEDIUM
+    layout_type: str = DEFAULT_LAYOUT
     ranks: int = 1
     slot_bytes: int | None = None
-    max_files: int = 32
-    min_segment: int = 1 << 30
+    max_files: int = DEFAULT_MAX_FILES
+    min_segment: int = DEFAULT_MIN_SEGMENT
     workers: int = 0
-    numa: str = "None"
+    numa: str = DEFAULT_NUMA
     uid: int = 0
     gid: int = 0
-    mode: int = 0o660
+    mode: int = DEFAULT_MODE
     compat_engine_id: str | None = None
     compat_row_bytes: int | None = None
-    compat_segments: int = 32
+    compat_segments: int = DEFAULT_VLLM_SEGMENTS
     generation: int = 1
 
     def validate(self) -> None:

@@ -38,7 +38,14 @@ from typing import Any
 
 import jsonpatch
 
-from offloadpool.api.constants import POOL_KIND, POOL_LABEL_READY, extended_resource_name, pool_label_key, pool_name_error
+from offloadpool.api.constants import (
+    HOST_ROOT,
+    POOL_KIND,
+    POOL_LABEL_READY,
+    extended_resource_name,
+    pool_label_key,
+    pool_name_error,
+)
 from offloadpool.api.pods import (
     ADMISSION_DISABLED,
     ADMISSION_NAMESPACE_LABEL,
@@ -62,8 +69,6 @@ from offloadpool.api.pods import (
     pool_volume_name,
 )
 from offloadpool.api.spec import OffloadPoolSpec
-
-from .config import HOST_ROOT
 
 Pod = dict[str, Any]
 Pool = Mapping[str, Any]

@@ -27,10 +27,10 @@ from datetime import datetime
 from typing import Any
 
 from offloadpool.api.base import format_time
+from offloadpool.api.status import MAX_FAILING_NODES
 
 from .nodeview import NodeView
 
-MAX_FAILING_NODES = 20
 MAX_NAMES_IN_MESSAGE = 5
 
 # Order of "how bad" a node's problem is, for the failingNodes list (worst first).

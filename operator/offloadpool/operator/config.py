@@ -10,10 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-#: The agent's one HTTP port (/healthz, /readyz, /metrics), as agreed with the agent.
-AGENT_HTTP_PORT = 9475
-#: Where the agent's host root lives on every node, and where the container sees it.
-HOST_ROOT = "/var/lib/offloadpool"
+from offloadpool.api.constants import AGENT_HTTP_PORT, HOST_ROOT
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Any
 from offloadpool.api.constants import API_VERSION, POOL_KIND, POOL_NAME_LABEL
 from offloadpool.api.media import SCHEDULING_RESOURCE, is_hugetlbfs
 from offloadpool.api.quantity import format_quantity, parse_quantity
+from offloadpool.api.spec import DEFAULT_MEDIUM
 
 from .config import OperatorConfig
 
@@ -88,7 +89,7 @@ def owner_reference(pool_body: Mapping[str, Any]) -> dict[str, Any]:
 
 def resources(spec: Mapping[str, Any], config: OperatorConfig) -> dict[str, dict[str, str]]:
     """Requests and limits that make the scheduler account for the pool's memory."""
-    medium = spec.get("medium", "HugePages-2Mi")
+    medium = spec.get("medium", DEFAULT_MEDIUM)
     capacity = parse_quantity(spec["capacity"])
     overhead = parse_quantity(config.agent_memory_overhead)
     if is_hugetlbfs(medium):

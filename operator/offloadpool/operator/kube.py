@@ -20,10 +20,10 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from offloadpool.api.base import parse_time
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_NAME_LABEL, POOL_PLURAL, VERSION
 
 from .daemonset import HASH_ANNOTATION
-from .nodeview import parse_time
 
 log = logging.getLogger(__name__)
 

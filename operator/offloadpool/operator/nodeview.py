@@ -10,25 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
+
+from offloadpool.api.base import parse_time
+from offloadpool.api.constants import split_node_object_name
 
 #: Set by the operator on an OffloadPoolNode it moved from Ready to a new generation, so the
 #: rollout knows (after any restart) which node is "in flight" and must finish first.
 ROLLOUT_ANNOTATION = "offloadpool.io/rollout-generation"
 #: Reasons an agent gives when an attached engine keeps it from applying a generation.
 HELD_REASONS = frozenset({"LeaseHeld", "InUse"})
-
-
-def parse_time(value: str | None) -> datetime | None:
-    """RFC 3339 as the API server writes it (``2026-11-29T16:00:00Z``, fractions optional)."""
-    if not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -55,7 +47,7 @@ class NodeView:
         status = body.get("status") or {}
         annotation = (meta.get("annotations") or {}).get(ROLLOUT_ANNOTATION)
         return cls(
-            node=spec.get("nodeName") or meta["name"].partition(".")[2],
+            node=spec.get("nodeName") or split_node_object_name(meta["name"])[1],
             target_generation=spec.get("targetGeneration"),
             rollout_generation=int(annotation) if annotation and annotation.isdigit() else None,
             phase=status.get("phase"),
