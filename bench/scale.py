@@ -37,11 +37,17 @@ def table(reports: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r[key]) for key, _ in COLUMNS) + " |" for r in reports]
     if len(reports) > 1:
-        lines += ["", "Growth between consecutive counts (each cost's ratio; linear or better means at most the "
-                  "node-count ratio):", ""]
-        lines += ["| from → to | nodes × | converge s × | operator CPU total × | steady CPU × | writes/s × |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for a, b in zip(reports, reports[1:]):
+        lines += [
+            "",
+            "Growth between consecutive counts (each cost's ratio; linear or better means at most the "
+            "node-count ratio):",
+            "",
+        ]
+        lines += [
+            "| from → to | nodes × | converge s × | operator CPU total × | steady CPU × | writes/s × |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for a, b in zip(reports, reports[1:], strict=False):  # consecutive pairs
             k = b["nodes"] / a["nodes"]
 
             def ratio(key: str, a: dict[str, Any] = a, b: dict[str, Any] = b) -> str:
@@ -49,9 +55,11 @@ def table(reports: list[dict[str, Any]]) -> str:
 
             total_a = a["operator_cpu_seconds_to_converge"]
             total_b = b["operator_cpu_seconds_to_converge"]
-            lines.append(f"| {a['nodes']} → {b['nodes']} | {k:.1f} | {ratio('seconds_to_converge')} | "
-                         f"{total_b / total_a if total_a else float('nan'):.2f} | "
-                         f"{ratio('operator_cpu_percent_steady')} | {ratio('api_writes_per_second_steady')} |")
+            lines.append(
+                f"| {a['nodes']} → {b['nodes']} | {k:.1f} | {ratio('seconds_to_converge')} | "
+                f"{total_b / total_a if total_a else float('nan'):.2f} | "
+                f"{ratio('operator_cpu_percent_steady')} | {ratio('api_writes_per_second_steady')} |"
+            )
     return "\n".join(lines)
 
 
@@ -63,9 +71,12 @@ def plot(reports: list[dict[str, Any]], path: str) -> None:
 
     n = [r["nodes"] for r in reports]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, title in zip(axes, ("seconds_to_converge", "operator_cpu_ms_per_node_to_converge",
-                                     "operator_cpu_percent_steady"),
-                              ("seconds to converge", "operator CPU-ms per node", "operator CPU % steady")):
+    for ax, key, title in zip(
+        axes,
+        ("seconds_to_converge", "operator_cpu_ms_per_node_to_converge", "operator_cpu_percent_steady"),
+        ("seconds to converge", "operator CPU-ms per node", "operator CPU % steady"),
+        strict=True,
+    ):
         ax.plot(n, [r[key] for r in reports], marker="o")
         ax.set_title(title)
         ax.set_xlabel("nodes")
@@ -85,17 +96,38 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        env = {**os.environ, "OFFLOADPOOL_SCALE_REPORT": str(report), "OFFLOADPOOL_SCALE_NODES": args.nodes,
-               "OFFLOADPOOL_SCALE_STEADY_SECONDS": str(args.steady_seconds)}
+        env = {
+            **os.environ,
+            "OFFLOADPOOL_SCALE_REPORT": str(report),
+            "OFFLOADPOOL_SCALE_NODES": args.nodes,
+            "OFFLOADPOOL_SCALE_STEADY_SECONDS": str(args.steady_seconds),
+        }
         # no per-test timeout: 1,000 in-process agents on a small machine take their time
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--timeout=0",
-                              "tests/test_scale.py"], cwd=ROOT, env=env, stdout=sys.stderr)
+        rc = subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-s",
+                "-p",
+                "no:cacheprovider",
+                "--timeout=0",
+                "tests/test_scale.py",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=sys.stderr,
+        )
         if not report.exists():
             print(f"scale test failed (rc={rc})", file=sys.stderr)
             return rc or 1
         reports = json.loads(report.read_text())
         if rc != 0:
-            print(f"scale test failed (rc={rc}) after {len(reports)} of the counts; reporting those", file=sys.stderr)
+            print(
+                f"scale test failed (rc={rc}) after {len(reports)} of the counts; reporting those",
+                file=sys.stderr,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(reports, indent=2) + "\n")
     if args.png:

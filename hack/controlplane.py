@@ -39,9 +39,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 # --------------------------------------------------------------------------------------------
 # Pinned versions
@@ -155,8 +155,7 @@ GO_MIN = (1, 26)  # k8s.io/kubernetes v1.37.2's go.mod says `go 1.26.0`
 def _version_of(go: str) -> str | None:
     env = dict(os.environ, GOTOOLCHAIN="local")
     try:
-        out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True, env=env,
-                             timeout=60)
+        out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True, env=env, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     version = out.stdout.strip()
@@ -202,10 +201,7 @@ def cache_root() -> Path:
 
 def cache_key(go: str) -> str:
     """Every input that changes the bytes of a binary, readable at a glance."""
-    return (
-        f"k8s-{KUBERNETES_VERSION}_etcd-{ETCD_VERSION}_helm-{HELM_VERSION}"
-        f"_{go}_r{RECIPE_REVISION}"
-    )
+    return f"k8s-{KUBERNETES_VERSION}_etcd-{ETCD_VERSION}_helm-{HELM_VERSION}_{go}_r{RECIPE_REVISION}"
 
 
 @dataclass(frozen=True)
@@ -273,7 +269,7 @@ def local_replaces(gomod_text: str) -> list[str]:
                 continue
             body = line
         elif line.startswith("replace"):
-            rest = line[len("replace"):].strip()
+            rest = line[len("replace") :].strip()
             if rest == "(":
                 in_block = True
                 continue
@@ -335,9 +331,18 @@ def build_binary(group: GoModuleGroup, binary: str, lay: Layout, env: dict[str, 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f".{binary}-", dir=lay.key_dir) as tmp:
         _run(
-            ["go", "build", "-trimpath", "-ldflags", " ".join(ldflags), "-o",
-             str(Path(tmp) / binary), group.binaries[binary]],
-            src, env,
+            [
+                "go",
+                "build",
+                "-trimpath",
+                "-ldflags",
+                " ".join(ldflags),
+                "-o",
+                str(Path(tmp) / binary),
+                group.binaries[binary],
+            ],
+            src,
+            env,
         )
         os.replace(Path(tmp) / binary, lay.binary(binary))
     return time.monotonic() - started
@@ -445,21 +450,44 @@ class Pki:
         return self.dir / f"{name}.key"
 
     @classmethod
-    def create(cls, directory: Path) -> "Pki":
+    def create(cls, directory: Path) -> Pki:
         directory.mkdir(parents=True, exist_ok=True)
         pki = cls(directory)
         ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
-                 "-subj", "/CN=offloadpool-test-ca", cwd=directory)
-        pki._issue("apiserver", "/CN=kube-apiserver",
-                   "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+        _openssl(
+            "req",
+            "-x509",
+            *ec,
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "3650",
+            "-subj",
+            "/CN=offloadpool-test-ca",
+            cwd=directory,
+        )
+        pki._issue(
+            "apiserver",
+            "/CN=kube-apiserver",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+        )
         # system:masters: the tests' admin; the controller manager gets its own RBAC identity.
-        pki._issue("admin", "/O=system:masters/CN=offloadpool-admin",
-                   "extendedKeyUsage=clientAuth\n")
-        pki._issue("controller-manager", "/CN=system:kube-controller-manager",
-                   "extendedKeyUsage=clientAuth\n")
-        _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
-                 "-out", "sa.key", cwd=directory)
+        pki._issue("admin", "/O=system:masters/CN=offloadpool-admin", "extendedKeyUsage=clientAuth\n")
+        pki._issue(
+            "controller-manager", "/CN=system:kube-controller-manager", "extendedKeyUsage=clientAuth\n"
+        )
+        _openssl(
+            "genpkey",
+            "-algorithm",
+            "EC",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-out",
+            "sa.key",
+            cwd=directory,
+        )
         _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=directory)
         return pki
 
@@ -467,15 +495,42 @@ class Pki:
         ext = self.dir / f"{name}.ext"
         ext.write_text(extensions)
         ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        _openssl("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", subject, cwd=self.dir)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                 "-set_serial", str(int.from_bytes(os.urandom(8), "big")), "-days", "365",
-                 "-extfile", ext.name, "-out", f"{name}.crt", cwd=self.dir)
+        _openssl(
+            "req",
+            "-new",
+            *ec,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            subject,
+            cwd=self.dir,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-set_serial",
+            str(int.from_bytes(os.urandom(8), "big")),
+            "-days",
+            "365",
+            "-extfile",
+            ext.name,
+            "-out",
+            f"{name}.crt",
+            cwd=self.dir,
+        )
 
 
-def write_kubeconfig(path: Path, server: str, ca: Path, user: dict[str, str],
-                     name: str = "offloadpool-test") -> Path:
+def write_kubeconfig(
+    path: Path, server: str, ca: Path, user: dict[str, str], name: str = "offloadpool-test"
+) -> Path:
     """A kubeconfig that names its certificate files (``certificate-authority``,
     ``client-certificate``/``client-key``) instead of embedding them.
 
@@ -486,8 +541,7 @@ def write_kubeconfig(path: Path, server: str, ca: Path, user: dict[str, str],
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": name, "cluster": {"server": server,
-                                                "certificate-authority": str(ca)}}],
+        "clusters": [{"name": name, "cluster": {"server": server, "certificate-authority": str(ca)}}],
         "users": [{"name": name, "user": user}],
         "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
         "current-context": name,
@@ -509,8 +563,13 @@ class _Process:
         self.log_path = log_path
         prefix = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(prefix + argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            prefix + argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -562,20 +621,23 @@ class ControlPlane:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def start(self, timeout: float = 180.0, attempts: int = 3) -> "ControlPlane":
-        missing = [b for b in ("etcd", "kube-apiserver", "kube-controller-manager")
-                   if not os.access(self.bin_dir / b, os.X_OK)]
+    def start(self, timeout: float = 180.0, attempts: int = 3) -> ControlPlane:
+        missing = [
+            b
+            for b in ("etcd", "kube-apiserver", "kube-controller-manager")
+            if not os.access(self.bin_dir / b, os.X_OK)
+        ]
         if missing:
-            raise ControlPlaneError(f"missing binaries in {self.bin_dir}: {missing}; "
-                                    "run `python3 hack/controlplane.py build`")
+            raise ControlPlaneError(
+                f"missing binaries in {self.bin_dir}: {missing}; run `python3 hack/controlplane.py build`"
+            )
         self.workdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         self.pki = Pki.create(self.workdir / "pki")
         for attempt in range(1, attempts + 1):
             try:
                 self._start_once(timeout)
-                self._say(f"control plane ready at {self.server} in "
-                          f"{time.monotonic() - started:.1f}s")
+                self._say(f"control plane ready at {self.server} in {time.monotonic() - started:.1f}s")
                 return self
             except ControlPlaneError as err:
                 self.stop()
@@ -594,94 +656,117 @@ class ControlPlane:
         shutil.rmtree(data, ignore_errors=True)
         etcd_url = f"http://127.0.0.1:{etcd_client}"
         peer_url = f"http://127.0.0.1:{etcd_peer}"
-        etcd = self._spawn("etcd", [
-            str(self.bin_dir / "etcd"),
-            "--name=offloadpool-test",
-            f"--data-dir={data}",
-            f"--listen-client-urls={etcd_url}",
-            f"--advertise-client-urls={etcd_url}",
-            f"--listen-peer-urls={peer_url}",
-            f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=offloadpool-test={peer_url}",
-            "--initial-cluster-state=new",
-            # Test data is thrown away: skip fsync, it only slows a shared VM down.
-            "--unsafe-no-fsync=true",
-            "--log-level=warn",
-        ])
+        etcd = self._spawn(
+            "etcd",
+            [
+                str(self.bin_dir / "etcd"),
+                "--name=offloadpool-test",
+                f"--data-dir={data}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=offloadpool-test={peer_url}",
+                "--initial-cluster-state=new",
+                # Test data is thrown away: skip fsync, it only slows a shared VM down.
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ],
+        )
         self._wait(etcd, deadline, lambda: self._http_ok(f"{etcd_url}/health"), "etcd /health")
 
         self.server = f"https://127.0.0.1:{api_port}"
         pki = self.pki
-        apiserver = self._spawn("kube-apiserver", [
-            str(self.bin_dir / "kube-apiserver"),
-            f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
-            f"--secure-port={api_port}",
-            f"--cert-dir={self.workdir / 'apiserver-certs'}",
-            f"--tls-cert-file={pki.crt('apiserver')}",
-            f"--tls-private-key-file={pki.key('apiserver')}",
-            f"--client-ca-file={pki.ca_crt}",
-            f"--service-account-issuer={self.server}",
-            f"--service-account-key-file={pki.sa_pub}",
-            f"--service-account-signing-key-file={pki.sa_key}",
-            "--authorization-mode=RBAC",
-            "--allow-privileged=true",
-            "--service-cluster-ip-range=10.96.0.0/16",
-            # The apiserver would publish 127.0.0.1 as the `kubernetes` Service endpoint, which
-            # Endpoints validation rejects; nothing in-cluster needs to reach it here.
-            "--endpoint-reconciler-type=none",
-            # Nodes here are Node objects created by tests (there are no kubelets). This
-            # admission plugin would taint each one `not-ready:NoSchedule` on creation, and
-            # only a kubelet reporting Ready ever removes that taint, so DaemonSets would never
-            # place a pod. Without it, a test Node is a plain schedulable node; tests that want
-            # taints add them explicitly.
-            "--disable-admission-plugins=TaintNodesByCondition",
-            "--profiling=false",
-        ])
+        apiserver = self._spawn(
+            "kube-apiserver",
+            [
+                str(self.bin_dir / "kube-apiserver"),
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={api_port}",
+                f"--cert-dir={self.workdir / 'apiserver-certs'}",
+                f"--tls-cert-file={pki.crt('apiserver')}",
+                f"--tls-private-key-file={pki.key('apiserver')}",
+                f"--client-ca-file={pki.ca_crt}",
+                f"--service-account-issuer={self.server}",
+                f"--service-account-key-file={pki.sa_pub}",
+                f"--service-account-signing-key-file={pki.sa_key}",
+                "--authorization-mode=RBAC",
+                "--allow-privileged=true",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                # The apiserver would publish 127.0.0.1 as the `kubernetes` Service endpoint, which
+                # Endpoints validation rejects; nothing in-cluster needs to reach it here.
+                "--endpoint-reconciler-type=none",
+                # Nodes here are Node objects created by tests (there are no kubelets). This
+                # admission plugin would taint each one `not-ready:NoSchedule` on creation, and
+                # only a kubelet reporting Ready ever removes that taint, so DaemonSets would never
+                # place a pod. Without it, a test Node is a plain schedulable node; tests that want
+                # taints add them explicitly.
+                "--disable-admission-plugins=TaintNodesByCondition",
+                "--profiling=false",
+            ],
+        )
         self.kubeconfig = write_kubeconfig(
-            self.workdir / "admin.kubeconfig", self.server, pki.ca_crt,
-            {"client-certificate": str(pki.crt("admin")),
-             "client-key": str(pki.key("admin"))}, name="offloadpool-admin")
+            self.workdir / "admin.kubeconfig",
+            self.server,
+            pki.ca_crt,
+            {"client-certificate": str(pki.crt("admin")), "client-key": str(pki.key("admin"))},
+            name="offloadpool-admin",
+        )
         self._wait(apiserver, deadline, self._readyz_ok, "kube-apiserver /readyz")
 
         kcm_kubeconfig = write_kubeconfig(
-            self.workdir / "controller-manager.kubeconfig", self.server, pki.ca_crt,
-            {"client-certificate": str(pki.crt("controller-manager")),
-             "client-key": str(pki.key("controller-manager"))})
+            self.workdir / "controller-manager.kubeconfig",
+            self.server,
+            pki.ca_crt,
+            {
+                "client-certificate": str(pki.crt("controller-manager")),
+                "client-key": str(pki.key("controller-manager")),
+            },
+        )
         controllers = ",".join(["*"] + [f"-{c}" for c in DISABLED_CONTROLLERS])
-        kcm = self._spawn("kube-controller-manager", [
-            str(self.bin_dir / "kube-controller-manager"),
-            f"--kubeconfig={kcm_kubeconfig}",
-            f"--authentication-kubeconfig={kcm_kubeconfig}",
-            f"--authorization-kubeconfig={kcm_kubeconfig}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={kcm_port}",
-            f"--cert-dir={self.workdir / 'controller-manager-certs'}",
-            f"--controllers={controllers}",
-            "--use-service-account-credentials=true",
-            f"--service-account-private-key-file={pki.sa_key}",
-            f"--root-ca-file={pki.ca_crt}",
-            f"--cluster-signing-cert-file={pki.ca_crt}",
-            f"--cluster-signing-key-file={pki.ca_key}",
-            "--leader-elect=false",
-            "--profiling=false",
-        ])
-        self._wait(kcm, deadline,
-                   lambda: self._http_ok(f"https://127.0.0.1:{kcm_port}/healthz", verify=False),
-                   "kube-controller-manager /healthz")
+        kcm = self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.bin_dir / "kube-controller-manager"),
+                f"--kubeconfig={kcm_kubeconfig}",
+                f"--authentication-kubeconfig={kcm_kubeconfig}",
+                f"--authorization-kubeconfig={kcm_kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={kcm_port}",
+                f"--cert-dir={self.workdir / 'controller-manager-certs'}",
+                f"--controllers={controllers}",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={pki.sa_key}",
+                f"--root-ca-file={pki.ca_crt}",
+                f"--cluster-signing-cert-file={pki.ca_crt}",
+                f"--cluster-signing-key-file={pki.ca_key}",
+                "--leader-elect=false",
+                "--profiling=false",
+            ],
+        )
+        self._wait(
+            kcm,
+            deadline,
+            lambda: self._http_ok(f"https://127.0.0.1:{kcm_port}/healthz", verify=False),
+            "kube-controller-manager /healthz",
+        )
         # The service-account controller creates `default` in every namespace: once it exists
         # the controllers are running, not just the health endpoint.
-        self._wait(kcm, deadline,
-                   lambda: self._api_get("/api/v1/namespaces/default/serviceaccounts/default"),
-                   "the controller manager to create ServiceAccount default/default")
+        self._wait(
+            kcm,
+            deadline,
+            lambda: self._api_get("/api/v1/namespaces/default/serviceaccounts/default"),
+            "the controller manager to create ServiceAccount default/default",
+        )
 
     def stop(self) -> None:
         while self._procs:
             proc = self._procs.pop()
             proc.stop()
 
-    def __enter__(self) -> "ControlPlane":
+    def __enter__(self) -> ControlPlane:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -704,8 +789,10 @@ class ControlPlane:
     def _wait(self, proc: _Process, deadline: float, ready: Callable[[], bool], what: str) -> None:
         while True:
             if not proc.alive():
-                raise ControlPlaneError(f"{proc.name} exited (rc={proc.proc.returncode}) while "
-                                        f"waiting for {what}:\n{proc.log_tail()}")
+                raise ControlPlaneError(
+                    f"{proc.name} exited (rc={proc.proc.returncode}) while "
+                    f"waiting for {what}:\n{proc.log_tail()}"
+                )
             if ready():
                 return
             if time.monotonic() > deadline:
@@ -732,8 +819,7 @@ class ControlPlane:
 
     def _api_get(self, path: str) -> bool:
         try:
-            with urllib.request.urlopen(self.server + path, timeout=2,
-                                        context=self._ssl_context()) as resp:
+            with urllib.request.urlopen(self.server + path, timeout=2, context=self._ssl_context()) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -762,16 +848,25 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 def _cmd_paths(args: argparse.Namespace) -> int:
     lay = layout()
-    print(json.dumps({
-        "cache_root": str(cache_root()),
-        "key": lay.key_dir.name,
-        "bin_dir": str(lay.bin_dir),
-        "src_dir": str(lay.src_dir),
-        "binaries": {b: str(lay.binary(b)) for b in BINARIES},
-        "missing": lay.missing(),
-        "versions": {"kubernetes": KUBERNETES_VERSION, "etcd": ETCD_VERSION,
-                     "helm": HELM_VERSION, "go": lay.key_dir.name.split("_")[-2]},
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "cache_root": str(cache_root()),
+                "key": lay.key_dir.name,
+                "bin_dir": str(lay.bin_dir),
+                "src_dir": str(lay.src_dir),
+                "binaries": {b: str(lay.binary(b)) for b in BINARIES},
+                "missing": lay.missing(),
+                "versions": {
+                    "kubernetes": KUBERNETES_VERSION,
+                    "etcd": ETCD_VERSION,
+                    "helm": HELM_VERSION,
+                    "go": lay.key_dir.name.split("_")[-2],
+                },
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -809,8 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_build = sub.add_parser("build", help="build missing binaries into the cache")
-    p_build.add_argument("--check", action="store_true",
-                         help="build nothing; exit 1 if a binary is missing")
+    p_build.add_argument("--check", action="store_true", help="build nothing; exit 1 if a binary is missing")
     p_build.set_defaults(func=_cmd_build)
     p_paths = sub.add_parser("paths", help="print the cache layout as JSON")
     p_paths.set_defaults(func=_cmd_paths)

@@ -28,12 +28,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
 
-from offloadpool.region import hugepages  # noqa: E402  (after the source root is on the path)
-from offloadpool.region.capacity import meminfo  # noqa: E402
-from offloadpool.region.record import boot_id  # noqa: E402
+from offloadpool.region import hugepages
+from offloadpool.region.capacity import meminfo
+from offloadpool.region.record import boot_id
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -68,8 +69,10 @@ def save_record(added: dict[int, int]) -> None:
     path = record_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"boot_id": boot_id(), "added": {str(s): n for s, n in added.items() if n}},
-                              indent=1) + "\n")
+    tmp.write_text(
+        json.dumps({"boot_id": boot_id(), "added": {str(s): n for s, n in added.items() if n}}, indent=1)
+        + "\n"
+    )
     os.replace(tmp, path)
 
 
@@ -91,8 +94,10 @@ def reserve(wanted: dict[int, int] | None = None) -> list[str]:
             if pages <= 0:
                 continue
             if not hugepages.supported(size):
-                problems.append(f"{label(size)}: this kernel has no {size // 1024} kB huge page pool "
-                                f"({hugepages.sysfs_dir(size)} is missing)")
+                problems.append(
+                    f"{label(size)}: this kernel has no {size // 1024} kB huge page pool "
+                    f"({hugepages.sysfs_dir(size)} is missing)"
+                )
                 continue
             before = hugepages.counters(size)
             missing = pages - before.available
@@ -103,8 +108,10 @@ def reserve(wanted: dict[int, int] | None = None) -> list[str]:
             try:
                 got = hugepages.grow(size, missing) if missing * size <= avail else 0
             except hugepages.PoolFixed as exc:
-                problems.append(f"{label(size)}: asked for {pages} free pages; {before.available} are "
-                                f"free and the pool cannot be changed here ({exc.strerror})")
+                problems.append(
+                    f"{label(size)}: asked for {pages} free pages; {before.available} are "
+                    f"free and the pool cannot be changed here ({exc.strerror})"
+                )
                 continue
             added[size] = added.get(size, 0) + got
             if got < missing:
@@ -112,7 +119,8 @@ def reserve(wanted: dict[int, int] | None = None) -> list[str]:
                     f"{label(size)}: asked for {pages} free pages; {before.available} were free "
                     f"(pool {before.total}, free {before.free}, reserved {before.reserved}) and the "
                     f"kernel could add only {got} of the {missing} missing; "
-                    + hugepages.shortfall_reason(size, missing - got, meminfo().get("MemAvailable", 0)))
+                    + hugepages.shortfall_reason(size, missing - got, meminfo().get("MemAvailable", 0))
+                )
         save_record(added)
     return problems
 
@@ -129,16 +137,22 @@ def release() -> dict[int, int]:
     return given
 
 
-def status() -> dict[str, object]:
+def status() -> dict[str, Any]:
     recorded = load_record()
-    out: dict[str, object] = {"record": str(record_path()), "sizes": {}}
+    sizes: dict[str, dict[str, int]] = {}
+    out: dict[str, Any] = {"record": str(record_path()), "sizes": sizes}
     for size, pages in needs().items():
         if not hugepages.supported(size):
             continue
         c = hugepages.counters(size)
-        out["sizes"][label(size)] = {  # type: ignore[index]
-            "suite_needs": pages, "pool": c.total, "free": c.free, "reserved": c.reserved,
-            "available": c.available, "added_by_this_tool": recorded.get(size, 0)}
+        sizes[label(size)] = {
+            "suite_needs": pages,
+            "pool": c.total,
+            "free": c.free,
+            "reserved": c.reserved,
+            "available": c.available,
+            "added_by_this_tool": recorded.get(size, 0),
+        }
     return out
 
 
@@ -154,22 +168,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.command == "release":
         given = release()
-        print("gave back " + (", ".join(f"{n} x {label(s)}" for s, n in given.items() if n) or "nothing"),
-              file=sys.stderr)
+        print(
+            "gave back " + (", ".join(f"{n} x {label(s)}" for s, n in given.items() if n) or "nothing"),
+            file=sys.stderr,
+        )
         return 0
     problems = reserve()
     if problems:
-        print("FAIL: the test suite's huge pages cannot be reserved on this machine:\n  "
-              + "\n  ".join(problems)
-              + "\n  Remedy: reserve them at boot (kernel command line, e.g. 'hugepagesz=1G hugepages=2')"
-              " or run the test command right after boot, before other work; the reservation is then"
-              " kept for later runs. Override the counts with "
-              + ", ".join(ENV_OVERRIDE.values()) + ".", file=sys.stderr)
+        print(
+            "FAIL: the test suite's huge pages cannot be reserved on this machine:\n  "
+            + "\n  ".join(problems)
+            + "\n  Remedy: reserve them at boot (kernel command line, e.g. 'hugepagesz=1G hugepages=2')"
+            " or run the test command right after boot, before other work; the reservation is then"
+            " kept for later runs. Override the counts with " + ", ".join(ENV_OVERRIDE.values()) + ".",
+            file=sys.stderr,
+        )
         return 1
     held = status()["sizes"]
-    print("huge pages for the suite: " + ", ".join(
-        f"{name} {s['available']} free (needs {s['suite_needs']})" for name, s in held.items()),  # type: ignore[index, union-attr]
-        file=sys.stderr)
+    print(
+        "huge pages for the suite: "
+        + ", ".join(f"{name} {s['available']} free (needs {s['suite_needs']})" for name, s in held.items()),
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -57,10 +57,18 @@ class Component:
 
 
 COMPONENTS = (
-    Component("offloadpool-operator", DEPLOY / "rbac-operator.yaml", TEMPLATES / "rbac-operator.yaml",
-              '{{ include "offloadpool.operatorServiceAccount" . }}'),
-    Component("offloadpool-agent", DEPLOY / "rbac-agent.yaml", TEMPLATES / "rbac-agent.yaml",
-              "{{ .Values.agent.serviceAccountName }}"),
+    Component(
+        "offloadpool-operator",
+        DEPLOY / "rbac-operator.yaml",
+        TEMPLATES / "rbac-operator.yaml",
+        '{{ include "offloadpool.operatorServiceAccount" . }}',
+    ),
+    Component(
+        "offloadpool-agent",
+        DEPLOY / "rbac-agent.yaml",
+        TEMPLATES / "rbac-agent.yaml",
+        "{{ .Values.agent.serviceAccountName }}",
+    ),
 )
 
 _KEY = re.compile(r"^(?P<indent> *)(?P<dash>- )?(?P<key>[A-Za-z./-]+):(?: (?P<value>.*))?$")
@@ -72,8 +80,10 @@ class ShapeError(ValueError):
 
 def rbac_template(component: Component, text: str) -> str:
     """The chart template for one deploy/rbac-*.yaml (see the module docstring)."""
-    out = [f"# Generated from deploy/{component.source.name} by hack/sync_chart.py: edit that file, then run",
-           "# `python3 hack/sync_chart.py`. The chart renders the same rules (tests/test_chart.py)."]
+    out = [
+        f"# Generated from deploy/{component.source.name} by hack/sync_chart.py: edit that file, then run",
+        "# `python3 hack/sync_chart.py`. The chart renders the same rules (tests/test_chart.py).",
+    ]
     lines = text.splitlines()
     start = 0
     while start < len(lines) and (lines[start].startswith("#") or not lines[start].strip()):
@@ -100,7 +110,9 @@ def rbac_template(component: Component, text: str) -> str:
             if key == "kind":
                 kind = value or ""
         if section == "rules" and m["dash"] and indent == 2:  # a new rule starts
-            condition = next((v for g, v in CONDITIONAL_GROUPS.items() if key == "apiGroups" and g in (value or "")), "")
+            condition = next(
+                (v for g, v in CONDITIONAL_GROUPS.items() if key == "apiGroups" and g in (value or "")), ""
+            )
             if condition != open_condition:
                 out += _close(open_condition)
                 if condition:
@@ -120,7 +132,9 @@ def _close(condition: str) -> list[str]:
     return ["  {{- end }}"] if condition else []
 
 
-def _line(component: Component, kind: str, section: str, line: str, key: str, value: str | None, where: str) -> str:
+def _line(
+    component: Component, kind: str, section: str, line: str, key: str, value: str | None, where: str
+) -> str:
     """One line of deploy/ as the chart writes it."""
     indent = line[: len(line) - len(line.lstrip())]
     if key == "namespace" and section in ("metadata", "subjects"):
@@ -131,7 +145,11 @@ def _line(component: Component, kind: str, section: str, line: str, key: str, va
         if value != component.app:
             raise ShapeError(f"{where}: name {value!r}, expected {component.app!r}")
         account = (section == "metadata" and kind == "ServiceAccount") or section == "subjects"
-        new = component.service_account if account else f"{FULLNAME}-{component.app.removeprefix('offloadpool-')}"
+        new = (
+            component.service_account
+            if account
+            else f"{FULLNAME}-{component.app.removeprefix('offloadpool-')}"
+        )
         return line.replace(f"name: {value}", f"name: {new}")
     if key == "app.kubernetes.io/part-of":
         return f"{indent}{LABELS}"
@@ -158,7 +176,9 @@ def stale_files() -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the chart is out of date")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if the chart is out of date"
+    )
     args = parser.parse_args(argv)
     try:
         files = expected_files()

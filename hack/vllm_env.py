@@ -34,8 +34,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 VLLM_VERSION = "0.33.0"
 DEFAULT_CACHE = "/var/cache/offloadpool"
