@@ -102,6 +102,34 @@ def test_replicated_mla_tier_shares_one_copy_per_row(region_root: Path, tmp_path
     assert run["lease_after_exit"] == "free"
 
 
+def test_data_parallel_replicas_each_attach_their_own_pool(region_root: Path, tmp_path: Path,
+                                                          vllm_engine) -> None:
+    """DP-2 × TP-2 in one pod (docs/vllm.md): ``pool_dir`` with ``{dp}`` sends replica i's workers
+    to pool ``kv-dp<i>``; each replica's writes land in its own pool only, each pool's lease is
+    held while its replica runs and free after."""
+    pools = [make_pool(region_root, f"kv-dp{i}", 32 * 2 * SLOT, ranks=2) for i in range(2)]
+    before = [files_of(p) for p in pools]
+    pod_root = tmp_path / "pod-dp"
+    pod_root.mkdir()
+    run = vllm_engine("native_engine.py", {
+        "pool_dirs": [str(p.pool_dir) for p in pools], "pod_root": str(pod_root), "world_size": 2,
+        "dp_size": 2, "worker_kv_bytes_per_block": SLOT,
+        "extra_config": {"pool_dir": f"{pod_root}/offloadpool/kv-dp{{dp}}"}})
+    assert run["leases_while_attached"] == ["held", "held"] and run["leases_after_exit"] == ["free", "free"]
+    assert [(w["dp"], w["rank"]) for w in run["workers"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for w in run["workers"]:
+        assert "error" not in w, w.get("traceback")
+        dp = w["dp"]
+        assert w["pool_dir"] == f"{pod_root}/offloadpool/kv-dp{dp}"
+        assert w["cpu_bytes_to_use"] == 32 * 2 * SLOT and w["offloadpool_pin"]["bytes"] == 32 * SLOT
+        assert w["seen"] == [[0x40 + 0x10 * dp + q, 0x60 + 0x10 * dp + q] for q in range(2)]
+    for i, pool in enumerate(pools):
+        assert files_of(pool) == before[i]
+        assert [byte_at(pool, q * SLOT) for q in range(2)] == [0x40 + 0x10 * i + q for q in range(2)]
+        assert [byte_at(pool, 31 * 2 * SLOT + q * SLOT + SLOT - 1) for q in range(2)] == \
+            [0x60 + 0x10 * i + q for q in range(2)]
+
+
 def test_a_pool_for_other_ranks_fails_every_worker_with_the_spec_that_fits(region_root: Path, tmp_path: Path,
                                                                           vllm_engine) -> None:
     result = make_pool(region_root, "two", 32 * 2 * SLOT, ranks=2)

@@ -33,16 +33,21 @@ from pathlib import Path
 from typing import Any
 
 
-def make_pod_view(cfg: dict[str, Any]) -> str:
-    pod_dir = Path(cfg["pod_root"]) / "offloadpool" / Path(cfg["pool_dir"]).name
+def make_pod_view(cfg: dict[str, Any]) -> list[str]:
+    """Each pool (``pool_dirs``, or the one ``pool_dir``) where the pod sees it; the
+    environment names the first, as the webhook does for a pod of one pool."""
     subprocess.run(["mount", "-t", "tmpfs", "pod-root", cfg["pod_root"]], check=True)
-    pod_dir.mkdir(parents=True)
-    subprocess.run(["mount", "--rbind", cfg["pool_dir"], str(pod_dir)], check=True)
-    os.environ["OFFLOADPOOL_POOL_DIR"] = str(pod_dir)
-    return str(pod_dir)
+    pod_dirs = []
+    for pool_dir in cfg.get("pool_dirs") or [cfg["pool_dir"]]:
+        pod_dir = Path(cfg["pod_root"]) / "offloadpool" / Path(pool_dir).name
+        pod_dir.mkdir(parents=True)
+        subprocess.run(["mount", "--rbind", pool_dir, str(pod_dir)], check=True)
+        pod_dirs.append(str(pod_dir))
+    os.environ["OFFLOADPOOL_POOL_DIR"] = pod_dirs[0]
+    return pod_dirs
 
 
-def offloading_config(cfg: dict[str, Any], rank: int):
+def offloading_config(cfg: dict[str, Any], rank: int, dp: int = 0):
     """vLLM's own OffloadingConfig, as build_offloading_config fills it for this engine."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
@@ -59,12 +64,12 @@ def offloading_config(cfg: dict[str, Any], rank: int):
         worker_kv_bytes_per_block=cfg["worker_kv_bytes_per_block"],
         enable_kv_cache_events=False,
         extra_config=extra,
-        engine_id=cfg.get("engine_id", "native"),
+        engine_id=cfg.get("engine_id", "native") + (f"_dp{dp}" if cfg.get("dp_size", 1) > 1 else ""),
         model=OffloadingModelConfig(name="test-model", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=cfg.get("blocks_per_chunk", 1)),
         parallel=OffloadingParallelConfig(
             rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=cfg.get("dp_index", 0), data_parallel_size=1,
+            data_parallel_index=cfg.get("dp_index", dp), data_parallel_size=cfg.get("dp_size", 1),
             data_parallel_rank_local=None, is_parallelism_agnostic=True,
         ),
         replicated_layout=cfg.get("replicated_layout", False),
@@ -86,8 +91,8 @@ class WorkerStandIn:
         self.region.cleanup()
 
 
-def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any) -> None:
-    report: dict[str, Any] = {"rank": rank}
+def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: int = 0) -> None:
+    report: dict[str, Any] = {"rank": rank, "dp": dp}
     stand_in = None
     timeout = cfg.get("barrier_timeout", 60)
     try:
@@ -100,8 +105,9 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any) -> N
         gpu_worker.host_register = lambda ptr, n: (vllm_registrations.append(n), original(ptr, n))[1]
         cpu_spec.CPUOffloadingSpec._uses_shared_region = lambda self: True
         cpu_spec.CPUOffloadingWorker = WorkerStandIn
-        spec = OffloadingSpecFactory.create_spec(offloading_config(cfg, rank))
+        spec = OffloadingSpecFactory.create_spec(offloading_config(cfg, rank, dp))
         report["spec"] = f"{type(spec).__module__}.{type(spec).__name__}"
+        report["pool_dir"] = str(getattr(spec, "pool_dir", ""))
         report.update(num_chunks=spec.num_chunks, row_bytes=spec.kv_bytes_per_chunk,
                       slot_bytes=spec.cpu_page_size_per_worker,
                       cpu_bytes_to_use=int(spec.extra_config["cpu_bytes_to_use"]))
@@ -117,15 +123,16 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any) -> N
             views=[[list(v.shape), list(v.stride()), v.storage_offset()] for v in stand_in.views],
         )
         # write through vLLM's views: this rank's marker in every row of its first view
-        stand_in.views[0][:, 0] = 0x40 + rank
-        stand_in.views[1][:, -1] = 0x60 + rank
+        # (another data-parallel replica's markers differ by 0x10: its writes must reach its pool)
+        stand_in.views[0][:, 0] = 0x40 + 0x10 * dp + rank
+        stand_in.views[1][:, -1] = 0x60 + 0x10 * dp + rank
         barrier.wait(timeout)
         base, stride = region.base_tensor, region._row_stride
         last = (spec.num_chunks - 1) * stride
         slots_per_row = min(cfg["world_size"], stride // slot)  # 1 under vLLM's replicated layout
         report["seen"] = [[int(base[r * slot].item()) & 0xFF, int(base[last + r * slot + slot - 1].item()) & 0xFF]
                           for r in range(slots_per_row)]
-        out.put({"rank": rank, "attached": True})
+        out.put({"rank": rank, "dp": dp, "attached": True})
         go.wait(timeout)  # the parent checks the lease while every worker is attached
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -145,11 +152,14 @@ def main() -> int:
 
     from offloadpool.region.lease import Lease, LeaseHeld
 
-    pod_dir = make_pod_view(cfg)
+    pod_dirs = make_pod_view(cfg)
     ctx = mp.get_context("fork")
-    world = cfg["world_size"]
-    barrier, out, go = ctx.Barrier(world), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=worker, args=(r, cfg, barrier, out, go)) for r in range(world)]
+    # dp_size engines (data-parallel replicas) of world_size workers each, one barrier per engine
+    tp, dps = cfg["world_size"], cfg.get("dp_size", 1)
+    world = tp * dps
+    barriers, out, go = [ctx.Barrier(tp) for _ in range(dps)], ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=worker, args=(r, cfg, barriers[dp], out, go, dp))
+             for dp in range(dps) for r in range(tp)]
     for p in procs:
         p.start()
     reports, attached = [], 0
@@ -159,24 +169,28 @@ def main() -> int:
             attached += 1
         else:
             reports.append(msg)
-    result: dict[str, Any] = {"pod_dir": pod_dir}
+    def leases() -> list[str]:
+        states = []
+        for pod_dir in pod_dirs:
+            try:
+                Lease.exclusive(pod_dir).close()
+                states.append("free")
+            except LeaseHeld:
+                states.append("held")
+        return states
+
+    result: dict[str, Any] = {"pod_dir": pod_dirs[0], "pod_dirs": pod_dirs}
     if attached == world:
-        try:
-            Lease.exclusive(pod_dir).close()
-            result["lease_while_attached"] = "free"
-        except LeaseHeld:
-            result["lease_while_attached"] = "held"
+        result["leases_while_attached"] = leases()
+        result["lease_while_attached"] = result["leases_while_attached"][0]
     go.set()
     while len(reports) < world:
         reports.append(out.get(timeout=cfg.get("timeout", 240)))
     for p in procs:
         p.join(30)
-    try:
-        Lease.exclusive(pod_dir).close()
-        result["lease_after_exit"] = "free"
-    except LeaseHeld:
-        result["lease_after_exit"] = "held"
-    result["workers"] = sorted(reports, key=lambda r: r["rank"])
+    result["leases_after_exit"] = leases()
+    result["lease_after_exit"] = result["leases_after_exit"][0]
+    result["workers"] = sorted(reports, key=lambda r: (r.get("dp", 0), r["rank"]))
     print(json.dumps(result))
     return 0
 
