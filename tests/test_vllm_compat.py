@@ -28,7 +28,7 @@ import yaml
 
 from offloadpool.api import OffloadPool
 from offloadpool.api.pods import compat_files
-from offloadpool.cli.pool_file import request_from_pool
+from offloadpool.api import pool_request as request_from_pool
 from offloadpool.region import engine_id_mismatch, holders, vllm_compat
 from offloadpool.region.planner import plan
 from offloadpool.region.provision import ProvisionResult, provision
@@ -219,9 +219,11 @@ def test_a_region_larger_than_the_pool_times_out_after_30_s(region_root: Path, v
 
 
 def test_the_stock_example_pod_names_its_pools_region() -> None:
-    """examples/vllm/pod-stock-compat.yaml passes the engine id and size of examples/vllm-compat.yaml,
+    """examples/vllm/deployment-stock-compat.yaml passes the engine id and size of examples/vllm-compat.yaml,
     whose file split the node engine makes as vLLM would (31 files of whole 5Mi rows)."""
-    (pod,) = yaml.safe_load_all((REPO / "examples" / "vllm" / "pod-stock-compat.yaml").read_text())
+    (deployment,) = yaml.safe_load_all((REPO / "examples" / "vllm" / "deployment-stock-compat.yaml").read_text())
+    assert deployment["kind"] == "Deployment" and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]
     (arg,) = [a for a in pod["spec"]["containers"][0]["args"] if a.startswith("--kv-transfer-config=")]
     config = json.loads(arg.split("=", 1)[1])
     pool = OffloadPool.model_validate(yaml.safe_load((REPO / "examples" / "vllm-compat.yaml").read_text()))

@@ -21,9 +21,10 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from fixtures.cluster import free_port, wait_for
+from fixtures.cluster import free_port
+from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import OperatorProcess
-from offloadpool.api.constants import GROUP, POOL_PLURAL, VERSION
+from fixtures.wait import wait_for
 from offloadpool.api.pods import LEASE_READY_FILE, LEASE_SIDECAR_NAME, POD_POOL_LABEL, WEBHOOK_CONFIGURATION_NAME
 from offloadpool.operator import admission
 from offloadpool.operator.admission import InjectionSettings
@@ -40,33 +41,17 @@ def webhook_configurations() -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
 
 
-class Webhook:
+class Webhook(ClusterClient):
     """The operator with --webhook on a loopback port, the configurations, two namespaces, pools."""
 
     def __init__(self, cp: Any, operator: OperatorProcess, port: int) -> None:
+        super().__init__(cp.api_client(), pool_defaults={"capacity": "1Gi", "medium": "HugePages-2Mi"})
         self.cp = cp
         self.operator = operator
         self.port = port
-        self.suffix = secrets.token_hex(3)
-        api = cp.api_client()
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-        self.admission = client.AdmissionregistrationV1Api(api)
+        self.admission = client.AdmissionregistrationV1Api(self.api)
         self.namespace = f"wh-{self.suffix}"
         self.other_namespace = f"wh-other-{self.suffix}"
-        self.pools: list[str] = []
-
-    # -- objects ---------------------------------------------------------------------------
-    def create_pool(self, base: str, **spec: Any) -> str:
-        name = f"{base}-{self.suffix}"
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": name},
-                "spec": {"capacity": "1Gi", "medium": "HugePages-2Mi", **spec}}
-        self.custom.create_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, body)
-        self.pools.append(name)
-        return name
-
-    def pool(self, name: str) -> dict[str, Any]:
-        return self.custom.get_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, name)
 
     def pod_body(self, name: str, pool: str | None, containers: int = 1, **labels: str) -> dict[str, Any]:
         if pool is not None:
@@ -132,13 +117,7 @@ class Webhook:
 
     def teardown(self) -> None:
         self.delete_configurations()
-        for pool in self.pools:
-            try:
-                self.custom.patch_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool,
-                                                        {"metadata": {"finalizers": None}}, _content_type=MERGE)
-                self.custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
-            except ApiException:
-                pass
+        self.delete_pools()
         for ns in (self.namespace, self.other_namespace):
             try:
                 self.core.delete_namespace(ns)
@@ -323,10 +302,14 @@ def test_a_labelled_pod_that_escaped_mutation_is_refused_and_the_operator_restor
     assert pod["spec"]["initContainers"][0]["name"] == LEASE_SIDECAR_NAME
 
 
-@pytest.mark.parametrize("example", ["pod-library.yaml", "pod-stock-compat.yaml"])
+@pytest.mark.parametrize("example", ["pod-library.yaml", "deployment-stock-compat.yaml"])
 def test_the_vllm_example_pods_are_admitted_and_get_their_pool(webhook: Webhook, example: str) -> None:
-    """examples/vllm/ as a user writes them (one label), only the pool and namespace renamed."""
+    """examples/vllm/ as a user writes them (one label), only the pool and namespace renamed; a
+    Deployment's pod as its ReplicaSet would create it (its template)."""
     (body,) = list(yaml.safe_load_all((REPO / "examples" / "vllm" / example).read_text()))
+    if body["kind"] == "Deployment":
+        template = body["spec"]["template"]
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": dict(template["metadata"]), "spec": template["spec"]}
     labelled = body["metadata"]["labels"][POD_POOL_LABEL]
     spec: dict[str, Any] = {"capacity": "1Gi", "medium": "MemoryTHP"}
     if "compat" in example:
