@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from offloadpool.agent.reconcile import Action, SpecError, decide, pool_request
+from offloadpool.agent.reconcile import Action, decide
+from offloadpool.api.conversion import SpecError, pool_request
 
 POOL = {
     "apiVersion": "offloadpool.io/v1alpha1",

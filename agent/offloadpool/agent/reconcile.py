@@ -3,7 +3,8 @@
 Inputs: the OffloadPool (spec, generation, deletion), this node's OffloadPoolNode (whether it
 exists, which generation the operator lets this node apply now) and the generation of the
 region already on the node (from its manifest). Output: one Decision. Keeping this pure makes
-every lifecycle rule of DESIGN.md ("Lifecycles that must be right") a unit test.
+every lifecycle rule of docs/agent.md ("The loop") a unit test. The spec becomes the engine's request through
+``offloadpool.api.conversion.pool_request``, the conversion the CLI uses too.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.utils import parse_quantity
-
+from offloadpool.api.conversion import SpecError, pool_request
 from offloadpool.region.request import PoolRequest
+
+__all__ = ["Action", "Decision", "SpecError", "decide"]
 
 
 class Action(enum.Enum):
@@ -36,65 +38,12 @@ class Decision:
     pending_generation: int | None = None
 
 
-class SpecError(ValueError):
-    """The pool's spec cannot be turned into a request (the CRD's validation should prevent it)."""
-
-
 def _get(d: dict[str, Any] | None, *path: str, default: Any = None) -> Any:
     for key in path:
         if not isinstance(d, dict) or key not in d or d[key] is None:
             return default
         d = d[key]
     return d
-
-
-def pool_request(pool: dict[str, Any], workers_override: int = 0) -> PoolRequest:
-    """The node-side engine's request for this pool, at the pool's current generation.
-
-    Defaults come from the CRD (the API server applies them), so an absent field here means an
-    old object; the fallbacks equal PoolRequest's own defaults.
-    """
-    spec = pool.get("spec") or {}
-    name = _get(pool, "metadata", "name")
-    try:
-        capacity = int(parse_quantity(str(spec["capacity"])))
-    except (KeyError, ValueError) as exc:
-        raise SpecError(f"pool {name}: capacity {spec.get('capacity')!r} is not a quantity: {exc}") from None
-    if capacity <= 0:
-        raise SpecError(f"pool {name}: capacity must be positive, got {capacity}")
-    layout = spec.get("layout") or {}
-    segments = spec.get("segments") or {}
-    prefault = spec.get("prefault") or {}
-    consumers = spec.get("consumers") or {}
-    slot = layout.get("slotSize", layout.get("slotBytes"))
-    min_size = segments.get("minSize")
-    mode = consumers.get("mode", 0o660)
-    if isinstance(mode, str):
-        mode = int(mode, 8)
-    kwargs: dict[str, Any] = dict(
-        name=name,
-        capacity=capacity,
-        medium=spec.get("medium", "HugePages-2Mi"),
-        layout_type=layout.get("type", "Replicated"),
-        ranks=int(layout.get("ranks", 1) or 1),
-        slot_bytes=None if slot is None else int(parse_quantity(str(slot))),
-        max_files=int(segments.get("maxFiles", 32)),
-        min_segment=(1 << 30) if min_size is None else int(parse_quantity(str(min_size))),
-        workers=workers_override or int(prefault.get("workers", 0) or 0),
-        numa=str(prefault.get("numa", "None")),
-        uid=int(consumers.get("uid", 0)),
-        gid=int(consumers.get("gid", 0)),
-        mode=int(mode),
-        compat_engine_id=_get(spec, "compat", "vllm", "engineId"),
-        generation=int(_get(pool, "metadata", "generation", default=1)),
-    )
-    compat_row = _get(spec, "compat", "vllm", "rowSize")
-    if compat_row is not None:
-        kwargs["compat_row_bytes"] = int(parse_quantity(str(compat_row)))
-    compat_segments = _get(spec, "compat", "vllm", "numSegments")
-    if compat_segments is not None:
-        kwargs["compat_segments"] = int(compat_segments)
-    return PoolRequest(**kwargs)
 
 
 def decide(

@@ -34,6 +34,7 @@ from .constants import (
     split_node_object_name,
 )
 from .base import format_micro_time, format_time, now, parse_time
+from .conversion import SpecError, pool_request
 from .media import (
     HUGEPAGE_MEDIA,
     LAYOUTS,

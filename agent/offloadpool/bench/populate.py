@@ -414,7 +414,7 @@ def chart(result: dict, path: str, command: str) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from offloadpool.cli.pool_file import parse_size
+    from offloadpool.api.quantity import parse_quantity as parse_size
 
     cap = parse_size(args.capacity)
     if args.reps < 3:

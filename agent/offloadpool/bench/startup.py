@@ -267,7 +267,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from offloadpool.cli.pool_file import parse_size
+    from offloadpool.api.quantity import parse_quantity as parse_size
 
     cap = parse_size(args.capacity)
     if args.reps < 3:

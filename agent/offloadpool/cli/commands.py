@@ -7,9 +7,10 @@ from dataclasses import asdict
 
 from rich.console import Console
 
-from offloadpool.cli.main import dump
-from offloadpool.cli.pool_file import parse_size, pool_from_flags, read_document, request_from_pool
-from offloadpool.cli.render import populate_bar, status_table, summary
+from offloadpool.api.conversion import pool_request
+from offloadpool.api.quantity import parse_quantity
+from offloadpool.cli.pool_file import pool_from_flags, read_document
+from offloadpool.cli.render import dump, populate_bar, status_table, summary
 from offloadpool.region.provision import ProvisionResult, provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
@@ -22,7 +23,7 @@ POOL_FLAGS = ("name", "capacity", "medium", "layout", "ranks", "slot_size", "max
 def request_from_args(args: argparse.Namespace) -> PoolRequest:
     base = read_document(args.file) if args.file else None
     pool = pool_from_flags(base, **{k: getattr(args, k) for k in POOL_FLAGS})
-    return request_from_pool(pool)
+    return pool_request(pool)
 
 
 def result_dict(result: ProvisionResult) -> dict:
@@ -34,7 +35,7 @@ def result_dict(result: ProvisionResult) -> dict:
 
 def provision_cmd(args: argparse.Namespace) -> int:
     req = request_from_args(args)
-    rate = parse_size(args.rate_limit) if args.rate_limit else None
+    rate = parse_quantity(args.rate_limit) if args.rate_limit else None
     console = Console(stderr=args.json)
     with populate_bar(console, req.name) as (progress, phase):
         result = provision(req, args.root, progress=progress, on_phase=phase, rate_limit=rate)

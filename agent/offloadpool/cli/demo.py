@@ -12,7 +12,7 @@ import argparse
 
 from rich.console import Console
 
-from offloadpool.cli.pool_file import parse_size
+from offloadpool.api.quantity import parse_quantity
 from offloadpool.cli.render import populate_bar, status_table, summary
 from offloadpool.region import capacity, mounts
 from offloadpool.region.errors import CapacityError, RequestError
@@ -34,7 +34,7 @@ def choose_medium(size: int) -> tuple[str, str]:
 
 def demo_cmd(args: argparse.Namespace) -> int:
     console = Console()
-    size = parse_size(args.capacity)
+    size = parse_quantity(args.capacity)
     medium, why = (args.medium, "chosen on the command line") if args.medium else choose_medium(size)
     req = PoolRequest(name=args.name, capacity=size, medium=medium)
     p = plan(req)

@@ -15,10 +15,8 @@ engine (the change is pending; nothing was touched).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from typing import Any
 
 EXIT_ERROR, EXIT_USAGE, EXIT_HELD = 1, 2, 3
 
@@ -155,10 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]error:[/] {exc}")
         return EXIT_ERROR
     return EXIT_USAGE
-
-
-def dump(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""From an OffloadPool (YAML file or model) and command-line overrides to a PoolRequest.
+"""From an OffloadPool YAML file and command-line overrides to a validated OffloadPool.
 
-The region engine takes plain numbers only; this is the one place that turns the API's
-models (``offloadpool.api``, defaults included) into them, so the CLI and the agent read a
-pool the same way.
+The CLI's flags are laid over the file's document and the result goes through the API's models,
+so a flag fails with the same field named as the file would. Turning the pool into the engine's
+numbers is ``offloadpool.api.conversion.pool_request``, the one the agent uses too.
 """
 
 from __future__ import annotations
@@ -12,53 +12,11 @@ from typing import Any
 
 import yaml
 
-from offloadpool.api import OffloadPool
-from offloadpool.api.quantity import parse_quantity
-from offloadpool.region.request import PoolRequest
+from offloadpool.api import API_VERSION, POOL_KIND, OffloadPool
 
 
 class PoolFileError(ValueError):
     """The file is not a readable OffloadPool; the message names the file and the field."""
-
-
-def load_pool(path: str | Path) -> OffloadPool:
-    """Read the first OffloadPool document of ``path`` and validate it with the API models."""
-    try:
-        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
-    except (OSError, yaml.YAMLError) as exc:
-        raise PoolFileError(f"{path}: {exc}") from exc
-    pools = [d for d in docs if isinstance(d, dict) and d.get("kind") == "OffloadPool"]
-    if not pools:
-        raise PoolFileError(f"{path}: no document of kind OffloadPool")
-    try:
-        return OffloadPool.model_validate(pools[0])
-    except ValueError as exc:
-        raise PoolFileError(f"{path}: {exc}") from exc
-
-
-def request_from_pool(pool: OffloadPool) -> PoolRequest:
-    """The PoolRequest one node provisions for ``pool`` (capacity is per node)."""
-    spec = pool.spec
-    vllm = spec.compat.vllm if spec.compat else None
-    return PoolRequest(
-        name=pool.name,
-        capacity=spec.capacity_bytes(),
-        medium=spec.medium,
-        layout_type=spec.layout.type,
-        ranks=spec.layout.rank_count,
-        slot_bytes=spec.slot_size_bytes(),
-        max_files=spec.segments.max_files,
-        min_segment=spec.min_size_bytes(),
-        workers=spec.prefault.workers,
-        numa=spec.prefault.numa,
-        uid=spec.consumers.uid,
-        gid=spec.consumers.gid,
-        mode=spec.mode_int(),
-        compat_engine_id=vllm.engine_id if vllm else None,
-        compat_row_bytes=vllm.row_bytes() if vllm else None,
-        compat_segments=vllm.num_segments if vllm else 32,
-        generation=max(1, pool.generation),
-    )
 
 
 def pool_from_flags(base: dict[str, Any] | None, **flags: Any) -> OffloadPool:
@@ -67,8 +25,7 @@ def pool_from_flags(base: dict[str, Any] | None, **flags: Any) -> OffloadPool:
     Flags use the spec's own names (camelCase in the document), so the result goes through the
     same validation as a file would and the error names the same field.
     """
-    doc: dict[str, Any] = {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool",
-                           "metadata": {}, "spec": {}}
+    doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": POOL_KIND, "metadata": {}, "spec": {}}
     if base:
         doc.update({k: v for k, v in base.items() if k in ("metadata", "spec")})
         doc["metadata"] = dict(doc.get("metadata") or {})
@@ -112,11 +69,7 @@ def read_document(path: str | Path) -> dict[str, Any]:
     except (OSError, yaml.YAMLError) as exc:
         raise PoolFileError(f"{path}: {exc}") from exc
     for d in docs:
-        if isinstance(d, dict) and d.get("kind") == "OffloadPool":
+        if isinstance(d, dict) and d.get("kind") == POOL_KIND:
             return d
     raise PoolFileError(f"{path}: no document of kind OffloadPool")
 
-
-def parse_size(text: str) -> int:
-    """A size such as ``4Gi`` or ``268435456`` in bytes (Kubernetes quantity syntax)."""
-    return parse_quantity(text)

@@ -1,10 +1,11 @@
-"""Rich output for the CLI: a live populate progress bar and summary tables."""
+"""The CLI's output: a live populate progress bar and summary tables (rich), or JSON."""
 
 from __future__ import annotations
 
+import json
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
@@ -14,6 +15,11 @@ from rich.table import Table
 from offloadpool.region.errors import fmt_bytes
 from offloadpool.region.provision import ProvisionResult
 from offloadpool.region.status import PoolState
+
+
+def dump(obj: Any) -> None:
+    """Print ``obj`` as indented JSON (``--json``), anything not JSON as its string."""
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 def gib(n: int | float) -> str:
