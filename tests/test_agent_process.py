@@ -22,7 +22,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from fixtures.cluster import free_port, mounts_under, release_everything, wait_for
+from fixtures.cluster import free_port, mounts_under, release_everything
+from fixtures.wait import wait_for
 
 pytestmark = pytest.mark.controlplane
 

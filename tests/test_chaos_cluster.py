@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
 
 from fixtures.chaos import Run, seeds
-from fixtures.cluster import SimCluster, SimNode, mounts_under, wait_for
+from fixtures.cluster import SimCluster, SimNode, mounts_under
+from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import NAMESPACE, OperatorProcess
+from fixtures.wait import wait_for
 
 pytestmark = pytest.mark.controlplane
 
@@ -52,18 +53,17 @@ PER_NODE_REASONS = ("RolloutAdvanced",)
 class World:
     cluster: SimCluster
     operator: OperatorProcess
-    custom: client.CustomObjectsApi
+    kube: ClusterClient
     pool: str
     nodes: list[SimNode]
     workers: int = 1
 
     # -- reading ------------------------------------------------------------------------------
     def pool_body(self) -> dict[str, Any]:
-        return self.custom.get_cluster_custom_object(GROUP, VERSION, "offloadpools", self.pool)
+        return self.kube.custom.get_cluster_custom_object(GROUP, VERSION, "offloadpools", self.pool)
 
     def node_objects(self) -> dict[str, dict[str, Any]]:
-        items = self.custom.list_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes")["items"]
-        return {o["spec"]["nodeName"]: o for o in items if o["spec"]["pool"] == self.pool}
+        return self.kube.pool_nodes(self.pool)
 
     def daemonset_uid(self) -> str:
         return self.cluster.apps.read_namespaced_daemon_set(f"offloadpool-agent-{self.pool}", NAMESPACE).metadata.uid
@@ -107,7 +107,7 @@ class World:
     def bump(self) -> int:
         """A spec change every node applies in place (no new shape): returns the new generation."""
         self.workers = 3 - self.workers
-        body = self.custom.patch_cluster_custom_object(GROUP, VERSION, "offloadpools", self.pool,
+        body = self.kube.custom.patch_cluster_custom_object(GROUP, VERSION, "offloadpools", self.pool,
                                                        {"spec": {"prefault": {"workers": self.workers}}})
         return int(body["metadata"]["generation"])
 
@@ -120,15 +120,12 @@ def world(control_plane: Any, crds_installed: Any, operator_rbac: Path,
     tag = uuid.uuid4().hex[:6]
     (workdir / "operator").mkdir()
     operator = OperatorProcess(control_plane, operator_rbac, workdir / "operator").start()
-    custom = client.CustomObjectsApi(cluster.api)
-    pool = f"chaos-{tag}"
-    w = World(cluster, operator, custom, pool, [])
+    kube = ClusterClient(cluster.api, tag, node_selector={"chaos.offloadpool.io/run": tag})
+    pool = kube.name("chaos")
+    w = World(cluster, operator, kube, pool, [])
     try:
         w.nodes = [cluster.add_node(f"c{i}-{tag}", {"chaos.offloadpool.io/run": tag}) for i in range(NODES)]
-        custom.create_cluster_custom_object(GROUP, VERSION, "offloadpools", {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": pool},
-            "spec": {"capacity": "16Mi", "medium": "Memory", "prefault": {"workers": 1},
-                     "nodeSelector": {"chaos.offloadpool.io/run": tag}}})
+        kube.create_pool("chaos", {"capacity": "16Mi", "medium": "Memory", "prefault": {"workers": 1}})
         w.wait_converged(1)
         yield w
     finally:
@@ -136,9 +133,8 @@ def world(control_plane: Any, crds_installed: Any, operator_rbac: Path,
             operator.launcher = ()
             operator.start()
         try:
-            custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
-            wait_for("pool deleted", lambda: not any(o["metadata"]["name"] == pool for o in custom.list_cluster_custom_object(
-                GROUP, VERSION, "offloadpools")["items"]), 90)
+            kube.custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
+            wait_for("pool deleted", lambda: kube.pool(pool) is None, 90)
         finally:
             operator.stop()
             names = list(cluster.nodes)

@@ -9,35 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
 from fixtures.controlplane import ControlPlaneHandle, json_of
+from fixtures.wait import wait_for
 
 pytestmark = pytest.mark.controlplane
-
-T = TypeVar("T")
-
-
-def wait_for(probe: Callable[[], T | None], what: str, timeout: float = 120.0) -> T:
-    """Poll until `probe` returns something truthy; fail naming `what` after `timeout`.
-
-    The timeout is a deadlock guard, not a performance assertion.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.5)
-
 
 @pytest.fixture
 def namespace(control_plane: ControlPlaneHandle) -> Iterator[str]:
@@ -45,9 +26,9 @@ def namespace(control_plane: ControlPlaneHandle) -> Iterator[str]:
     name = f"cp-test-{uuid.uuid4().hex[:8]}"
     control_plane.kubectl("create", "namespace", name)
     try:
-        wait_for(lambda: control_plane.kubectl("get", "serviceaccount", "default", "-n", name,
-                                               check=False).returncode == 0,
-                 f"ServiceAccount {name}/default")
+        wait_for(f"ServiceAccount {name}/default",
+                 lambda: control_plane.kubectl("get", "serviceaccount", "default", "-n", name,
+                                               check=False).returncode == 0, 120, interval=0.5)
         yield name
     finally:
         control_plane.kubectl("delete", "namespace", name, "--wait=false",
@@ -104,7 +85,7 @@ def test_garbage_collector_deletes_owned_objects(control_plane: ControlPlaneHand
         got = control_plane.kubectl("get", "configmap", "owned", "-n", namespace, check=False)
         return got.returncode != 0 and "NotFound" in got.stderr
 
-    wait_for(owned_is_gone, "the garbage collector to delete the owned ConfigMap")
+    wait_for("the garbage collector to delete the owned ConfigMap", owned_is_gone, 120, interval=0.5)
 
 
 def test_daemonset_controller_creates_a_pod_per_node(control_plane: ControlPlaneHandle,
@@ -137,7 +118,7 @@ def test_daemonset_controller_creates_a_pod_per_node(control_plane: ControlPlane
                                                  "app=probe", "-o", "json"))["items"]
             return pods[0] if pods else None
 
-        pod = wait_for(pod_for_node, "the DaemonSet controller to create a pod")
+        pod = wait_for("the DaemonSet controller to create a pod", pod_for_node, 120, interval=0.5)
         assert pod["metadata"]["ownerReferences"][0]["kind"] == "DaemonSet"
         terms = pod["spec"]["affinity"]["nodeAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]

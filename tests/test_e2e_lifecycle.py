@@ -19,17 +19,16 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from kubernetes import client
-from kubernetes.client.rest import ApiException
 
-from fixtures.cluster import SimCluster, SimNode, mounts_under, wait_for
+from fixtures.cluster import SimCluster, SimNode, mounts_under
+from fixtures.cluster_client import ClusterClient
 from fixtures.host import other_tenant_holds_free_hugepages
 from fixtures.operator_process import OperatorProcess
+from fixtures.wait import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -38,64 +37,29 @@ MiB = 1 << 20
 HOST_ROOT = "/var/lib/offloadpool"
 
 
-class E2E:
+class E2E(ClusterClient):
     """What a test drives: the cluster, the operator, and short-hands for reading state."""
 
     def __init__(self, cluster: SimCluster, operator: OperatorProcess) -> None:
+        tag = uuid.uuid4().hex[:6]
+        # every node of this test carries the run label and every pool selects it, so no pool
+        # sees another test's nodes
+        super().__init__(cluster.api, tag, node_selector={"e2e.offloadpool.io/run": tag})
         self.cluster = cluster
         self.operator = operator
         self.cp = cluster.cp
-        self.custom = client.CustomObjectsApi(cluster.api)
-        self.core = cluster.core
-        self.apps = cluster.apps
-        self.tag = uuid.uuid4().hex[:6]
-        self.pools: list[str] = []
+        self.tag = tag
         self.engines: list[subprocess.Popen[str]] = []
 
     # -- objects -----------------------------------------------------------------------------
-    def name(self, base: str) -> str:
-        return f"{base}-{self.tag}"
-
     @property
     def run_label(self) -> dict[str, str]:
         """Every node of this test carries it; pools select it, so no pool sees another test's nodes."""
-        return {"e2e.offloadpool.io/run": self.tag}
-
-    def create_pool(self, base: str, spec: dict[str, Any]) -> str:
-        name = self.name(base)
-        spec = {**spec, "nodeSelector": {**self.run_label, **(spec.get("nodeSelector") or {})}}
-        self.custom.create_cluster_custom_object(GROUP, VERSION, "offloadpools", {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": name}, "spec": spec})
-        self.pools.append(name)
-        return name
-
-    def pool(self, name: str) -> dict[str, Any] | None:
-        try:
-            return self.custom.get_cluster_custom_object(GROUP, VERSION, "offloadpools", name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def pool_status(self, name: str) -> dict[str, Any]:
-        return (self.pool(name) or {}).get("status") or {}
-
-    def pool_nodes(self, pool: str) -> dict[str, dict[str, Any]]:
-        items = self.custom.list_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes")["items"]
-        return {o["spec"]["nodeName"]: o for o in items if o["spec"]["pool"] == pool}
-
-    def node_status(self, pool: str, node: str) -> dict[str, Any]:
-        return (self.pool_nodes(pool).get(node) or {}).get("status") or {}
+        return dict(self.node_selector)
 
     def daemonsets(self, pool: str) -> list[Any]:
         return [d for d in self.apps.list_daemon_set_for_all_namespaces().items
                 if d.metadata.name.endswith(pool) or (d.metadata.labels or {}).get("offloadpool.io/pool") == pool]
-
-    def condition(self, pool: str, type_: str) -> dict[str, Any]:
-        for c in self.pool_status(pool).get("conditions") or []:
-            if c["type"] == type_:
-                return c
-        return {}
 
     def wait_pool_ready(self, pool: str, nodes: int, timeout: float = 180) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:
@@ -157,23 +121,12 @@ class E2E:
         self.cluster.label_node(node.name, labels)
 
     # -- cleanup -----------------------------------------------------------------------------
-    def delete_pools(self) -> None:
+    def cleanup(self) -> None:
         for e in self.engines:
             if e.poll() is None:
                 e.kill()
                 e.wait(10)
-        for name in self.pools:
-            try:
-                self.custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpools", name)
-            except ApiException:
-                pass
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(self.pool(n) for n in self.pools):
-            time.sleep(0.5)
-        for name in self.pools:  # an operator that failed the test must not leave pools stuck
-            if self.pool(name):
-                self.custom.patch_cluster_custom_object(GROUP, VERSION, "offloadpools", name,
-                                                        {"metadata": {"finalizers": None}})
+        self.delete_pools(wait=60)
 
 
 @pytest.fixture
@@ -182,7 +135,7 @@ def e2e(sim_cluster: SimCluster, offloadpool_operator: OperatorProcess) -> Itera
     try:
         yield env
     finally:
-        env.delete_pools()
+        env.cleanup()
 
 
 def hugetlb_mount(path: Path) -> bool:

@@ -12,18 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+from fixtures.wait import wait_for
 from offloadpool.region.lease import Lease, LeaseHeld, count_holders, lease_path
 
 EXE = str(Path(sys.executable).parent / "offloadpool")
-
-
-def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def start(pool_dir: Path, ready: Path) -> subprocess.Popen[str]:
@@ -42,7 +34,7 @@ def test_holds_the_shared_lease_until_sigterm_then_exits_0_releasing_it(tmp_path
     ready = tmp_path / "ready"
     proc = start(tmp_path, ready)
     try:
-        wait_until(ready.exists, what="the ready file")
+        wait_for("the ready file", ready.exists, 15, interval=0.02)
         assert count_holders(lease_path(tmp_path)) == 1
         assert ready.read_text().strip() == str(proc.pid)
         try:
@@ -72,7 +64,7 @@ def test_waits_for_the_lease_file_and_for_an_exclusive_holder(tmp_path: Path) ->
         time.sleep(0.5)
         assert proc.poll() is None and not ready.exists() and count_holders(lease_path(tmp_path)) == 0
         agent.close()
-        wait_until(ready.exists, what="the ready file after the exclusive holder let go")
+        wait_for("the ready file after the exclusive holder let go", ready.exists, 15, interval=0.02)
         assert count_holders(lease_path(tmp_path)) == 1
     finally:
         rc, out = stop(proc)
@@ -96,7 +88,7 @@ def test_reads_only_and_never_creates_the_lease(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     proc = start(tmp_path, ready)
     try:
-        wait_until(ready.exists, what="the ready file")
+        wait_for("the ready file", ready.exists, 15, interval=0.02)
         assert count_holders(lease) == 1
     finally:
         rc, out = stop(proc)

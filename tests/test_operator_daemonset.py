@@ -8,7 +8,9 @@ from kubernetes import client
 
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.daemonset import HASH_ANNOTATION, render
-from fixtures.operator_world import MERGE, NAMESPACE, World, wait_for
+from fixtures.operator_process import QUICK_PASSES, OperatorProcess
+from fixtures.operator_world import MERGE, NAMESPACE, World
+from fixtures.wait import wait_for
 
 POOL = {"metadata": {"name": "kv", "uid": "0b5e5f8e-0000-4000-8000-000000000001"},
         "spec": {"capacity": "4Gi", "nodeSelector": {"gpu": "h100"},
@@ -72,7 +74,9 @@ def test_api_server_accepts_rendered_daemonset(operator_rbac, control_plane, med
 
 
 @pytest.mark.controlplane
-def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World, operator_proc) -> None:
+@pytest.mark.operator_args(*QUICK_PASSES)
+def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World,
+                                                                offloadpool_operator: OperatorProcess) -> None:
     w = world
     group = w.name("g")
     selected = {w.add_node(f"d{i}", {"offloadpool-test/group": group}) for i in range(2)}

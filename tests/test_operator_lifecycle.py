@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from offloadpool.api.constants import FINALIZER, GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
-from fixtures.operator_world import MERGE, MiB, NAMESPACE, World, dump, wait_for
+from offloadpool.api.constants import FINALIZER, GROUP, POOL_PLURAL, VERSION
+from fixtures.operator_process import QUICK_PASSES, OperatorProcess
+from fixtures.operator_world import MERGE, NAMESPACE, MiB, World, dump
+from fixtures.wait import wait_for
 
-pytestmark = pytest.mark.controlplane
+pytestmark = [pytest.mark.controlplane, pytest.mark.operator_args(*QUICK_PASSES)]
 
 
 def conds(pool: dict) -> dict[str, dict]:
@@ -24,7 +26,7 @@ def status(w: World, pool: str) -> dict:
     return (w.pool(pool) or {}).get("status") or {}
 
 
-def test_pool_lifecycle(world: World, operator_proc) -> None:
+def test_pool_lifecycle(world: World, offloadpool_operator: OperatorProcess) -> None:
     w = world
     group = w.name("g")
     nodes = [w.add_node(f"n{i}", {"offloadpool-test/group": group}) for i in range(3)]
@@ -33,7 +35,7 @@ def test_pool_lifecycle(world: World, operator_proc) -> None:
                                   "nodeSelector": {"offloadpool-test/group": group}})
 
     # One OffloadPoolNode per selected Node (3 of 4), owned by the pool, at generation 1.
-    objs = wait_for("3 OffloadPoolNodes", lambda: (lambda o: o if len(o) == 3 else None)(w.node_objects(pool)))
+    objs = wait_for("3 OffloadPoolNodes", lambda: (lambda o: o if len(o) == 3 else None)(w.pool_nodes(pool)))
     assert set(objs) == set(nodes), dump(objs)
     uid = w.pool(pool)["metadata"]["uid"]
     for obj in objs.values():
@@ -80,7 +82,7 @@ def test_pool_lifecycle(world: World, operator_proc) -> None:
 
     # A Node is deleted: its OffloadPoolNode goes, counts adjust.
     w.core.delete_node(nodes[2])
-    wait_for("OffloadPoolNode of the deleted node gone", lambda: set(w.node_objects(pool)) == {nodes[0], nodes[1]})
+    wait_for("OffloadPoolNode of the deleted node gone", lambda: set(w.pool_nodes(pool)) == {nodes[0], nodes[1]})
     wait_for("desired 2", lambda: status(w, pool).get("desiredNodes") == 2)
 
     # Deletion waits while a node has not released, and says why.
@@ -98,7 +100,7 @@ def test_pool_lifecycle(world: World, operator_proc) -> None:
     # The engine lets go: Released -> finalizer removed, pool gone, GC removes the rest.
     w.report(pool, nodes[0], phase="Released", reason="Released", message="memory freed")
     wait_for("pool gone", lambda: w.pool(pool) is None, timeout=60)
-    wait_for("OffloadPoolNodes garbage-collected", lambda: not w.node_objects(pool), timeout=90)
+    wait_for("OffloadPoolNodes garbage-collected", lambda: not w.pool_nodes(pool), timeout=90)
 
     def ds_gone() -> bool:
         try:
@@ -111,7 +113,7 @@ def test_pool_lifecycle(world: World, operator_proc) -> None:
     assert w.marked(pool, nodes[0]) == (False, False) and w.marked(pool, nodes[1]) == (False, False)
 
 
-def test_unresponsive_agent_and_reselection(world: World, operator_proc) -> None:
+def test_unresponsive_agent_and_reselection(world: World, offloadpool_operator: OperatorProcess) -> None:
     """A stale heartbeat stops a node counting as Ready, a renewed Lease brings it back; a node
     that starts matching joins."""
     w = world
@@ -122,7 +124,7 @@ def test_unresponsive_agent_and_reselection(world: World, operator_proc) -> None
                          taints=[{"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}])
     pool = w.create_pool("stale", {"capacity": "64Mi", "medium": "Memory",
                                    "nodeSelector": {"offloadpool-test/group": group}})
-    wait_for("a selected (tainted node is not: no toleration)", lambda: set(w.node_objects(pool)) == {a})
+    wait_for("a selected (tainted node is not: no toleration)", lambda: set(w.pool_nodes(pool)) == {a})
     w.report_ready(pool, a, heartbeat="2020-01-01T00:00:00Z")
     st = wait_for("unresponsive", lambda: (lambda s: s if s.get("phase") == "Degraded" else None)(status(w, pool)))
     assert st["readyNodes"] == 0 and st["failingNodes"][0]["reason"] == "AgentUnresponsive"
@@ -131,26 +133,26 @@ def test_unresponsive_agent_and_reselection(world: World, operator_proc) -> None
     # node live again by the next resync
     w.renew_lease(pool, a)
     wait_for("Ready again from the Lease", lambda: status(w, pool).get("phase") == "Ready", timeout=30)
-    assert w.node_objects(pool)[a]["status"]["heartbeat"] == "2020-01-01T00:00:00Z"
+    assert w.pool_nodes(pool)[a]["status"]["heartbeat"] == "2020-01-01T00:00:00Z"
     w.report_ready(pool, a)
     wait_for("Ready again", lambda: status(w, pool).get("phase") == "Ready")
     w.core.patch_node(b, {"metadata": {"labels": {"offloadpool-test/group": group}}}, _content_type=MERGE)
-    wait_for("b joins", lambda: set(w.node_objects(pool)) == {a, b})
+    wait_for("b joins", lambda: set(w.pool_nodes(pool)) == {a, b})
     w.custom.patch_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool, {"spec": {"tolerations": [
         {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]}}, _content_type=MERGE)
-    wait_for("tolerated node joins", lambda: set(w.node_objects(pool)) == {a, b, tainted})
+    wait_for("tolerated node joins", lambda: set(w.pool_nodes(pool)) == {a, b, tainted})
     st = wait_for("2 of 3 not ready", lambda: (lambda s: s if s.get("desiredNodes") == 3 else None)(status(w, pool)))
     assert st["readyNodes"] == 1
     # A Ready node that stops matching: its object goes, its marks go, and an Event says so.
     wait_for("a marked", lambda: w.marked(pool, a) == (True, True))
     w.core.patch_node(a, {"metadata": {"labels": {"offloadpool-test/group": "elsewhere"}}}, _content_type=MERGE)
-    wait_for("a leaves", lambda: set(w.node_objects(pool)) == {b, tainted})
+    wait_for("a leaves", lambda: set(w.pool_nodes(pool)) == {b, tainted})
     wait_for("a unmarked", lambda: w.marked(pool, a) == (False, False))
     wait_for("NodeDeselected event", lambda: "NodeDeselected" in w.event_reasons(pool))
     assert status(w, pool)["desiredNodes"] == 2
 
 
-def test_rollout_node_by_node_survives_kill9(world: World, operator_proc) -> None:
+def test_rollout_node_by_node_survives_kill9(world: World, offloadpool_operator: OperatorProcess) -> None:
     """Spec change: one serving node at a time, held nodes skipped; kill -9 mid-rollout, a new
     operator continues where the old one stopped, without redoing anything."""
     w = world
@@ -159,7 +161,7 @@ def test_rollout_node_by_node_survives_kill9(world: World, operator_proc) -> Non
     a, b, c = nodes
     pool = w.create_pool("roll", {"capacity": "64Mi", "medium": "Memory",
                                   "nodeSelector": {"offloadpool-test/group": group}})
-    wait_for("3 objects", lambda: len(w.node_objects(pool)) == 3)
+    wait_for("3 objects", lambda: len(w.pool_nodes(pool)) == 3)
     for n in nodes:
         w.report_ready(pool, n)
     wait_for("Ready", lambda: status(w, pool).get("phase") == "Ready")
@@ -168,22 +170,22 @@ def test_rollout_node_by_node_survives_kill9(world: World, operator_proc) -> Non
                                          _content_type=MERGE)
 
     def targets() -> dict[str, int]:
-        return {n: o["spec"].get("targetGeneration") for n, o in w.node_objects(pool).items()}
+        return {n: o["spec"].get("targetGeneration") for n, o in w.pool_nodes(pool).items()}
 
     wait_for("first node advanced", lambda: targets() == {a: 2, b: 1, c: 1})
-    obj = w.node_objects(pool)[a]
+    obj = w.pool_nodes(pool)[a]
     assert obj["metadata"]["annotations"]["offloadpool.io/rollout-generation"] == "2"
     ds_name = f"offloadpool-agent-{pool}"
     wait_for("DaemonSet requests the new capacity", lambda: w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE)
              .spec.template.spec.containers[0].resources.limits["memory"] == "384Mi")
-    uids = {n: o["metadata"]["uid"] for n, o in w.node_objects(pool).items()}
+    uids = {n: o["metadata"]["uid"] for n, o in w.pool_nodes(pool).items()}
     ds_generation = w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE).metadata.generation
 
     # kill -9 while a is in flight; nothing advances without an operator.
-    operator_proc.kill9()
+    offloadpool_operator.kill9()
     # a's engine holds the lease: it stays at generation 1 and says so.
     w.report_ready(pool, a, 1, pendingGeneration=2, reason="LeaseHeld", message="an engine holds the lease", enginesAttached=1)
-    operator_proc.start()
+    offloadpool_operator.start()
     wait_for("b advanced by the new operator (a is held: skipped)", lambda: targets() == {a: 2, b: 2, c: 1})
     w.report(pool, b, phase="Provisioning", observedGeneration=1)
     w.report_ready(pool, b, 2)
@@ -194,7 +196,7 @@ def test_rollout_node_by_node_survives_kill9(world: World, operator_proc) -> Non
     assert (st["phase"], st["readyNodes"], st["pendingNodes"], st["observedGeneration"]) == ("Ready", 3, 1, 2)
     assert a in conds(w.pool(pool))["Progressing"]["message"]
     # No duplicate work: same objects, the DaemonSet untouched by the second operator.
-    assert {n: o["metadata"]["uid"] for n, o in w.node_objects(pool).items()} == uids
+    assert {n: o["metadata"]["uid"] for n, o in w.pool_nodes(pool).items()} == uids
     assert w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE).metadata.generation == ds_generation
-    log = operator_proc.log(200000).split("--- operator run 2")[1]
+    log = offloadpool_operator.log(200000).split("--- operator run 2")[1]
     assert "created" not in log and f"advanced {a}" not in log, log[-3000:]

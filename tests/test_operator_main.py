@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.cluster import wait_for
+from fixtures.wait import wait_for
 from fixtures.operator_process import OperatorProcess
 from offloadpool.operator.main import config_from_args, parse_args
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from fixtures.host import hugepage_totals, wait_for
+from fixtures.host import hugepage_totals
+from fixtures.wait import wait_for
 from offloadpool.region import mounts
 from offloadpool.region.errors import RegionError
 from offloadpool.region.lease import LeaseHeld, count_holders, lease_path
@@ -51,7 +52,7 @@ def test_release_refuses_while_held_and_succeeds_after_holder_is_killed(region_r
 
     engine.send_signal(signal.SIGKILL)
     engine.wait(timeout=30)
-    wait_for(lambda: count_holders(lease_path(pool_dir)) == 0, 10, "the kernel to drop the flock")
+    wait_for("the kernel to drop the flock", lambda: count_holders(lease_path(pool_dir)) == 0, 10, interval=0.01)
     result = release(region_root, req.name)
     assert result.existed and result.hugepages_returned == added
     assert not pool_dir.exists() and mounts.mounts_under(region_root) == []

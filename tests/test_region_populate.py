@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fixtures.host import cli_argv, wait_for
+from fixtures.host import cli_argv
+from fixtures.wait import wait_for
 from offloadpool.region.journal import JOURNAL_NAME, units
 from offloadpool.region.lease import lease_path
 from offloadpool.region.manifest import Segment
@@ -42,8 +43,9 @@ def test_no_engine_can_attach_while_populating(region_root, processes):
     proc = processes(cli_argv("provision", "--root", str(region_root), "--name", "busy", "--capacity",
                               "128Mi", "--medium", "HugePages-2Mi", "--rate-limit", "32Mi"))
     pool_dir = region_root / "busy"
-    wait_for(lambda: (pool_dir / JOURNAL_NAME).exists() and 1 in (pool_dir / JOURNAL_NAME).read_bytes(),
-             60, "the pre-fault to start")
+    wait_for("the pre-fault to start",
+             lambda: (pool_dir / JOURNAL_NAME).exists() and 1 in (pool_dir / JOURNAL_NAME).read_bytes(), 60,
+             interval=0.01)
     fd = os.open(lease_path(pool_dir), os.O_RDONLY)
     try:
         with pytest.raises(BlockingIOError):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.host import cli, cli_argv, hugepage_totals, wait_for
+from fixtures.host import cli, cli_argv, hugepage_totals
+from fixtures.wait import wait_for
 from offloadpool.region import mounts
 from offloadpool.region.journal import JOURNAL_NAME, units
 from offloadpool.region.manifest import load as load_manifest
@@ -41,7 +42,8 @@ def test_kill9_mid_populate_then_finish_without_zeroing(region_root, hugepage_ba
     count = len(units(plan(PoolRequest(name=name, capacity=256 * MiB, medium=medium,
                                        min_segment=64 * MiB)).segments, 2 * MiB if medium != "Memory" else 4096))
 
-    wait_for(lambda: journal_bytes(pool_dir).count(1) >= 8 or proc.poll() is not None, 60, "partial progress")
+    wait_for("partial progress", lambda: journal_bytes(pool_dir).count(1) >= 8 or proc.poll() is not None, 60,
+             interval=0.01)
     assert proc.poll() is None, f"provision ended before it could be killed: {proc.communicate()}"
     assert pool_state(region_root, name).phase == "Populating"
 

@@ -34,7 +34,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -42,8 +42,9 @@ from kubernetes import config as kconfig
 from kubernetes import watch
 from prometheus_client import CollectorRegistry
 
-from fixtures.cluster import mounts_under, release_everything, wait_for
+from fixtures.cluster import mounts_under, release_everything
 from fixtures.operator_process import OperatorProcess
+from fixtures.wait import wait_for
 from offloadpool.agent import kube
 from offloadpool.agent.loop import Agent
 from offloadpool.agent.metrics import AgentMetrics
@@ -70,23 +71,12 @@ def api_writes(cp: Any) -> Counter[str]:
     return out
 
 
-@pytest.fixture
-def scale_operator(crds_installed: Any, operator_rbac: Path, tmp_path: Path) -> Iterator[OperatorProcess]:
-    """The operator as a real process, with a heartbeat timeout of 5 minutes: a thousand
-    in-process agents share this machine's two cores with the API server, and under that load
-    an agent's step can come later than the default 60 s would allow (a real node's agent has
-    a machine of its own)."""
-    workdir = tmp_path / "operator"
-    workdir.mkdir()
-    op = OperatorProcess(crds_installed, operator_rbac, workdir, extra_args=("--heartbeat-timeout", "300")).start()
-    try:
-        yield op
-    finally:
-        op.stop()
-
-
-def test_pool_converges_at_scale(scale_operator: OperatorProcess) -> None:
-    op = scale_operator
+# The operator allows a heartbeat 5 minutes: a thousand in-process agents share this machine's
+# two cores with the API server, and under that load an agent's step can come later than the
+# default 60 s would allow (a real node's agent has a machine of its own).
+@pytest.mark.operator_args("--heartbeat-timeout", "300")
+def test_pool_converges_at_scale(offloadpool_operator: OperatorProcess) -> None:
+    op = offloadpool_operator
     reports: list[dict[str, Any]] = []
     for n in COUNTS:
         reports.append(run_one(op, n))

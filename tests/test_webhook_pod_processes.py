@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fixtures.cluster import wait_for
+from fixtures.wait import wait_for
 from fixtures.host import cli
 from offloadpool.api.pods import LEASE_READY_FILE
 from offloadpool.operator import admission
