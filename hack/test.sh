@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The one test command:  bash hack/test.sh [pytest args...]
+# The fast lane:         bash hack/test.sh --fast [pytest args...]
 #
 # On a fresh Debian/Ubuntu machine (as root, with only package registries reachable) it
 #   0. reserves the huge pages the suite needs (hack/hugepages.py) before anything else, while
@@ -8,18 +9,36 @@
 #   1. installs missing system packages (python3-venv, openssl, ...) with apt-get,
 #   2. finds Go >= 1.26, or has an older go command switch to the pinned release
 #      (GOTOOLCHAIN, fetched through the Go module proxy),
-#   3. creates/updates .venv with `pip install -e '.[test]'`, and installs the pinned vLLM the
-#      vllm tests drive into a venv cached outside the clone (hack/vllm_env.py, docs/vllm.md),
+#   3. creates/updates .venv with `pip install -e '.[test]'`,
+#   3a. lints: ruff check, ruff format --check, mypy ([tool.ruff], [tool.mypy] in pyproject.toml)
+#      and hack/sync_chart.py --check (the chart's CRDs and RBAC are crds/'s and deploy/'s); a
+#      finding stops the run here, before anything slow,
+#   3b. installs the pinned vLLM the vllm tests drive into a venv cached outside the clone
+#      (hack/vllm_env.py, docs/vllm.md),
 #   4. builds the real control plane (etcd, kube-apiserver, kube-controller-manager, kubectl,
 #      helm) into ${OFFLOADPOOL_CACHE:-/var/cache/offloadpool} — once; later runs reuse it,
 #   5. runs the whole suite: .venv/bin/python -m pytest "$@".
 # It exits non-zero if any test fails, if no test ran, or if any test was skipped or xfailed
 # (the project's rule: a test that cannot run must fail, never skip).
 # Wall time of every phase is printed at the end. See docs/testing.md.
+#
+# --fast is the edit-test loop: the venv (phase 3) if it is missing or stale, the lint phase, and
+# every test that needs no control plane, no Go, no root and no GPU (by marker: tests/conftest.py
+# marks tests from the fixtures they use), all in about a minute. It reserves no huge pages,
+# installs no system package, builds nothing, and runs as any user. Lint findings and test
+# failures are both reported; either makes it exit non-zero.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+
+FAST=0
+if [ "${1:-}" = "--fast" ]; then
+  FAST=1
+  shift
+fi
+#: the tests the fast lane runs: every marker that needs something it does not have, deselected
+FAST_MARKERS="not controlplane and not e2e and not chaos and not vllm and not gpu and not root"
 
 export OFFLOADPOOL_CACHE="${OFFLOADPOOL_CACHE:-/var/cache/offloadpool}"
 # The Go used when none (or too old a one) is installed. Kubernetes v1.37.2 needs >= 1.26.0.
@@ -53,107 +72,139 @@ as_root() {
   fi
 }
 
+command -v python3 >/dev/null || { echo "python3 is needed (it ships with Debian/Ubuntu)" >&2; exit 1; }
+
 # ---- 0. huge pages -------------------------------------------------------------------------
 # First, before any build or install fragments memory: a 1 GiB page needs a contiguous GiB.
-phase_start "huge page reservation"
-command -v python3 >/dev/null || { echo "python3 is needed (it ships with Debian/Ubuntu)" >&2; exit 1; }
-as_root python3 hack/hugepages.py reserve
-phase_end
+reserve_hugepages() {
+  phase_start "huge page reservation"
+  as_root python3 hack/hugepages.py reserve
+  phase_end
+}
 
 # ---- 1. system packages --------------------------------------------------------------------
-phase_start "system packages"
-need=()
-command -v python3 >/dev/null || need+=(python3 python3-venv)
-# Debian's python3 can import `venv` yet cannot create one without python3-venv (no
-# ensurepip wheels): try it for real when .venv does not exist yet.
-if [ ! -x .venv/bin/python ] && command -v python3 >/dev/null; then
-  probe="$(mktemp -d)"
-  python3 -m venv "$probe/v" >/dev/null 2>&1 || need+=(python3-venv)
-  rm -rf "$probe"
-fi
-command -v openssl >/dev/null || need+=(openssl)
-command -v setpriv >/dev/null || need+=(util-linux)
-[ -e /etc/ssl/certs/ca-certificates.crt ] || need+=(ca-certificates)
-if [ "${#need[@]}" -gt 0 ]; then
-  if ! command -v apt-get >/dev/null; then
-    echo "missing ${need[*]} and no apt-get to install them" >&2; exit 1
+system_packages() {
+  phase_start "system packages"
+  local need=()
+  command -v python3 >/dev/null || need+=(python3 python3-venv)
+  # Debian's python3 can import `venv` yet cannot create one without python3-venv (no
+  # ensurepip wheels): try it for real when .venv does not exist yet.
+  if [ ! -x .venv/bin/python ] && command -v python3 >/dev/null; then
+    local probe
+    probe="$(mktemp -d)"
+    python3 -m venv "$probe/v" >/dev/null 2>&1 || need+=(python3-venv)
+    rm -rf "$probe"
   fi
-  echo "installing: ${need[*]}" >&2
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
-fi
-phase_end
+  command -v openssl >/dev/null || need+=(openssl)
+  command -v setpriv >/dev/null || need+=(util-linux)
+  [ -e /etc/ssl/certs/ca-certificates.crt ] || need+=(ca-certificates)
+  if [ "${#need[@]}" -gt 0 ]; then
+    if ! command -v apt-get >/dev/null; then
+      echo "missing ${need[*]} and no apt-get to install them" >&2; exit 1
+    fi
+    echo "installing: ${need[*]}" >&2
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
+  fi
+  phase_end
+}
 
 # ---- 2. Go -----------------------------------------------------------------------------------
-phase_start "go toolchain"
 go_ok() {
   command -v go >/dev/null || return 1
   local v; v="$(GOTOOLCHAIN=local go env GOVERSION 2>/dev/null)" || return 1
-  python3 - "$v" "$GO_MIN_MINOR" <<'EOF'
+  python3 - "$v" "$GO_MIN_MINOR" <<'PY'
 import re, sys
 m = re.match(r"go(\d+)\.(\d+)", sys.argv[1])
 sys.exit(0 if m and (int(m[1]), int(m[2])) >= (1, int(sys.argv[2])) else 1)
-EOF
+PY
 }
-if ! go_ok; then
-  # An older Go (>= 1.21) switches toolchains itself: GOTOOLCHAIN makes the go command fetch
-  # the pinned release through the Go module proxy it is configured with, verified against
-  # the checksum database. We then put that toolchain first on PATH.
-  command -v go >/dev/null || { echo "no Go on PATH: install Go >= 1.21 (this machine kind ships one)" >&2; exit 1; }
-  GOROOT_PINNED="$(GOTOOLCHAIN="go$GO_BOOTSTRAP_VERSION" go env GOROOT)"
-  export PATH="$GOROOT_PINNED/bin:$PATH"
-  go_ok || { echo "could not switch to go$GO_BOOTSTRAP_VERSION (GOROOT $GOROOT_PINNED)" >&2; exit 1; }
-fi
-echo "using $(GOTOOLCHAIN=local go version) at $(command -v go)" >&2
-phase_end
+go_toolchain() {
+  phase_start "go toolchain"
+  if ! go_ok; then
+    # An older Go (>= 1.21) switches toolchains itself: GOTOOLCHAIN makes the go command fetch
+    # the pinned release through the Go module proxy it is configured with, verified against
+    # the checksum database. We then put that toolchain first on PATH.
+    command -v go >/dev/null || { echo "no Go on PATH: install Go >= 1.21 (this machine kind ships one)" >&2; exit 1; }
+    GOROOT_PINNED="$(GOTOOLCHAIN="go$GO_BOOTSTRAP_VERSION" go env GOROOT)"
+    export PATH="$GOROOT_PINNED/bin:$PATH"
+    go_ok || { echo "could not switch to go$GO_BOOTSTRAP_VERSION (GOROOT $GOROOT_PINNED)" >&2; exit 1; }
+  fi
+  echo "using $(GOTOOLCHAIN=local go version) at $(command -v go)" >&2
+  phase_end
+}
 
 # ---- 3. Python environment ---------------------------------------------------------------------
-phase_start "python venv + install"
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-fi
-# Re-install only when the dependency declaration changed (editable install: code changes
-# need nothing). The stamp lives inside .venv, so a new venv always installs.
-stamp=".venv/.offloadpool-install.sha256"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c 'import offloadpool' 2>/dev/null; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test]'
-  echo "$want" > "$stamp"
-else
-  echo "pyproject.toml unchanged since the last install; skipping pip" >&2
-fi
-phase_end
+python_env() {
+  phase_start "python venv + install"
+  if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+  fi
+  # Re-install only when the dependency declaration changed (editable install: code changes
+  # need nothing). The stamp lives inside .venv, so a new venv always installs.
+  local stamp=".venv/.offloadpool-install.sha256" want
+  want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c 'import offloadpool' 2>/dev/null; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e '.[test]'
+    echo "$want" > "$stamp"
+  else
+    echo "pyproject.toml unchanged since the last install; skipping pip" >&2
+  fi
+  phase_end
+}
+
+# ---- 3a. lint: seconds, so before anything slow -------------------------------------------------
+# Prints every finding of every linter; returns non-zero if any had one.
+lint() {
+  phase_start "lint"
+  local failed=()
+  .venv/bin/ruff check --output-format concise . || failed+=("ruff check")
+  .venv/bin/ruff format --check --output-format concise . || failed+=("ruff format --check (run: .venv/bin/ruff format .)")
+  .venv/bin/mypy || failed+=("mypy")
+  python3 hack/sync_chart.py --check || failed+=("hack/sync_chart.py --check (run: python3 hack/sync_chart.py)")
+  phase_end
+  if [ "${#failed[@]}" -gt 0 ]; then
+    printf 'FAIL: lint: %s\n' "${failed[@]}" >&2
+    return 1
+  fi
+}
 
 # ---- 3b. the pinned vLLM (its own venv under $OFFLOADPOOL_CACHE; once, then a stamp check) ------
-phase_start "pinned vLLM env"
-.venv/bin/python hack/vllm_env.py ensure >/dev/null
-phase_end
+vllm_env() {
+  phase_start "pinned vLLM env"
+  .venv/bin/python hack/vllm_env.py ensure >/dev/null
+  phase_end
+}
 
 # ---- 4. control plane binaries -----------------------------------------------------------------
-phase_start "control plane build"
-.venv/bin/python hack/controlplane.py build
-phase_end
+control_plane_build() {
+  phase_start "control plane build"
+  .venv/bin/python hack/controlplane.py build
+  phase_end
+}
 
 # ---- 5. tests ----------------------------------------------------------------------------------
-phase_start "pytest"
-REPORT_DIR="$(mktemp -d)"
-report="$REPORT_DIR/junit.xml"
-set +e
-.venv/bin/python -m pytest --junitxml="$report" "$@"
-rc=$?
-set -e
-phase_end
-if [ "$rc" -eq 5 ]; then
-  echo "FAIL: no test ran (pytest exit 5)" >&2
-  exit 1
-fi
-if [ "$rc" -ne 0 ]; then
-  echo "FAIL: pytest exited $rc" >&2
-  exit "$rc"
-fi
-# Skips and xfails are not allowed anywhere (only gpu tests may be deselected, which is not a skip).
-.venv/bin/python - "$report" <<'EOF'
+# Runs pytest with the given arguments; fails if a test failed, none ran, or any was skipped.
+run_pytest() {
+  phase_start "pytest"
+  REPORT_DIR="$(mktemp -d)"
+  local report="$REPORT_DIR/junit.xml" rc
+  set +e
+  .venv/bin/python -m pytest --junitxml="$report" "$@"
+  rc=$?
+  set -e
+  phase_end
+  if [ "$rc" -eq 5 ]; then
+    echo "FAIL: no test ran (pytest exit 5)" >&2
+    return 1
+  fi
+  if [ "$rc" -ne 0 ]; then
+    echo "FAIL: pytest exited $rc" >&2
+    return "$rc"
+  fi
+  # Skips and xfails are not allowed anywhere (only gpu tests may be deselected, which is not a skip).
+  .venv/bin/python - "$report" <<'PY'
 import sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 suites = [root] if root.tag == "testsuite" else list(root)
@@ -165,4 +216,25 @@ if ran == 0:
 if skipped:
     sys.exit("FAIL: skipped/xfailed tests are not allowed:\n  " + "\n  ".join(skipped))
 print(f"OK: {ran} tests ran, none skipped", file=sys.stderr)
-EOF
+PY
+}
+
+if [ "$FAST" -eq 1 ]; then
+  python_env
+  lint_rc=0
+  lint || lint_rc=$?
+  tests_rc=0
+  run_pytest -m "$FAST_MARKERS" "$@" || tests_rc=$?
+  [ "$lint_rc" -eq 0 ] || echo "FAIL: the lint phase had findings (above)" >&2
+  [ "$tests_rc" -eq 0 ] && [ "$lint_rc" -eq 0 ]
+  exit
+fi
+
+reserve_hugepages
+system_packages
+go_toolchain
+python_env
+lint
+vllm_env
+control_plane_build
+run_pytest "$@"

@@ -4,6 +4,11 @@ Fixture plugins live in ``tests/fixtures/`` (one concept per module). GPU tests 
 ``gpu``) are the only tests that may not run: they are deselected on machines without an
 NVIDIA GPU, and run everywhere one exists. Nothing else skips: a test that cannot run here
 (no root, no huge pages, no control plane) fails.
+
+What a test needs is declared by the fixtures it uses: a test that uses (directly or through
+another fixture) one of ``FIXTURE_MARKERS`` carries that marker, so ``controlplane`` and
+``root`` always mean what they say without anyone remembering to write them. The fast lane
+(``bash hack/test.sh --fast``, docs/testing.md) deselects them by marker.
 """
 
 from __future__ import annotations
@@ -50,7 +55,22 @@ def _gpu_present() -> bool:
     return out.returncode == 0 and "GPU" in out.stdout
 
 
+#: Fixtures that need something the fast lane does not have, and the marker a test using them
+#: gets: the real control plane (built with Go), or root (mounts, the suite's huge pages, mlock).
+FIXTURE_MARKERS: dict[str, str] = {
+    "control_plane": "controlplane",
+    "hugepage_reservation": "root",
+    "region_root": "root",
+    "make_pool": "root",
+    "vllm_python": "vllm",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in set(getattr(item, "fixturenames", ())) & FIXTURE_MARKERS.keys():
+            if item.get_closest_marker(FIXTURE_MARKERS[fixture]) is None:
+                item.add_marker(FIXTURE_MARKERS[fixture])
     if _gpu_present():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from fixtures.host import REPO, cli, hugepage_totals
 from offloadpool.region import mounts
 
@@ -102,6 +104,7 @@ def test_demo_keep_leaves_a_ready_pool(region_root):
     cli("release", "demo", "--root", str(region_root))
 
 
+@pytest.mark.root  # the benchmark mounts its own scratch pools
 def test_bench_populate_json_schema():
     """Shape of the benchmark's output only (speed belongs in the benchmark, not in tests)."""
     out = cli("bench", "populate", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi", "--json")

@@ -13,9 +13,12 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from fixtures.leak_guard import leaks, snapshot
 
 
+@pytest.mark.root  # it mounts a real tmpfs to leak
 def test_guard_names_each_leak_and_is_quiet_once_cleaned(tmp_path: Path) -> None:
     before = snapshot()
     mnt = tmp_path / "mnt"

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fixtures.pinning_pools import MiB, run_python
 
 from offloadpool.bench.startup import markdown, run
 from offloadpool.region import mounts
+
+# the benchmark mounts its own tmpfs/hugetlbfs scratch pools and mlocks them
+pytestmark = pytest.mark.root
 
 
 def test_startup_bench_reports_every_case_and_cleans_up() -> None:
