@@ -19,6 +19,7 @@ from offloadpool.api import (
     LAYOUTS,
     OffloadPool,
     OffloadPoolNode,
+    OffloadPoolNodeSpec,
     OffloadPoolSpec,
     OffloadPoolStatus,
     QuantityError,
@@ -231,7 +232,8 @@ def test_times_are_written_as_kubernetes_writes_them() -> None:
 
 
 def test_node_object_for_pool_and_node() -> None:
-    node = OffloadPoolNode.for_node("kv", "gpu-1")
+    node = OffloadPoolNode(metadata={"name": node_object_name("kv", "gpu-1")},
+                           spec=OffloadPoolNodeSpec(pool="kv", node_name="gpu-1"))
     assert node.model_dump(by_alias=True, exclude_none=True) == {
         "apiVersion": "offloadpool.io/v1alpha1",
         "kind": "OffloadPoolNode",

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field
 
 from .base import SpecModel, StatusModel, Timestamp
-from .constants import API_VERSION, NODE_KIND, node_object_name
+from .constants import API_VERSION, NODE_KIND
 from .media import NodePhase
 
 
@@ -59,8 +59,3 @@ class OffloadPoolNode(StatusModel):
     spec: OffloadPoolNodeSpec
     status: OffloadPoolNodeStatus | None = None
 
-    @classmethod
-    def for_node(cls, pool: str, node: str, **metadata: Any) -> "OffloadPoolNode":
-        """A new object for ``pool`` on ``node`` with the name the CRD requires."""
-        meta = {"name": node_object_name(pool, node), **metadata}
-        return cls(metadata=meta, spec=OffloadPoolNodeSpec(pool=pool, node_name=node))

@@ -7,6 +7,7 @@ their reasons for people.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
 from pydantic import Field
@@ -17,15 +18,45 @@ MAX_FAILING_NODES = 20
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
 
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
 class Condition(StatusModel):
     """The metav1.Condition shape."""
 
     type: str
-    status: Literal["True", "False", "Unknown"]
+    status: ConditionStatus
     last_transition_time: Timestamp = Field(default_factory=now)
     reason: str
     message: str = ""
     observed_generation: int | None = Field(default=None, ge=0)
+
+
+def transition(
+    previous: Condition | None,
+    type_: str,
+    status: ConditionStatus,
+    reason: str,
+    message: str = "",
+    observed_generation: int | None = None,
+    at: datetime | None = None,
+) -> Condition:
+    """The condition as it reads now: ``lastTransitionTime`` is ``previous``'s while the status
+    stays the same (reason and message may change), ``at`` (default: now) when it flips.
+
+    The one rule for every writer of conditions (the operator's aggregate, ``set_condition``)."""
+    if previous is not None and previous.status == status:
+        since = previous.last_transition_time
+    else:
+        since = at or now()
+    return Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        observed_generation=observed_generation,
+        last_transition_time=since,
+    )
 
 
 class FailingNode(StatusModel):
@@ -59,24 +90,15 @@ class OffloadPoolStatus(StatusModel):
     def set_condition(
         self,
         type_: str,
-        status: Literal["True", "False", "Unknown"],
+        status: ConditionStatus,
         reason: str,
         message: str = "",
         observed_generation: int | None = None,
     ) -> bool:
         """Set a condition, keeping lastTransitionTime unless the status flips; True if changed."""
-        conditions = list(self.conditions or ())
         old = self.condition(type_)
-        new = Condition(
-            type=type_,
-            status=status,
-            reason=reason,
-            message=message,
-            observed_generation=observed_generation,
-            last_transition_time=(old.last_transition_time if old and old.status == status else now()),
-        )
+        new = transition(old, type_, status, reason, message, observed_generation)
         if old is not None and old.model_dump() == new.model_dump():
             return False
-        conditions = [c for c in conditions if c.type != type_] + [new]
-        self.conditions = conditions
+        self.conditions = [c for c in self.conditions or () if c.type != type_] + [new]
         return True

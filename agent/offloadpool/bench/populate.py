@@ -21,7 +21,7 @@ Strategies, all for the same capacity C, in one run (see docs/bench-populate.md)
 
 Ranks and workers are threads calling ``madvise(MADV_POPULATE_WRITE)`` through ctypes (no GIL
 held), each rank with its own mapping, as separate engine processes would have. Each case runs
-once untimed immediately before its timed run (the VM backs memory lazily, see DESIGN.md) and
+once untimed immediately before its timed run (the VM backs memory lazily: docs/bench-populate.md) and
 the cases are interleaved (A B C ... A B C ...) for ``reps`` rounds; figures are medians with
 min/max. GiB/s is always C / seconds (the region's bytes, not bytes touched).
 """

@@ -14,7 +14,7 @@ Pinning uses ``mlock`` on a CPU machine and the CUDA driver (``cuMemHostRegister
 GPU is usable (``--backend`` overrides). On a GPU the run holds a CUDA context for its whole
 duration, as an engine has one before it pins, so context creation is not counted.
 
-Method (DESIGN.md, "How it is tested"): one medium at a time (so at most two regions are in
+Method (docs/bench-startup.md, "The two cases"): one medium at a time (so at most two regions are in
 memory), its cases interleaved (engine_built, attach_provisioned, engine_built, ...), each run
 once untimed immediately before its timed run; medians with min-max over ``reps``. The ratio
 is engine_built over attach_provisioned from the same block of runs.

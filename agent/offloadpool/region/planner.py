@@ -1,6 +1,6 @@
 """Segment plan: from a PoolRequest to regions and the segment files that back them.
 
-Rules (DESIGN "Node side in detail"), and why:
+Rules (docs/node-engine.md, "What one `provision` call does"), and why:
 
 * Layouts: ``Replicated`` = one region of S shared by every rank; ``PerRank`` = r regions of S/r,
   one per rank, so no rank maps memory it never uses; ``Interleaved`` = one region whose rows

@@ -22,12 +22,13 @@ failed or its agent stopped reporting). ``phase`` sums it up for ``kubectl get``
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from offloadpool.api.base import format_time
-from offloadpool.api.status import MAX_FAILING_NODES
+from pydantic import ValidationError
+
+from offloadpool.api.status import MAX_FAILING_NODES, Condition, transition
 
 from .nodeview import NodeView
 
@@ -46,7 +47,6 @@ class Aggregate:
     failed_nodes: frozenset[str] = frozenset()
     #: Nodes still holding memory that a deletion waits for (empty unless deleting).
     unreleased_nodes: tuple[str, ...] = ()
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _names(nodes: Sequence[str]) -> str:
@@ -69,20 +69,24 @@ def _problem(view: NodeView | None, node: str, now: datetime, timeout: float) ->
     return (view.phase if view.phase in _SEVERITY else "Other"), reason, message
 
 
+def _previous(conditions: Iterable[Mapping[str, Any]]) -> dict[str, Condition]:
+    """The pool's current conditions by type; one the models cannot read (edited by hand) is
+    left out, so it is written anew with this pass as its transition."""
+    found: dict[str, Condition] = {}
+    for body in conditions:
+        try:
+            cond = Condition.model_validate(body)
+        except ValidationError:
+            continue
+        found[cond.type] = cond
+    return found
+
+
 def _condition(
-    ctype: str, status: bool, reason: str, message: str, generation: int, previous: Mapping[str, Mapping[str, Any]], now: datetime
+    ctype: str, status: bool, reason: str, message: str, generation: int, previous: Mapping[str, Condition], now: datetime
 ) -> dict[str, Any]:
-    text = "True" if status else "False"
-    before = previous.get(ctype)
-    since = before.get("lastTransitionTime") if before and before.get("status") == text else None
-    return {
-        "type": ctype,
-        "status": text,
-        "observedGeneration": generation,
-        "lastTransitionTime": since or format_time(now),
-        "reason": reason,
-        "message": message,
-    }
+    cond = transition(previous.get(ctype), ctype, "True" if status else "False", reason, message, generation, now)
+    return cond.model_dump(by_alias=True)
 
 
 def aggregate(
@@ -103,7 +107,7 @@ def aggregate(
     deleting). ``existing_nodes``: Nodes that exist (deletion waits only for those).
     """
     selected = sorted(set(selected))
-    previous = {c["type"]: c for c in previous_conditions if "type" in c}
+    previous = _previous(previous_conditions)
     ready, failed, pending, held, halted, busy = [], [], [], [], [], []
     problems: list[tuple[str, str, str, str]] = []
     total = 0
@@ -164,7 +168,6 @@ def aggregate(
         ready_nodes=frozenset() if deleting else frozenset(ready),
         failed_nodes=frozenset(failed),
         unreleased_nodes=tuple(unreleased),
-        extra={"held": tuple(held), "halted": tuple(halted)},
     )
 
 
@@ -197,7 +200,7 @@ def _conditions(
     halted: Sequence[str],
     busy: Sequence[str],
     pending: Sequence[str],
-    previous: Mapping[str, Mapping[str, Any]],
+    previous: Mapping[str, Condition],
     now: datetime,
     deleting: bool,
     unreleased: Sequence[str],
