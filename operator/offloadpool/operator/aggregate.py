@@ -22,13 +22,13 @@ failed or its agent stopped reporting). ``phase`` sums it up for ``kubectl get``
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
 
-from offloadpool.api.status import MAX_FAILING_NODES, Condition, transition
+from offloadpool.api.status import MAX_FAILING_NODES, Condition, ConditionStatus, transition
 
 from .nodeview import NodeView
 
@@ -82,11 +82,63 @@ def _previous(conditions: Iterable[Mapping[str, Any]]) -> dict[str, Condition]:
     return found
 
 
-def _condition(
-    ctype: str, status: bool, reason: str, message: str, generation: int, previous: Mapping[str, Condition], now: datetime
-) -> dict[str, Any]:
-    cond = transition(previous.get(ctype), ctype, "True" if status else "False", reason, message, generation, now)
-    return cond.model_dump(by_alias=True)
+@dataclass
+class _Tally:
+    """Where each selected node stands in one pass (one node is counted once; see the module
+    docstring). Lists keep the order of ``selected``, which is sorted by node name."""
+
+    generation: int
+    selected: list[str]
+    ready: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    #: not Ready at the pool's generation: every other selected node, plus Ready nodes behind
+    pending: list[str] = field(default_factory=list)
+    #: Ready at an older generation because an engine holds the lease
+    held: list[str] = field(default_factory=list)
+    #: Failed at the generation the rollout moved them to: the rollout stops
+    halted: list[str] = field(default_factory=list)
+    #: neither Ready nor Failed: provisioning, populating, not reporting, unresponsive
+    busy: list[str] = field(default_factory=list)
+    #: (severity, node, reason, message) of every node not Ready
+    problems: list[tuple[str, str, str, str]] = field(default_factory=list)
+    total_bytes: int = 0
+
+    @property
+    def unresponsive(self) -> list[str]:
+        return [node for severity, node, _, _ in self.problems if severity == "Unresponsive"]
+
+
+def _tally(generation: int, selected: list[str], views: Mapping[str, NodeView], now: datetime,
+           timeout: float) -> _Tally:
+    tally = _Tally(generation, selected)
+    for node in selected:
+        view = views.get(node)
+        if view is not None and view.phase == "Ready" and not view.stale(now, timeout):
+            tally.ready.append(node)
+            tally.total_bytes += view.bytes_total
+            if view.observed_generation != generation:
+                tally.pending.append(node)
+                if view.held and view.pending_generation == generation:
+                    tally.held.append(node)
+            continue
+        severity, reason, message = _problem(view, node, now, timeout)
+        tally.problems.append((severity, node, reason, message))
+        if view is not None and view.phase == "Failed" and not view.stale(now, timeout):
+            tally.failed.append(node)
+            if view.observed_generation == generation and view.rollout_generation == generation:
+                tally.halted.append(node)
+        else:
+            tally.pending.append(node)
+            tally.busy.append(node)
+    return tally
+
+
+def _unreleased(views: Mapping[str, NodeView], existing_nodes: Iterable[str] | None) -> list[str]:
+    """Nodes a deletion waits for: every node of the pool still holding memory, unless the Node
+    itself is gone."""
+    alive = set(existing_nodes) if existing_nodes is not None else None
+    return [node for node, view in sorted(views.items())
+            if (alive is None or node in alive) and view.phase != "Released"]
 
 
 def aggregate(
@@ -106,67 +158,35 @@ def aggregate(
     OffloadPoolNodes by node name (may include nodes no longer selected; they are ignored unless
     deleting). ``existing_nodes``: Nodes that exist (deletion waits only for those).
     """
-    selected = sorted(set(selected))
-    previous = _previous(previous_conditions)
-    ready, failed, pending, held, halted, busy = [], [], [], [], [], []
-    problems: list[tuple[str, str, str, str]] = []
-    total = 0
-    for node in selected:
-        view = views.get(node)
-        if view is not None and view.phase == "Ready" and not view.stale(now, heartbeat_timeout):
-            ready.append(node)
-            total += view.bytes_total
-            if view.observed_generation != generation:
-                pending.append(node)
-                if view.held and view.pending_generation == generation:
-                    held.append(node)
-            continue
-        severity, reason, message = _problem(view, node, now, heartbeat_timeout)
-        problems.append((severity, node, reason, message))
-        if view is not None and view.phase == "Failed" and not view.stale(now, heartbeat_timeout):
-            failed.append(node)
-            if view.observed_generation == generation and view.rollout_generation == generation:
-                halted.append(node)
-        else:
-            pending.append(node)
-            busy.append(node)
-    unresponsive = [node for sev, node, _, _ in problems if sev == "Unresponsive"]
-
-    unreleased: list[str] = []
+    tally = _tally(generation, sorted(set(selected)), views, now, heartbeat_timeout)
+    unreleased = _unreleased(views, existing_nodes) if deleting else []
+    conditions = _Conditions(_previous(previous_conditions), generation, now)
     if deleting:
-        alive = set(existing_nodes) if existing_nodes is not None else None
-        for node, view in sorted(views.items()):
-            if alive is not None and node not in alive:
-                continue
-            if view.phase != "Released":
-                unreleased.append(node)
-
-    conditions = _conditions(
-        generation, selected, ready, failed, unresponsive, held, halted, busy, pending, previous, now, deleting, unreleased, views
-    )
-    problems.sort(key=lambda p: (_SEVERITY.get(p[0], 9), p[1]))
+        condition_list = conditions.deleting(unreleased, views)
+    else:
+        condition_list = conditions.serving(tally)
+    problems = sorted(tally.problems, key=lambda p: (_SEVERITY.get(p[0], 9), p[1]))
     failing = [{"node": n, "reason": r[:128], "message": m[:1024]} for _, n, r, m in problems[:MAX_FAILING_NODES]]
     if deleting:
         failing = [
             {"node": n, "reason": "NotReleased", "message": _release_message(views[n])}
             for n in unreleased[:MAX_FAILING_NODES]
         ]
-    phase = _phase(selected, ready, failed, unresponsive, deleting)
     status = {
         "observedGeneration": generation,
-        "phase": phase,
-        "desiredNodes": len(selected),
-        "readyNodes": 0 if deleting else len(ready),
-        "failedNodes": len(failed),
-        "pendingNodes": len(pending),
-        "totalBytes": 0 if deleting else total,
+        "phase": _phase(tally, deleting),
+        "desiredNodes": len(tally.selected),
+        "readyNodes": 0 if deleting else len(tally.ready),
+        "failedNodes": len(tally.failed),
+        "pendingNodes": len(tally.pending),
+        "totalBytes": 0 if deleting else tally.total_bytes,
         "failingNodes": failing,
-        "conditions": conditions,
+        "conditions": condition_list,
     }
     return Aggregate(
         status=status,
-        ready_nodes=frozenset() if deleting else frozenset(ready),
-        failed_nodes=frozenset(failed),
+        ready_nodes=frozenset() if deleting else frozenset(tally.ready),
+        failed_nodes=frozenset(tally.failed),
         unreleased_nodes=tuple(unreleased),
     )
 
@@ -178,38 +198,32 @@ def _release_message(view: NodeView) -> str:
     return f"{phase}{detail}{engines}"[:1024]
 
 
-def _phase(selected: Sequence[str], ready: Sequence[str], failed: Sequence[str], unresponsive: Sequence[str], deleting: bool) -> str:
+def _phase(tally: _Tally, deleting: bool) -> str:
     if deleting:
         return "Deleting"
-    if not selected:
+    if not tally.selected:
         return "NoNodes"
-    if failed or unresponsive:
+    if tally.failed or tally.unresponsive:
         return "Degraded"
-    if len(ready) == len(selected):
+    if len(tally.ready) == len(tally.selected):
         return "Ready"
     return "Progressing"
 
 
-def _conditions(
-    generation: int,
-    selected: Sequence[str],
-    ready: Sequence[str],
-    failed: Sequence[str],
-    unresponsive: Sequence[str],
-    held: Sequence[str],
-    halted: Sequence[str],
-    busy: Sequence[str],
-    pending: Sequence[str],
-    previous: Mapping[str, Condition],
-    now: datetime,
-    deleting: bool,
-    unreleased: Sequence[str],
-    views: Mapping[str, NodeView],
-) -> list[dict[str, Any]]:
-    def cond(ctype: str, status: bool, reason: str, message: str) -> dict[str, Any]:
-        return _condition(ctype, status, reason, message, generation, previous, now)
+class _Conditions:
+    """Writes the pool's three conditions for one pass; each keeps its lastTransitionTime while
+    its status stays the same (``api.status.transition``)."""
 
-    if deleting:
+    def __init__(self, previous: Mapping[str, Condition], generation: int, now: datetime) -> None:
+        self.previous, self.generation, self.now = previous, generation, now
+
+    def cond(self, ctype: str, status: bool, reason: str, message: str) -> dict[str, Any]:
+        text: ConditionStatus = "True" if status else "False"
+        return transition(self.previous.get(ctype), ctype, text, reason, message, self.generation,
+                          self.now).model_dump(by_alias=True)
+
+    def deleting(self, unreleased: Sequence[str], views: Mapping[str, NodeView]) -> list[dict[str, Any]]:
+        cond = self.cond
         if unreleased:
             waiting = "; ".join(f"{n} ({_release_message(views[n])})" for n in unreleased[:MAX_NAMES_IN_MESSAGE])
             more = len(unreleased) - MAX_NAMES_IN_MESSAGE
@@ -228,34 +242,38 @@ def _conditions(
             cond("Degraded", False, "Deleting", "the pool is being deleted"),
         ]
 
-    n = len(selected)
-    not_ready = [node for node in selected if node not in set(ready)]
-    if not selected:
-        ready_c = cond("Ready", False, "NoNodesSelected", "no Node matches the pool's nodeSelector and tolerations")
-    elif not not_ready:
-        ready_c = cond("Ready", True, "AllNodesReady", f"ready on {n}/{n} nodes")
-    else:
-        ready_c = cond("Ready", False, "NodesNotReady", f"ready on {len(ready)}/{n} nodes; not ready: {_names(not_ready)}")
+    def serving(self, t: _Tally) -> list[dict[str, Any]]:
+        cond, generation = self.cond, self.generation
+        n, ready = len(t.selected), set(t.ready)
+        not_ready = [node for node in t.selected if node not in ready]
+        if not t.selected:
+            ready_c = cond("Ready", False, "NoNodesSelected", "no Node matches the pool's nodeSelector and tolerations")
+        elif not not_ready:
+            ready_c = cond("Ready", True, "AllNodesReady", f"ready on {n}/{n} nodes")
+        else:
+            ready_c = cond("Ready", False, "NodesNotReady", f"ready on {len(t.ready)}/{n} nodes; not ready: {_names(not_ready)}")
 
-    waiting_turn = [node for node in pending if node not in set(held) and node not in set(busy) and node in set(ready)]
-    if halted:
-        prog = cond("Progressing", False, "RolloutHalted", f"generation {generation} failed on {_names(halted)}; rollout stopped")
-    elif busy:
-        prog = cond("Progressing", True, "Provisioning", f"provisioning on {len(busy)} node(s): {_names(busy)}")
-    elif waiting_turn:
-        prog = cond("Progressing", True, "RollingOut", f"generation {generation} still to reach {len(waiting_turn)} node(s): {_names(waiting_turn)}")
-    elif held:
-        prog = cond(
-            "Progressing", False, "RolloutPending",
-            f"generation {generation} pending on {len(held)} node(s) where an engine holds the lease: {_names(held)}",
-        )
-    else:
-        prog = cond("Progressing", False, "Complete", f"generation {generation} applied on every Ready node")
+        held, busy = set(t.held), set(t.busy)
+        waiting_turn = [node for node in t.pending if node not in held and node not in busy and node in ready]
+        if t.halted:
+            prog = cond("Progressing", False, "RolloutHalted", f"generation {generation} failed on {_names(t.halted)}; rollout stopped")
+        elif t.busy:
+            prog = cond("Progressing", True, "Provisioning", f"provisioning on {len(t.busy)} node(s): {_names(t.busy)}")
+        elif waiting_turn:
+            prog = cond("Progressing", True, "RollingOut", f"generation {generation} still to reach {len(waiting_turn)} node(s): {_names(waiting_turn)}")
+        elif t.held:
+            prog = cond(
+                "Progressing", False, "RolloutPending",
+                f"generation {generation} pending on {len(t.held)} node(s) where an engine holds the lease: {_names(t.held)}",
+            )
+        else:
+            prog = cond("Progressing", False, "Complete", f"generation {generation} applied on every Ready node")
 
-    if failed:
-        degraded = cond("Degraded", True, "NodesFailed", f"failed on {len(failed)} node(s): {_names(failed)}")
-    elif unresponsive:
-        degraded = cond("Degraded", True, "AgentsUnresponsive", f"no heartbeat from {_names(unresponsive)}")
-    else:
-        degraded = cond("Degraded", False, "AsExpected", "no node failed")
-    return [ready_c, prog, degraded]
+        unresponsive = t.unresponsive
+        if t.failed:
+            degraded = cond("Degraded", True, "NodesFailed", f"failed on {len(t.failed)} node(s): {_names(t.failed)}")
+        elif unresponsive:
+            degraded = cond("Degraded", True, "AgentsUnresponsive", f"no heartbeat from {_names(unresponsive)}")
+        else:
+            degraded = cond("Degraded", False, "AsExpected", "no node failed")
+        return [ready_c, prog, degraded]
