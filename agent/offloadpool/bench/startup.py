@@ -2,9 +2,10 @@
 
 Two cases, same capacity C, in one run (see docs/bench-startup.md):
 
-* ``engine_built`` - what engines do today: create a file in a tmpfs mount (4 KiB pages, like
-  ``/dev/shm``), size it, map it, pre-fault all of it from one thread
-  (``MADV_POPULATE_WRITE``, what ``MAP_POPULATE`` does), then pin it in <= 64 GiB calls;
+* ``engine_built`` - an engine that builds its tier itself at start: create a file in a tmpfs
+  mount (4 KiB pages, like ``/dev/shm``), size it, map it, pre-fault all of it from one thread
+  (``MADV_POPULATE_WRITE``), then pin it in <= 64 GiB calls (vLLM 0.33.0 splits the pre-fault
+  across its workers, each its own slots: ``vllm_0_33`` in ``bench populate``);
 * ``attach_provisioned`` - with offloadpool: the node provisioned the pool before the engine
   started (untimed here, as on a node); the engine attaches it (manifest, lease, one mapping
   of every segment) and pins it with the same backend. Measured for every medium the node
