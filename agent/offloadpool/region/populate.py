@@ -101,6 +101,88 @@ def _thp_bytes(addrs: list[tuple[int, int]]) -> int:
     return total
 
 
+class _Prefault:
+    """One pre-fault in progress: what its worker threads share (the mappings, the journal, the
+    counters, the first error) and what each of them does with its share."""
+
+    def __init__(self, plan: Plan, maps: list[tuple[int, int]], journal: Journal, done: bytearray, *,
+                 mode: str, chunk_bytes: int, rate_limit: float | None, progress: Progress | None,
+                 total: int, skipped: int) -> None:
+        self.plan, self.maps, self.journal, self.done = plan, maps, journal, done
+        self.chunk_bytes, self.rate_limit, self.progress, self.total = chunk_bytes, rate_limit, progress, total
+        #: ``auto`` may fall back from madvise to touching pages once, for every worker.
+        self.fallback = mode == "auto"
+        self.mode = "touch" if mode == "touch" else "madvise"
+        self.done_bytes = skipped  # journalled, by anyone (for progress)
+        self.new_bytes = 0  # populated by this call
+        self.lock = threading.Lock()
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self.t0 = time.perf_counter()
+
+    def run(self, all_units: list[Unit], workers: int) -> float:
+        """Populate every share in its own thread; the seconds it took. Re-raises the first error."""
+        threads = [threading.Thread(target=self.work, args=(s,), name=f"populate-{i}", daemon=True)
+                   for i, s in enumerate(shares(all_units, workers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - self.t0
+        if self.errors:
+            raise self.errors[0]
+        return seconds
+
+    def work(self, share: list[Unit]) -> None:
+        """One worker: fault each missing run of its share, journal it, report it, keep pace."""
+        try:
+            for run in _chunks(share, self.done, self.chunk_bytes):
+                if self.stop.is_set():
+                    return
+                first = run[0]
+                length = sum(u.bytes for u in run)
+                self.fault(self.maps[first.segment][0] + first.offset, length)
+                self.journal.mark(first.index, len(run))
+                self.report(length)
+                self.pace()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by run() in the caller's thread
+            self.errors.append(exc)
+            self.stop.set()
+
+    def fault(self, addr: int, length: int) -> None:
+        """Populate ``length`` bytes at ``addr``: MADV_POPULATE_WRITE, or touch every page."""
+        if self.mode == "madvise":
+            try:
+                vm.populate_write(addr, length)
+                return
+            except vm.VMError as exc:
+                if exc.errno == errno.EINVAL and self.fallback:
+                    self.mode = "touch"  # kernel < 5.14: no MADV_POPULATE_WRITE
+                elif exc.errno in (errno.ENOMEM, errno.EFAULT):
+                    raise CapacityError(
+                        f"pre-fault ran out of memory at {fmt_bytes(length)} chunk of "
+                        f"{self.plan.medium.name} pool: {exc.strerror}"
+                    ) from exc
+                else:
+                    raise
+        vm.touch_pages(addr, length, self.plan.page_size)
+
+    def report(self, n: int) -> None:
+        with self.lock:
+            self.done_bytes += n
+            self.new_bytes += n
+            now_done = self.done_bytes
+        if self.progress is not None:
+            self.progress(now_done, self.total)
+
+    def pace(self) -> None:
+        """Sleep while this call is ahead of ``rate_limit`` (all workers together)."""
+        if self.rate_limit:
+            ahead = self.new_bytes / self.rate_limit - (time.perf_counter() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
 def populate(pool_dir: str | os.PathLike[str], plan: Plan, *, workers: int = 0,
              progress: Progress | None = None, numa_policy: str = "None", mode: str = "auto",
              chunk_bytes: int = DEFAULT_CHUNK, rate_limit: float | None = None) -> PopulateStats:
@@ -114,9 +196,7 @@ def populate(pool_dir: str | os.PathLike[str], plan: Plan, *, workers: int = 0,
     if mode not in MODES:
         raise RegionError(f"populate mode {mode!r} is not one of {MODES}")
     pool_dir = Path(pool_dir)
-    segments = plan.segments
-    region_of = [r.index for r in plan.regions for _ in r.segments]
-    all_units = units(segments, plan.page_size)
+    all_units = units(plan.segments, plan.page_size)
     total = sum(u.bytes for u in all_units)
     workers = workers or default_workers(plan)
     workers = max(1, min(workers, len(all_units)))
@@ -125,81 +205,33 @@ def populate(pool_dir: str | os.PathLike[str], plan: Plan, *, workers: int = 0,
     fds: list[int] = []
     maps: list[tuple[int, int]] = []
     try:
-        for i, seg in enumerate(segments):
-            fd = os.open(pool_dir / seg.file, os.O_RDWR | os.O_CLOEXEC)
-            fds.append(fd)
-            addr = vm.map_shared(fd, seg.bytes)
-            maps.append((addr, seg.bytes))
-            nmode, nodes = numa.placement(policy, region_of[i])
-            numa.mbind(addr, seg.bytes, nmode, nodes)
+        _map_segments(pool_dir, plan, policy, fds, maps)
         done = journal.done()
         skipped = sum(u.bytes for u in all_units if done[u.index])
         if rate_limit:
             chunk_bytes = max(1, min(chunk_bytes, int(rate_limit / 8)))
-        lock = threading.Lock()
-        state = {"done": skipped, "new": 0, "mode": "madvise" if mode != "touch" else "touch"}
-        errors: list[BaseException] = []
-        stop = threading.Event()
-        t0 = time.perf_counter()
-
-        def report(n: int) -> None:
-            with lock:
-                state["done"] += n
-                state["new"] += n
-                now_done = state["done"]
-            if progress is not None:
-                progress(now_done, total)
-
-        def work(share: list[Unit]) -> None:
-            try:
-                for run in _chunks(share, done, chunk_bytes):
-                    if stop.is_set():
-                        return
-                    first = run[0]
-                    addr = maps[first.segment][0] + first.offset
-                    length = sum(u.bytes for u in run)
-                    _fault(addr, length)
-                    journal.mark(first.index, len(run))
-                    report(length)
-                    if rate_limit:
-                        ahead = state["new"] / rate_limit - (time.perf_counter() - t0)
-                        if ahead > 0:
-                            time.sleep(ahead)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                errors.append(exc)
-                stop.set()
-
-        def _fault(addr: int, length: int) -> None:
-            if state["mode"] == "madvise":
-                try:
-                    vm.populate_write(addr, length)
-                    return
-                except vm.VMError as exc:
-                    if exc.errno == errno.EINVAL and mode == "auto":
-                        state["mode"] = "touch"  # kernel < 5.14: no MADV_POPULATE_WRITE
-                    elif exc.errno in (errno.ENOMEM, errno.EFAULT):
-                        raise CapacityError(
-                            f"pre-fault ran out of memory at {fmt_bytes(length)} chunk of "
-                            f"{plan.medium.name} pool: {exc.strerror}"
-                        ) from exc
-                    else:
-                        raise
-            vm.touch_pages(addr, length, plan.page_size)
-
-        threads = [threading.Thread(target=work, args=(s,), name=f"populate-{i}", daemon=True)
-                   for i, s in enumerate(shares(all_units, workers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
+        job = _Prefault(plan, maps, journal, done, mode=mode, chunk_bytes=chunk_bytes,
+                        rate_limit=rate_limit, progress=progress, total=total, skipped=skipped)
+        seconds = job.run(all_units, workers)
         thp = _thp_bytes(maps) if not plan.medium.hugetlb else 0
-        return PopulateStats(total, state["new"], skipped, seconds, workers, state["mode"], thp)
+        return PopulateStats(total, job.new_bytes, skipped, seconds, workers, job.mode, thp)
     finally:
         for addr, length in maps:
             vm.unmap(addr, length)
         for fd in fds:
             os.close(fd)
         journal.close()
+
+
+def _map_segments(pool_dir: Path, plan: Plan, policy: numa.Policy, fds: list[int],
+                  maps: list[tuple[int, int]]) -> None:
+    """Open and map every segment, bound to its region's NUMA placement; each fd and mapping is
+    appended as soon as it exists, so the caller's cleanup releases what a failure left."""
+    region_of = [r.index for r in plan.regions for _ in r.segments]
+    for i, seg in enumerate(plan.segments):
+        fd = os.open(pool_dir / seg.file, os.O_RDWR | os.O_CLOEXEC)
+        fds.append(fd)
+        addr = vm.map_shared(fd, seg.bytes)
+        maps.append((addr, seg.bytes))
+        nmode, nodes = numa.placement(policy, region_of[i])
+        numa.mbind(addr, seg.bytes, nmode, nodes)

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from offloadpool.region import capacity, hugepages, layout_files, locks, mounts, numa
 from offloadpool.region import record as records
@@ -56,13 +55,6 @@ class ProvisionResult:
     hugepages_added: int = 0
     hugepage_coverage_percent: float = 0.0
     rebuilt: bool = False  # an older, different-shaped region was torn down first
-
-
-@contextmanager
-def pool_lock(pool_dir: Path) -> Iterator[None]:
-    """Serialise provision/release of one pool (flock on its directory)."""
-    with locks.exclusive(pool_dir, directory=True):
-        yield
 
 
 def _drop_interrupted_writes(pool_dir: Path) -> None:
@@ -155,7 +147,7 @@ def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progr
 
     rec = records.load(pool_dir) if pool_dir.is_dir() else None
     if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase in ("Ready", "Populating"):
-        with pool_lock(pool_dir):
+        with locks.pool_dir_lock(pool_dir):
             reused = _reuse(pool_dir, plan, req, t0)
         if reused is not None:
             say("Ready")
@@ -175,12 +167,12 @@ def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progr
     root.mkdir(parents=True, exist_ok=True)
     pool_dir.mkdir(mode=0o755, exist_ok=True)
     try:
-        with pool_lock(pool_dir):
+        with locks.pool_dir_lock(pool_dir):
             # never build, tear down or populate under an engine, leased or not
             lease = exclusive_unused(pool_dir)
             try:
-                return _build(req, plan, pool_dir, numa_nodes, progress, workers, rate_limit,
-                              chunk_bytes, say, t0)
+                return _build(_Call(req, plan, pool_dir, numa_nodes, say, t0),
+                              _PrefaultOptions(progress, workers, rate_limit, chunk_bytes))
             finally:
                 lease.close()
     except (RegionError, OSError) as exc:
@@ -233,9 +225,31 @@ def _reuse(pool_dir: Path, plan: Plan, req: PoolRequest, t0: float) -> Provision
                            hugepage_coverage_percent=rec.hugepage_coverage_percent)
 
 
-def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[int]],
-           progress: Progress | None, workers: int | None, rate_limit: float | None,
-           chunk_bytes: int, say: PhaseCallback, t0: float) -> ProvisionResult:
+@dataclass(frozen=True)
+class _Call:
+    """One provision call: the pool it serves, its plan and where, and how it reports."""
+
+    req: PoolRequest
+    plan: Plan
+    pool_dir: Path
+    numa_nodes: list[list[int]]  # per region, as numa.describe gives them
+    say: PhaseCallback
+    t0: float  # time.perf_counter() when the call began
+
+
+@dataclass(frozen=True)
+class _PrefaultOptions:
+    """How the caller wants the pre-fault run (``provision``'s keyword arguments)."""
+
+    progress: Progress | None
+    workers: int | None
+    rate_limit: float | None
+    chunk_bytes: int
+
+
+def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
+    """Build, finish or rebuild the pool; the caller holds the pool's lock and exclusive lease."""
+    req, plan, pool_dir, say, t0 = call.req, call.plan, call.pool_dir, call.say, call.t0
     _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
     rebuilt = False
@@ -252,7 +266,7 @@ def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[i
         rec = records.Record.new(req)
     else:
         rec.request = records.Record.new(req).request
-    rec.phase, rec.message, rec.numa_nodes = "Provisioning", "", numa_nodes
+    rec.phase, rec.message, rec.numa_nodes = "Provisioning", "", call.numa_nodes
     records.save(pool_dir, rec)
     say("Provisioning")
 
@@ -283,8 +297,8 @@ def _build(req: PoolRequest, plan: Plan, pool_dir: Path, numa_nodes: list[list[i
     rec.phase = "Populating"
     records.save(pool_dir, rec)
     say("Populating")
-    stats = populate(pool_dir, plan, workers=workers or req.workers, progress=progress,
-                     numa_policy=req.numa, chunk_bytes=chunk_bytes, rate_limit=rate_limit)
+    stats = populate(pool_dir, plan, workers=opts.workers or req.workers, progress=opts.progress,
+                     numa_policy=req.numa, chunk_bytes=opts.chunk_bytes, rate_limit=opts.rate_limit)
     if plan.medium.hugetlb:
         coverage = 100.0
     else:

@@ -19,7 +19,7 @@ from pathlib import Path
 from offloadpool.region.errors import RegionError
 from offloadpool.region.holders import Holder, describe, exclusive_unused, find_holders
 from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.provision import pool_lock
+from offloadpool.region.locks import pool_dir_lock
 from offloadpool.region import record as records
 from offloadpool.region.teardown import teardown
 
@@ -51,7 +51,7 @@ def release(root: str | os.PathLike[str], name: str, *, force: bool = False) -> 
     pool_dir = Path(root) / name
     if not pool_dir.is_dir():
         return ReleaseResult(name, existed=False)
-    with pool_lock(pool_dir):
+    with pool_dir_lock(pool_dir):
         if not pool_dir.is_dir():
             return ReleaseResult(name, existed=False)
         rec = records.load(pool_dir)
