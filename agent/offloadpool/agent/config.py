@@ -87,10 +87,11 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if not root.is_absolute():
         raise ConfigError(f"OFFLOADPOOL_ROOT must be an absolute path, got {str(root)!r}")
     try:
-        port = int(pick(args.http_port, "OFFLOADPOOL_HTTP_PORT", DEFAULT_HTTP_PORT))  # type: ignore[arg-type]
-        heartbeat = float(pick(args.heartbeat_seconds, "OFFLOADPOOL_HEARTBEAT_SECONDS", DEFAULT_HEARTBEAT_SECONDS))  # type: ignore[arg-type]
-        retry = float(pick(args.retry_seconds, "OFFLOADPOOL_RETRY_SECONDS", 5.0))  # type: ignore[arg-type]
-        workers = int(pick(args.workers, "OFFLOADPOOL_WORKERS", 0))  # type: ignore[arg-type]
+        # a flag arrives typed, the environment as text: both read through their text
+        port = int(str(pick(args.http_port, "OFFLOADPOOL_HTTP_PORT", DEFAULT_HTTP_PORT)))
+        heartbeat = float(str(pick(args.heartbeat_seconds, "OFFLOADPOOL_HEARTBEAT_SECONDS", DEFAULT_HEARTBEAT_SECONDS)))
+        retry = float(str(pick(args.retry_seconds, "OFFLOADPOOL_RETRY_SECONDS", 5.0)))
+        workers = int(str(pick(args.workers, "OFFLOADPOOL_WORKERS", 0)))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"malformed numeric setting: {exc}") from None
     if not 0 <= port <= 65535:
@@ -100,6 +101,7 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if workers < 0:
         raise ConfigError(f"workers must be >= 0, got {workers}")
     level = str(pick(args.log_level, "OFFLOADPOOL_LOG_LEVEL", "INFO")).upper()
+    kubeconfig = pick(args.kubeconfig, "KUBECONFIG")
     return AgentConfig(
         pool=str(pool),
         node_name=str(node),
@@ -109,6 +111,6 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         heartbeat_seconds=heartbeat,
         retry_seconds=retry,
         workers=workers,
-        kubeconfig=pick(args.kubeconfig, "KUBECONFIG"),  # type: ignore[arg-type]
+        kubeconfig=None if kubeconfig is None else str(kubeconfig),
         log_level=level,
     )

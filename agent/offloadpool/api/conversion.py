@@ -32,10 +32,11 @@ def pool_request(pool: OffloadPool | Mapping[str, Any], workers_override: int = 
     ``OFFLOADPOOL_WORKERS``) replaces ``spec.prefault.workers`` when not 0.
     """
     if not isinstance(pool, OffloadPool):
+        body = pool
         try:
-            pool = OffloadPool.model_validate(pool)
+            pool = OffloadPool.model_validate(body)
         except ValidationError as exc:
-            name = (pool.get("metadata") or {}).get("name")
+            name = (body.get("metadata") or {}).get("name")
             raise SpecError(f"pool {name}: {exc}") from None
     spec = pool.spec
     vllm = spec.compat.vllm if spec.compat else None

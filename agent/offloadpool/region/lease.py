@@ -30,7 +30,7 @@ class Lease:
     def __init__(self, fd: int, path: Path, exclusive: bool) -> None:
         self.fd = fd
         self.path = path
-        self.exclusive = exclusive
+        self.held_exclusively = exclusive
 
     @classmethod
     def shared(cls, pool_dir: str | os.PathLike[str], blocking: bool = True) -> "Lease":

@@ -45,7 +45,7 @@ async def _sleep(wake: asyncio.Event | None, stopped: kopf.DaemonStopped, timeou
     async def until_stopped() -> None:
         await stopped.wait()
 
-    waiters = [asyncio.ensure_future(until_stopped())]
+    waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(until_stopped())]
     if wake is not None:
         waiters.append(asyncio.ensure_future(wake.wait()))
     try:
@@ -108,7 +108,7 @@ async def pool_daemon(
             break
         wake.clear()
         try:
-            await asyncio.to_thread(runtime.reconciler.run, name, _nodes(node_index))
+            await asyncio.to_thread(runtime.connected().run, name, _nodes(node_index))
             failures = 0
         except Exception:  # a pass that fails is retried; the daemon must never die
             failures += 1
@@ -121,7 +121,7 @@ async def pool_daemon(
 async def pool_deleted(name: str, memo: kopf.Memo, node_index: kopf.Index, logger: logging.Logger, **_: Any) -> None:
     """Hold the pool until every node (that still exists) reports Released."""
     runtime = _runtime(memo)
-    result = await asyncio.to_thread(runtime.reconciler.run, name, _nodes(node_index))
+    result = await asyncio.to_thread(runtime.connected().run, name, _nodes(node_index))
     if result is not None and result.unreleased:
         message = result.status.get("conditions", [{}])[0].get("message", "waiting for nodes to release")
         raise kopf.TemporaryError(message, delay=runtime.config.deletion_retry_seconds)

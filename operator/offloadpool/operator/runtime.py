@@ -38,6 +38,12 @@ class Runtime:
         if self.reconciler is None:
             self.reconciler = Reconciler(Kube(load_client()), self.config, post_event)
 
+    def connected(self) -> Reconciler:
+        """The reconciler; ``connect`` builds it in the startup handler, before any other runs."""
+        if self.reconciler is None:
+            raise RuntimeError("the operator is not connected: its startup handler has not run")
+        return self.reconciler
+
     def trigger(self, pool: str | None) -> asyncio.Event:
         """The wake-up Event of ``pool`` (created on first use), set."""
         event = self._triggers.setdefault(pool or "", asyncio.Event())

@@ -37,7 +37,7 @@ class PoolDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
     def build(self, *, body: kopf.Body, extra_fields: object = None) -> kopf.BodyEssence:
         if body.get("kind") != POOL_KIND:
             return kopf.BodyEssence()
-        return super().build(body=body, extra_fields=extra_fields)  # type: ignore[arg-type]
+        return super().build(body=body, extra_fields=extra_fields)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
