@@ -169,7 +169,8 @@ def test_a_pod_that_skipped_mutation_is_told_apart() -> None:
     ("kv", "inference", None, "OffloadPool 'kv' does not exist (pod label offloadpool.io/pool='kv')"),
     ("Not_A_Pool", "inference", None, "cannot name an OffloadPool"),
     ("kv", "team-b", pool(consumers={"namespaces": ["team-a", "inference"]}),
-     "namespace 'team-b' may not use OffloadPool 'kv': its spec.consumers.namespaces allows only inference, team-a"),
+     "namespace 'team-b' may not use OffloadPool 'kv': "
+     "its spec.consumers.namespaces allows only inference, team-a"),
 ])
 def test_refusals_say_why(name: str, namespace: str, the_pool: Any, expected: str) -> None:
     assert expected in (admission.refusal(name, namespace, the_pool) or "")

@@ -109,7 +109,8 @@ def phase_of(lines: list[str], locked: int, pool: EnginePool) -> str:
     if "WROTE" in lines:
         if pool.medium.startswith("HugePages"):
             return "pinning (hugetlb: VmLck does not count)"
-        return f"pinning {min(90, 10 * (10 * locked // pool.capacity))}-{min(100, 10 * (10 * locked // pool.capacity) + 10)}%"
+        tenth = 10 * (10 * locked // pool.capacity)
+        return f"pinning {min(90, tenth)}-{min(100, tenth + 10)}%"
     if "ATTACHED" in lines:
         return "attached, writing"
     return "starting (not attached)"

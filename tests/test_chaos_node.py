@@ -32,7 +32,8 @@ from offloadpool.region.journal import JOURNAL_NAME, Unit, units
 from offloadpool.region.lease import count_holders, lease_path
 from offloadpool.region.manifest import MANIFEST_NAME, ManifestError
 from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.planner import Plan, plan as make_plan
+from offloadpool.region.planner import Plan
+from offloadpool.region.planner import plan as make_plan
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.status import pool_state
 

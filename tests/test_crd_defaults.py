@@ -40,6 +40,7 @@ def _model_of(field: FieldInfo) -> type[BaseModel] | None:
 
 def _default(field: FieldInfo) -> Any:
     if field.default_factory is not None:
+        # pydantic types a factory as maybe taking the validated data; the models' factories take none
         value = field.default_factory()  # type: ignore[call-arg]
         return value.model_dump(by_alias=True, exclude_none=True) if isinstance(value, BaseModel) else value
     return None if field.default is PydanticUndefined else field.default

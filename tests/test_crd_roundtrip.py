@@ -63,8 +63,9 @@ def test_pool_status_written_from_the_models_round_trips(cr_objects: CustomObjec
     )
     status.set_condition("Ready", "False", "NodesFailed", "2/3 nodes ready", 1)
     status.set_condition("Degraded", "True", "NodesFailed", "gpu-3: InsufficientHugePages", 1)
-    status.conditions[0].last_transition_time = now().replace(microsecond=0)  # type: ignore[index]
-    status.conditions[1].last_transition_time = now().replace(microsecond=123000)  # type: ignore[index]
+    assert status.conditions is not None
+    status.conditions[0].last_transition_time = now().replace(microsecond=0)
+    status.conditions[1].last_transition_time = now().replace(microsecond=123000)
     cr_objects.patch_status(POOL_PLURAL, "rt-status", {"status": status.model_dump(by_alias=True, exclude_none=True)})
 
     served = cr_objects.get(POOL_PLURAL, "rt-status")

@@ -9,8 +9,9 @@ real fields, and a quantity pattern that agrees with offloadpool.api.parse_quant
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml

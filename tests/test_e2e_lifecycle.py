@@ -19,8 +19,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -89,7 +90,8 @@ class E2E(ClusterClient):
         for node, obj in self.pool_nodes(pool).items():
             out.append(f"node {node}: spec {obj.get('spec')} status {json.dumps(obj.get('status'))}")
         for a in list(self.cluster.agents.values()):
-            out.append(f"--- agent {a.pod} on {a.node.name} (alive {a.alive()}, restarts {a.restarts}):\n{a.log(2500)}")
+            state = f"alive {a.alive()}, restarts {a.restarts}"
+            out.append(f"--- agent {a.pod} on {a.node.name} ({state}):\n{a.log(2500)}")
         out.append(f"kubelet errors: {self.cluster.errors[-5:]}")
         out.append(f"--- operator log:\n{self.operator.log(5000)}")
         return "\n".join(out)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.pinning_pools import MiB, PoolFactory
 
+from fixtures.pinning_pools import MiB, PoolFactory
 from offloadpool.pinning import PinError, attach, get_backend
 from offloadpool.pinning.backends.cuda_driver import CudaDriverBackend, load_driver
 

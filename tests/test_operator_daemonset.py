@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from offloadpool.operator.config import OperatorConfig
-from offloadpool.operator.daemonset import HASH_ANNOTATION, render
 from fixtures.operator_process import QUICK_PASSES, OperatorProcess
 from fixtures.operator_world import MERGE, NAMESPACE, World
 from fixtures.wait import wait_for
+from offloadpool.operator.config import OperatorConfig
+from offloadpool.operator.daemonset import HASH_ANNOTATION, render
 
 POOL = {"metadata": {"name": "kv", "uid": "0b5e5f8e-0000-4000-8000-000000000001"},
         "spec": {"capacity": "4Gi", "nodeSelector": {"gpu": "h100"},
@@ -89,7 +89,8 @@ def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World,
         pods = w.core.list_namespaced_pod(NAMESPACE, label_selector=f"offloadpool.io/pool={pool}").items
         found = set()
         for pod in pods:
-            terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+            required = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+            terms = required.node_selector_terms
             found |= {v for t in terms for f in (t.match_fields or []) for v in f.values}
         return found
 
@@ -112,8 +113,8 @@ def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World,
 
     def pod_on(node: str):
         for p in w.core.list_namespaced_pod(NAMESPACE, label_selector=f"offloadpool.io/pool={pool}").items:
-            terms = p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
-            if terms[0].match_fields[0].values[0] == node and p.metadata.deletion_timestamp is None:
+            required = p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+            if required.node_selector_terms[0].match_fields[0].values[0] == node and p.metadata.deletion_timestamp is None:
                 return p
         return None
 

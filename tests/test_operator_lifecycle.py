@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from offloadpool.api.constants import FINALIZER, GROUP, POOL_PLURAL, VERSION
 from fixtures.operator_process import QUICK_PASSES, OperatorProcess
 from fixtures.operator_world import MERGE, NAMESPACE, MiB, World, dump
 from fixtures.wait import wait_for
+from offloadpool.api.constants import FINALIZER, GROUP, POOL_PLURAL, VERSION
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.operator_args(*QUICK_PASSES)]
 

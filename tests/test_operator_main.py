@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from fixtures.wait import wait_for
 from fixtures.operator_process import OperatorProcess
+from fixtures.wait import wait_for
 from offloadpool.operator.main import config_from_args, parse_args
 
 EXE = str(Path(sys.executable).parent / "offloadpool-operator")

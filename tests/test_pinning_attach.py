@@ -9,8 +9,8 @@ import random
 from pathlib import Path
 
 import pytest
-from fixtures.pinning_pools import GiB, MiB, PoolFactory, run_python, traces_of, vm_locked_bytes
 
+from fixtures.pinning_pools import GiB, MiB, PoolFactory, run_python, traces_of, vm_locked_bytes
 from offloadpool.pinning import Attachment, attach
 from offloadpool.region.lease import count_holders, lease_path
 from offloadpool.region.manifest import load

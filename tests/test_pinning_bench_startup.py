@@ -7,7 +7,6 @@ import json
 import pytest
 
 from fixtures.pinning_pools import MiB, run_python
-
 from offloadpool.bench.startup import markdown, run
 from offloadpool.region import mounts
 

@@ -245,6 +245,6 @@ def test_bad_input_is_refused(kwargs: dict[str, int], message: str) -> None:
 
 def test_non_integers_are_refused() -> None:
     with pytest.raises(TypeError):
-        plan_pin_ranges(1.5, 1, 0, 1, 1)  # type: ignore[arg-type]
+        plan_pin_ranges(1.5, 1, 0, 1, 1)  # type: ignore[arg-type]  # the wrong type is the test
     with pytest.raises(TypeError):
-        plan_pin_ranges(8, 4, True, 1, 1)  # type: ignore[arg-type]
+        plan_pin_ranges(8, 4, True, 1, 1)  # type: ignore[arg-type]  # the wrong type is the test

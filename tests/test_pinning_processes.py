@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of, vm_locked_bytes
 
+from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of, vm_locked_bytes
 from offloadpool.pinning import PinCancelled, PinStats, attach
 from offloadpool.region.lease import Lease, LeaseHeld, count_holders, lease_path
 from offloadpool.region.manifest import load

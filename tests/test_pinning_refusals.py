@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of
 
+from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of
 from offloadpool.pinning import AttachError, ManifestError, PinError, attach
 from offloadpool.region.lease import Lease, count_holders, lease_path
 from offloadpool.region.manifest import MANIFEST_NAME, load

@@ -44,7 +44,8 @@ if how == "map":
     # would keep a dup of the fd), no lock taken - stock vLLM's way
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    c_int = ctypes.c_int
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, c_int, c_int, c_int, ctypes.c_long]
     addr = libc.mmap(None, os.fstat(fd).st_size, 0x3, 0x01, fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
     assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
     os.close(fd)

@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes import config as kconfig
-from kubernetes import watch
 from prometheus_client import CollectorRegistry
 
 from fixtures.cluster import mounts_under, release_everything

@@ -13,8 +13,9 @@ import json
 import secrets
 import socket
 import ssl
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -25,7 +26,12 @@ from fixtures.cluster import free_port
 from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
-from offloadpool.api.pods import LEASE_READY_FILE, LEASE_SIDECAR_NAME, POD_POOL_LABEL, WEBHOOK_CONFIGURATION_NAME
+from offloadpool.api.pods import (
+    LEASE_READY_FILE,
+    LEASE_SIDECAR_NAME,
+    POD_POOL_LABEL,
+    WEBHOOK_CONFIGURATION_NAME,
+)
 from offloadpool.operator import admission
 from offloadpool.operator.admission import InjectionSettings
 
@@ -60,7 +66,8 @@ class Webhook(ClusterClient):
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": labels},
             "spec": {
-                "automountServiceAccountToken": False,  # keeps the spec to what the test and the webhook wrote
+                # keeps the spec to what the test and the webhook wrote
+                "automountServiceAccountToken": False,
                 "containers": [{"name": f"engine-{i}", "image": "vllm/vllm-openai:v0.33.0",
                                 "env": [{"name": "HF_HOME", "value": "/cache"}]} for i in range(containers)],
             },

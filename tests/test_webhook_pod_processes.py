@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fixtures.wait import wait_for
 from fixtures.host import cli
+from fixtures.wait import wait_for
 from offloadpool.api.pods import LEASE_READY_FILE
 from offloadpool.operator import admission
 from offloadpool.operator.admission import InjectionSettings
