@@ -38,7 +38,7 @@ if [ "${1:-}" = "--fast" ]; then
   shift
 fi
 #: the tests the fast lane runs: every marker that needs something it does not have, deselected
-FAST_MARKERS="not controlplane and not e2e and not chaos and not vllm and not gpu and not root"
+FAST_MARKERS="not controlplane and not e2e and not chaos and not vllm and not gpu and not root and not node"
 
 export OFFLOADPOOL_CACHE="${OFFLOADPOOL_CACHE:-/var/cache/offloadpool}"
 # The Go used when none (or too old a one) is installed. Kubernetes v1.37.2 needs >= 1.26.0.
