@@ -35,6 +35,7 @@ _PLUGINS: dict[str, tuple[str, ...]] = {
     "fixtures.pinning_pools": (),
     "fixtures.chaos": (),
     "fixtures.vllm_env": (),
+    "fixtures.node": (),
 }
 
 pytest_plugins = [

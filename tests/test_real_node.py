@@ -1,0 +1,267 @@
+"""The real node: kubelet + containerd + runc + CNI joined to the session's control plane.
+
+Why: the agent runs as a DaemonSet pod that requests huge pages and mounts the host root with
+Bidirectional propagation; these tests prove, on a real kubelet and runtime, the node-side
+contracts that rests on: the Node advertises the suite's huge pages, a pod runs and its log is
+read through the API server, a hugepages-2Mi pod is admitted, gets a hugetlbfs volume whose
+pages it really uses (and what its cgroups charge for them), and a mount a privileged container
+makes under a Bidirectional hostPath appears on the host. docs/real-node.md, "The test node".
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.node import HUGE_1G, HUGE_2M, TAINT, TOLERATION, RealNode, nr_hugepages
+from fixtures.wait import wait_for
+from offloadpool.api.quantity import parse_quantity
+
+pytestmark = pytest.mark.node
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def namespace(real_node: RealNode) -> Iterator[str]:
+    """A namespace of the test's own, deleted with its pods afterwards (the kubelet then
+    removes their containers and volumes)."""
+    name = f"node-{uuid.uuid4().hex[:8]}"
+    real_node.kubectl("create", "namespace", name)
+    wait_for(
+        f"ServiceAccount default in {name}",
+        lambda: (
+            real_node.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0
+        ),
+        60,
+    )
+    yield name
+    real_node.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=1", "--timeout=90s", check=False)
+    real_node.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def pod(real_node: RealNode, name: str, script: str, **extra: Any) -> dict:
+    """A one-container busybox pod on the real node that runs ``script`` with sh and ends."""
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": real_node.images["busybox"],
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", script],
+    }
+    container.update(extra.pop("container", {}))
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 1,
+        "containers": [container],
+        "tolerations": [TOLERATION],
+    }
+    spec.update(extra)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def create(real_node: RealNode, namespace: str, manifest: dict) -> None:
+    real_node.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+
+
+def pod_json(real_node: RealNode, namespace: str, name: str) -> dict:
+    return json.loads(real_node.kubectl("get", "pod", name, "-n", namespace, "-o", "json").stdout)
+
+
+def wait_phase(
+    real_node: RealNode, namespace: str, name: str, phases: set[str], timeout: float = 120
+) -> dict:
+    """Wait for the pod's phase; on timeout the message carries the pod and the node's logs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        obj = pod_json(real_node, namespace, name)
+        if obj["status"].get("phase") in phases:
+            return obj
+        if time.monotonic() > deadline:
+            events = real_node.kubectl("get", "events", "-n", namespace, check=False).stdout
+            raise AssertionError(
+                f"pod {name} not in {phases} after {timeout}s: "
+                f"{json.dumps(obj['status'], indent=1)}\n{events}\n{real_node.logs(3000)}"
+            )
+        time.sleep(0.5)
+
+
+def wait_log(real_node: RealNode, namespace: str, name: str, needle: str, timeout: float = 120) -> str:
+    def found() -> str | None:
+        out = real_node.kubectl("logs", name, "-n", namespace, check=False)
+        return out.stdout if out.returncode == 0 and needle in out.stdout else None
+
+    return wait_for(f"{needle!r} in the log of {name}", found, timeout)
+
+
+def pod_cgroups(uid: str) -> dict[str, Path]:
+    """The pod's cgroup directory in every hierarchy that has one (cgroupfs driver naming)."""
+    found = {}
+    for hierarchy in sorted(Path("/sys/fs/cgroup").iterdir()):
+        for d in (hierarchy / "kubepods").glob(f"**/pod{uid}"):
+            found[hierarchy.name] = d
+    return found
+
+
+def read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def test_node_is_ready_and_advertises_the_suites_huge_pages(real_node: RealNode) -> None:
+    node = real_node.node_json()
+    conditions = {c["type"]: c["status"] for c in node["status"]["conditions"]}
+    assert conditions.get("Ready") == "True", node["status"]["conditions"]
+    capacity, allocatable = node["status"]["capacity"], node["status"]["allocatable"]
+    pages_2m = real_node.hugepages_at_start[HUGE_2M]
+    # The suite's reservation (hack/hugepages.py) was in place before the kubelet started.
+    assert pages_2m >= 1, "no 2 MiB huge pages reserved before the kubelet started"
+    # The kubelet read the pool when it started; a concurrent test may have resized it since.
+    assert parse_quantity(capacity["hugepages-2Mi"]) in {
+        pages_2m * HUGE_2M,
+        nr_hugepages(HUGE_2M) * HUGE_2M,
+    }, (capacity, real_node.hugepages_at_start)
+    assert parse_quantity(allocatable["hugepages-2Mi"]) == parse_quantity(capacity["hugepages-2Mi"])
+    assert parse_quantity(capacity["hugepages-1Gi"]) in {
+        real_node.hugepages_at_start[HUGE_1G] * HUGE_1G,
+        nr_hugepages(HUGE_1G) * HUGE_1G,
+    }
+    # Tainted, so the session's other tests' DaemonSets and pools leave it alone.
+    assert TAINT in node["spec"].get("taints", []), node["spec"]
+    addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
+    # The API server reaches the kubelet by the Hostname address (it resolves to loopback).
+    assert addresses.get("Hostname") == real_node.name, addresses
+    assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    assert node["status"]["nodeInfo"]["kubeletVersion"] == "v1.37.2"
+
+
+def test_busybox_pod_succeeds_and_its_log_is_read_through_the_api(
+    real_node: RealNode, namespace: str
+) -> None:
+    token = uuid.uuid4().hex
+    create(real_node, namespace, pod(real_node, "hello", f"echo hello {token}; cat /proc/1/cgroup"))
+    obj = wait_phase(real_node, namespace, "hello", {"Succeeded", "Failed"})
+    assert obj["status"]["phase"] == "Succeeded", obj["status"]
+    # Scheduled by the real kube-scheduler onto the real node, through the pod network.
+    assert obj["spec"]["nodeName"] == real_node.name
+    assert obj["status"]["podIP"].startswith("10.244.77."), obj["status"]
+    log = real_node.kubectl("logs", "hello", "-n", namespace).stdout
+    assert f"hello {token}" in log
+    assert "kubepods" in log, f"the container does not run in a kubepods cgroup:\n{log}"
+
+
+def test_hugepages_pod_is_admitted_uses_its_hugetlbfs_volume_and_what_its_cgroups_charge(
+    real_node: RealNode, namespace: str, record_property: Callable[[str, object], None]
+) -> None:
+    size = 4 * MiB
+    script = (
+        f"hugetouch /hp/data {size} && grep -w /hp /proc/mounts && "
+        "i=0; while [ ! -e /hp/done ] && [ $i -lt 600 ]; do sleep 0.2; i=$((i+1)); done; "
+        "[ -e /hp/done ]"
+    )
+    resources = {"hugepages-2Mi": "4Mi", "memory": "64Mi", "cpu": "100m"}
+    manifest = pod(
+        real_node,
+        "huge",
+        script,
+        container={
+            "resources": {"requests": resources, "limits": resources},
+            "volumeMounts": [{"name": "hp", "mountPath": "/hp"}],
+        },
+        volumes=[{"name": "hp", "emptyDir": {"medium": "HugePages-2Mi"}}],
+    )
+    create(real_node, namespace, manifest)
+    log = wait_log(real_node, namespace, "huge", "written and verified")
+    assert "hugetlbfs" in log and "pagesize=2M" in log, log
+    obj = pod_json(real_node, namespace, "huge")
+    assert obj["status"]["qosClass"] == "Guaranteed"
+    uid = obj["metadata"]["uid"]
+
+    # The same pages, seen from the host: the kubelet's hugetlbfs volume holds the pod's file.
+    volume = real_node.workdir / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / "hp"
+    with open(volume / "data", "r+b") as fh, mmap.mmap(fh.fileno(), size) as mem:
+        sample = bytes(mem[: 251 * 3])
+    assert sample == bytes(i % 251 for i in range(251 * 3))
+
+    cgroups = pod_cgroups(uid)
+    assert "memory" in cgroups, f"no memory cgroup for pod {uid}: {cgroups}"
+    charged: dict[str, Any] = {"cgroups": {k: str(v) for k, v in cgroups.items()}}
+    memory = cgroups["memory"]
+    # The memory limit is enforced (v1 memory controller): the pod cgroup carries it.
+    charged["memory.limit_in_bytes"] = int(read(memory / "memory.limit_in_bytes") or -1)
+    charged["memory.usage_in_bytes"] = int(read(memory / "memory.usage_in_bytes") or -1)
+    assert charged["memory.limit_in_bytes"] == 64 * MiB
+    # Huge pages are not memory-cgroup memory: the 4 MiB in use are not in the pod's usage
+    # beyond what the shell and the runtime take (well under the limit).
+    assert charged["memory.usage_in_bytes"] < 64 * MiB
+    # Hugetlb: whatever hierarchy has a hugetlb controller for the pod must carry the request.
+    limits = {}
+    for hierarchy, d in cgroups.items():
+        for limit_file, usage_file in (
+            ("hugetlb.2MB.limit_in_bytes", "hugetlb.2MB.usage_in_bytes"),
+            ("hugetlb.2MB.max", "hugetlb.2MB.current"),
+        ):
+            value = read(d / limit_file)
+            if value is not None:
+                limits[f"{hierarchy}/{limit_file}"] = value
+                charged[f"{hierarchy}/{usage_file}"] = read(d / usage_file)
+    charged["hugetlb limits"] = limits
+    for where, value in limits.items():
+        assert value == str(size), f"{where} is {value}, the pod asked for {size}"
+    record_property("charged", json.dumps(charged))
+    print("real node hugepages pod cgroups:", json.dumps(charged, indent=1))
+
+    (volume / "done").touch()
+    obj = wait_phase(real_node, namespace, "huge", {"Succeeded", "Failed"})
+    assert obj["status"]["phase"] == "Succeeded", obj["status"]
+
+
+def _host_mounts() -> set[str]:
+    with open("/proc/self/mountinfo") as fh:
+        return {line.split()[4] for line in fh}
+
+
+def test_bidirectional_host_path_mount_made_in_a_container_appears_on_the_host(
+    real_node: RealNode, namespace: str
+) -> None:
+    sub = real_node.host_root / f"prop-{uuid.uuid4().hex[:6]}"
+    target = sub / "m"
+    script = (
+        "mkdir -p /host/m && mount -t tmpfs -o size=1m offloadpool-prop /host/m && "
+        "echo from-the-pod > /host/m/hello && "
+        "i=0; while [ ! -e /host/release ] && [ $i -lt 600 ]; do sleep 0.2; i=$((i+1)); done"
+    )
+    manifest = pod(
+        real_node,
+        "prop",
+        script,
+        container={
+            "securityContext": {"privileged": True},
+            "volumeMounts": [{"name": "host", "mountPath": "/host", "mountPropagation": "Bidirectional"}],
+        },
+        volumes=[{"name": "host", "hostPath": {"path": str(sub), "type": "DirectoryOrCreate"}}],
+    )
+    try:
+        create(real_node, namespace, manifest)
+        wait_for(f"the pod's mount at {target} on the host", lambda: str(target) in _host_mounts(), 120)
+        assert (target / "hello").read_text() == "from-the-pod\n"
+        (sub / "release").touch()
+        obj = wait_phase(real_node, namespace, "prop", {"Succeeded", "Failed"})
+        assert obj["status"]["phase"] == "Succeeded", obj["status"]
+        # The container is gone; its mount stays on the host (what the agent's pool mounts rely on).
+        assert str(target) in _host_mounts()
+    finally:
+        while str(target) in _host_mounts():
+            if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
+                break
+    assert str(target) not in _host_mounts()
