@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from offloadpool.api.constants import AGENT_HTTP_PORT, HOST_ROOT, node_object_name
 
@@ -55,10 +55,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", help="OffloadPool name (env POOL_NAME)")
     p.add_argument("--node", help="this node's name (env NODE_NAME, downward API spec.nodeName)")
     p.add_argument("--namespace", help="the pod's namespace, for logs (env POD_NAMESPACE)")
-    p.add_argument("--root", help=f"host root holding pool directories (env OFFLOADPOOL_ROOT, default {DEFAULT_ROOT})")
-    p.add_argument("--http-port", type=int, help=f"port of /healthz, /readyz, /metrics (env OFFLOADPOOL_HTTP_PORT, default {DEFAULT_HTTP_PORT})")
-    p.add_argument("--heartbeat-seconds", type=float, help="status heartbeat period (env OFFLOADPOOL_HEARTBEAT_SECONDS, default 10)")
-    p.add_argument("--retry-seconds", type=float, help="retry period after a failure (env OFFLOADPOOL_RETRY_SECONDS, default 5)")
+    p.add_argument(
+        "--root", help=f"host root holding pool directories (env OFFLOADPOOL_ROOT, default {DEFAULT_ROOT})"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help=f"port of /healthz, /readyz, /metrics (env OFFLOADPOOL_HTTP_PORT, default {DEFAULT_HTTP_PORT})",
+    )
+    p.add_argument(
+        "--heartbeat-seconds",
+        type=float,
+        help="status heartbeat period (env OFFLOADPOOL_HEARTBEAT_SECONDS, default 10)",
+    )
+    p.add_argument(
+        "--retry-seconds",
+        type=float,
+        help="retry period after a failure (env OFFLOADPOOL_RETRY_SECONDS, default 5)",
+    )
     p.add_argument("--workers", type=int, help="pre-fault workers override (env OFFLOADPOOL_WORKERS)")
     p.add_argument("--kubeconfig", help="kubeconfig file (env KUBECONFIG; default: in-cluster)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (env OFFLOADPOOL_LOG_LEVEL, default INFO)")
@@ -89,7 +103,9 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         # a flag arrives typed, the environment as text: both read through their text
         port = int(str(pick(args.http_port, "OFFLOADPOOL_HTTP_PORT", DEFAULT_HTTP_PORT)))
-        heartbeat = float(str(pick(args.heartbeat_seconds, "OFFLOADPOOL_HEARTBEAT_SECONDS", DEFAULT_HEARTBEAT_SECONDS)))
+        heartbeat = float(
+            str(pick(args.heartbeat_seconds, "OFFLOADPOOL_HEARTBEAT_SECONDS", DEFAULT_HEARTBEAT_SECONDS))
+        )
         retry = float(str(pick(args.retry_seconds, "OFFLOADPOOL_RETRY_SECONDS", 5.0)))
         workers = int(str(pick(args.workers, "OFFLOADPOOL_WORKERS", 0)))
     except (TypeError, ValueError) as exc:

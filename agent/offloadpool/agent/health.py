@@ -9,8 +9,8 @@ readiness probe, and so the DaemonSet's numberReady, then tell the same story as
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
-from typing import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -35,8 +35,9 @@ def make_app(registry: CollectorRegistry, live: Check, ready: Check) -> Callable
         path = environ.get("PATH_INFO", "/")
         if path in ("/healthz", "/livez", "/readyz"):
             ok, why = (ready if path == "/readyz" else live)()
-            start_response("200 OK" if ok else "503 Service Unavailable",
-                           [("Content-Type", "text/plain; charset=utf-8")])
+            start_response(
+                "200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain; charset=utf-8")]
+            )
             return [(why + "\n").encode()]
         if path == "/metrics":
             return metrics(environ, start_response)
@@ -49,13 +50,20 @@ def make_app(registry: CollectorRegistry, live: Check, ready: Check) -> Callable
 class HealthServer:
     """Serves the app on ``host:port`` in a daemon thread; ``port`` 0 picks a free port."""
 
-    def __init__(self, port: int, registry: CollectorRegistry, live: Check, ready: Check, host: str = "0.0.0.0") -> None:
-        self.server = make_server(host, port, make_app(registry, live, ready),
-                                  server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
+    def __init__(
+        self, port: int, registry: CollectorRegistry, live: Check, ready: Check, host: str = "0.0.0.0"
+    ) -> None:
+        self.server = make_server(
+            host,
+            port,
+            make_app(registry, live, ready),
+            server_class=_ThreadingWSGIServer,
+            handler_class=_QuietHandler,
+        )
         self.port = self.server.server_port
         self.thread = threading.Thread(target=self.server.serve_forever, name="health-http", daemon=True)
 
-    def start(self) -> "HealthServer":
+    def start(self) -> HealthServer:
         self.thread.start()
         return self
 

@@ -105,22 +105,38 @@ class KubeAccess:
         """
         stamp = micro_now()
         try:
-            self.coordination.patch_namespaced_lease(self.node_object, self.namespace,
-                                                     {"spec": {"renewTime": stamp}}, _content_type=MERGE)
+            self.coordination.patch_namespaced_lease(
+                self.node_object, self.namespace, {"spec": {"renewTime": stamp}}, _content_type=MERGE
+            )
             return
         except ApiException as exc:
             if exc.status != 404:
                 raise
         meta = pool.get("metadata") or {}
         body = {
-            "apiVersion": LEASE_API_VERSION, "kind": "Lease",
+            "apiVersion": LEASE_API_VERSION,
+            "kind": "Lease",
             "metadata": {
-                "name": self.node_object, "namespace": self.namespace, "labels": {POOL_NAME_LABEL: self.pool},
-                "ownerReferences": [{"apiVersion": API_VERSION, "kind": POOL_KIND, "name": meta.get("name"),
-                                     "uid": meta.get("uid")}] if meta.get("uid") else [],
+                "name": self.node_object,
+                "namespace": self.namespace,
+                "labels": {POOL_NAME_LABEL: self.pool},
+                "ownerReferences": [
+                    {
+                        "apiVersion": API_VERSION,
+                        "kind": POOL_KIND,
+                        "name": meta.get("name"),
+                        "uid": meta.get("uid"),
+                    }
+                ]
+                if meta.get("uid")
+                else [],
             },
-            "spec": {"holderIdentity": self.node_object, "leaseDurationSeconds": int(duration_seconds),
-                     "acquireTime": stamp, "renewTime": stamp},
+            "spec": {
+                "holderIdentity": self.node_object,
+                "leaseDurationSeconds": int(duration_seconds),
+                "acquireTime": stamp,
+                "renewTime": stamp,
+            },
         }
         try:
             self.coordination.create_namespaced_lease(self.namespace, body)
@@ -139,7 +155,9 @@ class KubeAccess:
         meta = obj.get("metadata", {})
         stamp = base.now()
         body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{meta.get('name', 'offloadpool')}.", namespace=EVENT_NAMESPACE),
+            metadata=client.V1ObjectMeta(
+                generate_name=f"{meta.get('name', 'offloadpool')}.", namespace=EVENT_NAMESPACE
+            ),
             involved_object=client.V1ObjectReference(
                 api_version=API_VERSION,
                 kind=kind,
@@ -153,11 +171,15 @@ class KubeAccess:
             first_timestamp=stamp,
             last_timestamp=stamp,
             count=1,
-            source=client.V1EventSource(component="offloadpool-agent", host=split_node_object_name(self.node_object)[1]),
+            source=client.V1EventSource(
+                component="offloadpool-agent", host=split_node_object_name(self.node_object)[1]
+            ),
             reporting_component="offloadpool.io/agent",
             reporting_instance=self.node_object[:128],
         )
         try:
             self.core.create_namespaced_event(EVENT_NAMESPACE, body)
         except ApiException as exc:
-            log.warning("could not record event %s: %s %s %s", reason, exc.status, exc.reason, (exc.body or "")[:300])
+            log.warning(
+                "could not record event %s: %s %s %s", reason, exc.status, exc.reason, (exc.body or "")[:300]
+            )

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from offloadpool import __version__
 from offloadpool.agent import config as config_mod
@@ -30,9 +30,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except config_mod.ConfigError as exc:
         print(f"offloadpool-agent: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("offloadpool-agent %s: pool %s on node %s, root %s, pod namespace %s", __version__, cfg.pool, cfg.node_name, cfg.root, cfg.namespace)
+    logging.basicConfig(
+        level=cfg.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log.info(
+        "offloadpool-agent %s: pool %s on node %s, root %s, pod namespace %s",
+        __version__,
+        cfg.pool,
+        cfg.node_name,
+        cfg.root,
+        cfg.namespace,
+    )
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -40,8 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     access = kube.KubeAccess(kube.api_client(cfg.kubeconfig), cfg.pool, cfg.node_object_name, cfg.namespace)
     metrics = AgentMetrics(cfg.pool, cfg.node_name, process=True)
-    agent = Agent(access, cfg.root, metrics=metrics, heartbeat_seconds=cfg.heartbeat_seconds,
-                  retry_seconds=cfg.retry_seconds, workers=cfg.workers)
+    agent = Agent(
+        access,
+        cfg.root,
+        metrics=metrics,
+        heartbeat_seconds=cfg.heartbeat_seconds,
+        retry_seconds=cfg.retry_seconds,
+        workers=cfg.workers,
+    )
     server = HealthServer(cfg.http_port, metrics.registry, agent.live, agent.ready).start()
     log.info("serving /healthz /readyz /metrics on port %d", server.port)
     agent.start()

@@ -7,14 +7,23 @@ for the real single-agent process.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge
-from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 PHASES = ("Pending", "Provisioning", "Populating", "Ready", "Draining", "Released", "Failed")
 
 
 class AgentMetrics:
-    def __init__(self, pool: str, node: str, registry: CollectorRegistry | None = None, process: bool = False) -> None:
+    def __init__(
+        self, pool: str, node: str, registry: CollectorRegistry | None = None, process: bool = False
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         if process:
             ProcessCollector(registry=self.registry)
@@ -23,30 +32,50 @@ class AgentMetrics:
         labels = {"pool": pool, "node": node}
         r = self.registry
         self._populate_seconds = Gauge(
-            "offloadpool_populate_seconds", "Seconds the last provision of the region took",
-            list(labels), registry=r).labels(**labels)
+            "offloadpool_populate_seconds",
+            "Seconds the last provision of the region took",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         self._populate_rate = Gauge(
-            "offloadpool_populate_gib_per_second", "Populate rate of the last provision (GiB/s)",
-            list(labels), registry=r).labels(**labels)
+            "offloadpool_populate_gib_per_second",
+            "Populate rate of the last provision (GiB/s)",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         self._populated_bytes = Counter(
-            "offloadpool_populated_bytes", "Bytes this agent has pre-faulted (not counting reused regions)",
-            list(labels), registry=r).labels(**labels)
+            "offloadpool_populated_bytes",
+            "Bytes this agent has pre-faulted (not counting reused regions)",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         self._region_bytes = Gauge(
-            "offloadpool_region_bytes", "Bytes of the region provisioned on this node",
-            list(labels), registry=r).labels(**labels)
+            "offloadpool_region_bytes",
+            "Bytes of the region provisioned on this node",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         self._progress = Gauge(
-            "offloadpool_populate_progress_ratio", "Fraction of the region populated so far (0..1)",
-            list(labels), registry=r).labels(**labels)
+            "offloadpool_populate_progress_ratio",
+            "Fraction of the region populated so far (0..1)",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         self._engines = Gauge(
             "offloadpool_engines_attached",
             "Processes holding the pool's lease or mapping/opening its files (attached engines)",
-            list(labels), registry=r).labels(**labels)
+            list(labels),
+            registry=r,
+        ).labels(**labels)
         self._phase = Enum(
-            "offloadpool_phase", "Phase of this node's pool", list(labels), states=list(PHASES),
-            registry=r).labels(**labels)
+            "offloadpool_phase", "Phase of this node's pool", list(labels), states=list(PHASES), registry=r
+        ).labels(**labels)
         self._errors = Counter(
-            "offloadpool_agent_errors", "Errors by reason (capacity, lease held, API, provision)",
-            [*labels, "reason"], registry=r)
+            "offloadpool_agent_errors",
+            "Errors by reason (capacity, lease held, API, provision)",
+            [*labels, "reason"],
+            registry=r,
+        )
         self._labels = labels
         self._phase.state("Pending")
 

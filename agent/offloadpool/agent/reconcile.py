@@ -20,12 +20,12 @@ __all__ = ["Action", "Decision", "SpecError", "decide"]
 
 
 class Action(enum.Enum):
-    WAIT = "wait"            # nothing to act on yet (no OffloadPoolNode): check again later
+    WAIT = "wait"  # nothing to act on yet (no OffloadPoolNode): check again later
     PROVISION = "provision"  # make the region match this request (a no-op when it already does)
-    KEEP = "keep"            # leave the region as it is; a newer generation waits for the operator
-    RELEASE = "release"      # pool deleted, reclaimPolicy Delete: give the memory back
-    RETAIN = "retain"        # pool deleted, reclaimPolicy Retain: leave memory, report Released
-    IDLE = "idle"            # the pool is gone: nothing to report to
+    KEEP = "keep"  # leave the region as it is; a newer generation waits for the operator
+    RELEASE = "release"  # pool deleted, reclaimPolicy Delete: give the memory back
+    RETAIN = "retain"  # pool deleted, reclaimPolicy Retain: leave memory, report Released
+    IDLE = "idle"  # the pool is gone: nothing to report to
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,18 @@ def decide(
     if meta.get("deletionTimestamp"):
         policy = _get(pool, "spec", "reclaimPolicy", default="Delete")
         if policy == "Retain":
-            return Decision(Action.RETAIN, reason="Retained",
-                            message="pool deleted with reclaimPolicy Retain: memory left on the node for inspection")
+            return Decision(
+                Action.RETAIN,
+                reason="Retained",
+                message="pool deleted with reclaimPolicy Retain: memory left on the node for inspection",
+            )
         return Decision(Action.RELEASE, reason="PoolDeleted", message="pool deleted: releasing the region")
     if pool_node is None:
-        return Decision(Action.WAIT, reason="NoPoolNode",
-                        message="waiting for the operator to create this node's OffloadPoolNode")
+        return Decision(
+            Action.WAIT,
+            reason="NoPoolNode",
+            message="waiting for the operator to create this node's OffloadPoolNode",
+        )
     request = pool_request(pool, workers_override)
     desired = request.generation
     target = _get(pool_node, "spec", "targetGeneration")
@@ -85,5 +91,9 @@ def decide(
         return Decision(Action.PROVISION, request, pending_generation=desired)
     # not "pending" in the contract's sense (that means: held by an engine); the operator knows
     # it has not advanced this node yet, the reason only tells a human
-    return Decision(Action.KEEP, request, reason="RolloutPending",
-                    message=f"generation {desired} waits for the operator's rollout (this node may apply {target})")
+    return Decision(
+        Action.KEEP,
+        request,
+        reason="RolloutPending",
+        message=f"generation {desired} waits for the operator's rollout (this node may apply {target})",
+    )

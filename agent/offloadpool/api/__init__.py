@@ -6,6 +6,7 @@ Importing this package needs pydantic (the ``agent`` extra); the engine-side lib
 (``offloadpool.region``, ``offloadpool.pinning``) never imports it.
 """
 
+from .base import format_micro_time, format_time, now, parse_time
 from .constants import (
     AGENT_HTTP_PORT,
     API_VERSION,
@@ -33,7 +34,6 @@ from .constants import (
     pool_name_error,
     split_node_object_name,
 )
-from .base import format_micro_time, format_time, now, parse_time
 from .conversion import SpecError, pool_request
 from .media import (
     HUGEPAGE_MEDIA,
@@ -62,10 +62,65 @@ from .spec import (
 )
 from .status import MAX_FAILING_NODES, Condition, FailingNode, OffloadPoolStatus
 
-import types as _types
-
 __all__ = [
-    _name
-    for _name, _value in dict(globals()).items()
-    if not _name.startswith("_") and not isinstance(_value, _types.ModuleType)
+    "AGENT_HTTP_PORT",
+    "API_VERSION",
+    "CATEGORY",
+    "CRD_NAMES",
+    "CompatSpec",
+    "Condition",
+    "ConsumersSpec",
+    "FINALIZER",
+    "FailingNode",
+    "GROUP",
+    "HOST_ROOT",
+    "HUGEPAGE_MEDIA",
+    "LAYOUTS",
+    "LayoutSpec",
+    "MAX_FAILING_NODES",
+    "MAX_POOL_NAME",
+    "MEDIA",
+    "NODE_KIND",
+    "NODE_PHASES",
+    "NODE_PLURAL",
+    "NUMA_POLICIES",
+    "OffloadPool",
+    "OffloadPoolNode",
+    "OffloadPoolNodeSpec",
+    "OffloadPoolNodeStatus",
+    "OffloadPoolSpec",
+    "OffloadPoolStatus",
+    "PAGE_SIZES",
+    "PLURALS",
+    "POOL_KIND",
+    "POOL_LABEL_PREFIX",
+    "POOL_LABEL_READY",
+    "POOL_NAME_LABEL",
+    "POOL_PLURAL",
+    "PrefaultSpec",
+    "QuantityError",
+    "RECLAIM_POLICIES",
+    "RESERVED_POOL_NAMES",
+    "RESERVED_POOL_PREFIXES",
+    "SCHEDULING_RESOURCE",
+    "SHORT_NAMES",
+    "SegmentsSpec",
+    "SpecError",
+    "Toleration",
+    "VERSION",
+    "VllmCompatSpec",
+    "extended_resource_name",
+    "format_micro_time",
+    "format_quantity",
+    "format_time",
+    "is_hugetlbfs",
+    "node_object_name",
+    "now",
+    "page_size",
+    "parse_quantity",
+    "parse_time",
+    "pool_label_key",
+    "pool_name_error",
+    "pool_request",
+    "split_node_object_name",
 ]

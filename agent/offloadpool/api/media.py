@@ -51,9 +51,7 @@ def page_size(medium: str) -> int:
 
 
 #: Media backed by a hugetlbfs mount (pages reserved up front): the node engine's own list.
-HUGEPAGE_MEDIA: tuple[str, ...] = tuple(
-    name for name, spec in engine_media.MEDIA.items() if spec.hugetlb
-)
+HUGEPAGE_MEDIA: tuple[str, ...] = tuple(name for name, spec in engine_media.MEDIA.items() if spec.hugetlb)
 
 
 def is_hugetlbfs(medium: str) -> bool:

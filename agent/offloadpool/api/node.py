@@ -32,9 +32,7 @@ class OffloadPoolNodeStatus(StatusModel):
     progress: int | None = Field(default=None, ge=0, le=100)
     bytes_total: int | None = Field(default=None, ge=0)
     bytes_populated: int | None = Field(default=None, ge=0)
-    populate_gib_per_second: float | None = Field(
-        default=None, ge=0, alias="populateGiBPerSecond"
-    )
+    populate_gib_per_second: float | None = Field(default=None, ge=0, alias="populateGiBPerSecond")
     huge_page_coverage: float | None = Field(default=None, ge=0, le=100)
     numa_nodes: list[int] | None = None
     engines_attached: int | None = Field(default=None, ge=0)
@@ -58,4 +56,3 @@ class OffloadPoolNode(StatusModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: OffloadPoolNodeSpec
     status: OffloadPoolNodeStatus | None = None
-

@@ -83,8 +83,10 @@ def compat_files(engine_id: str, count: int = 1) -> list[tuple[str, str]]:
     maps for ``engine_id``: the agent hard-links segment i of a compat pool as
     ``mnt/vllm_offload_<id>.mmap`` (i = 0) or ``….mmap.<i>``, split as vLLM splits its region
     (``count`` files: ``OffloadPoolSpec.vllm_compat_file_count``); vLLM looks in /dev/shm."""
-    return [(f"{MOUNT_NAME}/{name}", f"{VLLM_SHM_DIR}/{name}")
-            for name in vllm_compat.file_names(engine_id, count)]
+    return [
+        (f"{MOUNT_NAME}/{name}", f"{VLLM_SHM_DIR}/{name}")
+        for name in vllm_compat.file_names(engine_id, count)
+    ]
 
 
 def lease_file(pool_dir: str) -> str:

@@ -47,9 +47,7 @@ def parse_quantity_exact(value: int | str) -> Fraction:
         raise QuantityError(f"{value!r} is not a quantity (expected an integer or a string)")
     m = _QUANTITY.match(value)
     if not m or len(value) > 64:
-        raise QuantityError(
-            f"{value!r} is not a quantity (examples: 64Gi, 512Mi, 1073741824, 2e9)"
-        )
+        raise QuantityError(f"{value!r} is not a quantity (examples: 64Gi, 512Mi, 1073741824, 2e9)")
     number = Fraction(m["number"] if not m["number"].endswith(".") else m["number"][:-1])
     if m["binary"]:
         number *= _BINARY[m["binary"]]

@@ -21,10 +21,12 @@ from offloadpool.region.request import (
     DEFAULT_MAX_FILES,
     DEFAULT_MEDIUM,
     DEFAULT_MIN_SEGMENT,
-    DEFAULT_MODE as DEFAULT_MODE_BITS,
     DEFAULT_NUMA,
     DEFAULT_VLLM_SEGMENTS,
     MAX_FILES_LIMIT,
+)
+from offloadpool.region.request import (
+    DEFAULT_MODE as DEFAULT_MODE_BITS,
 )
 
 from .base import Quantity, SpecModel
@@ -57,11 +59,9 @@ class LayoutSpec(SpecModel):
     slot_size: Quantity | None = None
 
     @model_validator(mode="after")
-    def _rules(self) -> "LayoutSpec":
+    def _rules(self) -> LayoutSpec:
         if self.type != "Replicated" and self.ranks is None:
-            raise ValueError(
-                "spec.layout.ranks is required when spec.layout.type is PerRank or Interleaved"
-            )
+            raise ValueError("spec.layout.ranks is required when spec.layout.type is PerRank or Interleaved")
         if self.slot_size is not None and self.type != "Interleaved":
             raise ValueError("spec.layout.slotSize is only valid when spec.layout.type is Interleaved")
         return self
@@ -96,7 +96,7 @@ class Toleration(SpecModel):
     toleration_seconds: int | None = None
 
     @model_validator(mode="after")
-    def _rules(self) -> "Toleration":
+    def _rules(self) -> Toleration:
         if self.operator == "Exists" and self.value:
             raise ValueError("spec.tolerations[].value must be empty when operator is Exists")
         if not self.key and self.operator != "Exists":
@@ -172,7 +172,7 @@ class OffloadPoolSpec(SpecModel):
 
     # -- the CRD's cross-field CEL rules, restated -----------------------------------------
     @model_validator(mode="after")
-    def _rules(self) -> "OffloadPoolSpec":
+    def _rules(self) -> OffloadPoolSpec:
         page = page_size(self.medium)
         cap = self.capacity_bytes()
         if cap % page:

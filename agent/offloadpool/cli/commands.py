@@ -16,8 +16,22 @@ from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.status import list_pools
 
-POOL_FLAGS = ("name", "capacity", "medium", "layout", "ranks", "slot_size", "max_files", "min_size",
-              "workers", "numa", "uid", "gid", "mode", "engine_id")
+POOL_FLAGS = (
+    "name",
+    "capacity",
+    "medium",
+    "layout",
+    "ranks",
+    "slot_size",
+    "max_files",
+    "min_size",
+    "workers",
+    "numa",
+    "uid",
+    "gid",
+    "mode",
+    "engine_id",
+)
 
 
 def request_from_args(args: argparse.Namespace) -> PoolRequest:

@@ -70,9 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("release", help="unmount and free a pool (refuses while an engine holds it)")
     r.add_argument("name")
     r.add_argument("--root", default=root)
-    r.add_argument("--force", action="store_true",
-                   help="release even while engines are attached: they keep memory no pool accounts "
-                        "for until they exit, and their next start finds no pool")
+    r.add_argument(
+        "--force",
+        action="store_true",
+        help="release even while engines are attached: they keep memory no pool accounts "
+        "for until they exit, and their next start finds no pool",
+    )
     r.add_argument("--json", action="store_true")
 
     d = sub.add_parser("demo", help="the main job: provision a pool here, show it, release it")
@@ -93,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_startup_arguments(bs)
 
-    h = sub.add_parser("hold-lease", help="hold a pool's shared lease until SIGTERM (the pod's lease sidecar)")
+    h = sub.add_parser(
+        "hold-lease", help="hold a pool's shared lease until SIGTERM (the pod's lease sidecar)"
+    )
     from offloadpool.region.hold import add_arguments as add_hold_arguments
 
     add_hold_arguments(h)

@@ -42,10 +42,16 @@ def pool_from_flags(base: dict[str, Any] | None, **flags: Any) -> OffloadPool:
         if flags.get(flag) is not None:
             spec[key] = flags[flag]
     for flag, section, key in (
-        ("layout", "layout", "type"), ("ranks", "layout", "ranks"), ("slot_size", "layout", "slotSize"),
-        ("max_files", "segments", "maxFiles"), ("min_size", "segments", "minSize"),
-        ("workers", "prefault", "workers"), ("numa", "prefault", "numa"),
-        ("uid", "consumers", "uid"), ("gid", "consumers", "gid"), ("mode", "consumers", "mode"),
+        ("layout", "layout", "type"),
+        ("ranks", "layout", "ranks"),
+        ("slot_size", "layout", "slotSize"),
+        ("max_files", "segments", "maxFiles"),
+        ("min_size", "segments", "minSize"),
+        ("workers", "prefault", "workers"),
+        ("numa", "prefault", "numa"),
+        ("uid", "consumers", "uid"),
+        ("gid", "consumers", "gid"),
+        ("mode", "consumers", "mode"),
     ):
         if flags.get(flag) is not None:
             nested(section)[key] = flags[flag]
@@ -72,4 +78,3 @@ def read_document(path: str | Path) -> dict[str, Any]:
         if isinstance(d, dict) and d.get("kind") == POOL_KIND:
             return d
     raise PoolFileError(f"{path}: no document of kind OffloadPool")
-

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from offloadpool.region.errors import fmt_bytes
@@ -35,8 +42,15 @@ def populate_bar(console: Console, label: str) -> Iterator[tuple]:
     """
     lock = threading.Lock()
     best = [0]
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                  TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False) as bar:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         task = bar.add_task(label, total=None)
 
         def progress(done: int, total: int) -> None:
@@ -65,7 +79,10 @@ def summary(result: ProvisionResult, node: str | None = None) -> Table:
         ("segment files", f"{files} ({', '.join(str(len(r.segments)) for r in m.regions)} per region)"),
         ("populated now", gib(result.populated_bytes)),
         ("already populated", gib(result.skipped_bytes) if result.skipped_bytes else "-"),
-        ("populate rate", f"{result.gib_per_s:.2f} GiB/s with {result.workers} worker(s)" if not result.reused else "-"),
+        (
+            "populate rate",
+            f"{result.gib_per_s:.2f} GiB/s with {result.workers} worker(s)" if not result.reused else "-",
+        ),
         ("wall time", f"{result.seconds:.3f} s"),
         ("huge page coverage", f"{result.hugepage_coverage_percent:.1f} %"),
         ("huge pages reserved", str(result.hugepages_added) if result.hugepages_added else "-"),
@@ -84,6 +101,14 @@ def status_table(states: list[PoolState]) -> Table:
         table.add_column(col, no_wrap=True)
     table.add_column("message")
     for s in states:
-        table.add_row(s.name, s.phase, s.medium, gib(s.total_bytes), f"{100 * s.progress:.0f}%",
-                      f"{s.hugepage_coverage_percent:.0f}%", str(s.engines_attached), s.message)
+        table.add_row(
+            s.name,
+            s.phase,
+            s.medium,
+            gib(s.total_bytes),
+            f"{100 * s.progress:.0f}%",
+            f"{s.hugepage_coverage_percent:.0f}%",
+            str(s.engines_attached),
+            s.message,
+        )
     return table

@@ -33,17 +33,17 @@ class Lease:
         self.held_exclusively = exclusive
 
     @classmethod
-    def shared(cls, pool_dir: str | os.PathLike[str], blocking: bool = True) -> "Lease":
+    def shared(cls, pool_dir: str | os.PathLike[str], blocking: bool = True) -> Lease:
         """What an engine takes on attach. Blocks only while the node side holds it exclusively."""
         return cls._take(pool_dir, fcntl.LOCK_SH, blocking)
 
     @classmethod
-    def exclusive(cls, pool_dir: str | os.PathLike[str]) -> "Lease":
+    def exclusive(cls, pool_dir: str | os.PathLike[str]) -> Lease:
         """What the node side takes before changing memory; raises LeaseHeld if any engine holds it."""
         return cls._take(pool_dir, fcntl.LOCK_EX, blocking=False)
 
     @classmethod
-    def _take(cls, pool_dir: str | os.PathLike[str], op: int, blocking: bool) -> "Lease":
+    def _take(cls, pool_dir: str | os.PathLike[str], op: int, blocking: bool) -> Lease:
         path = lease_path(pool_dir)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
@@ -52,8 +52,7 @@ class Lease:
             os.close(fd)
             holders = count_holders(path)
             raise LeaseHeld(
-                f"pool lease {path} is held by {holders or 'an'} attached engine"
-                f"{'s' if holders != 1 else ''}"
+                f"pool lease {path} is held by {holders or 'an'} attached engine{'s' if holders != 1 else ''}"
             ) from None
         except BaseException:
             os.close(fd)
@@ -65,7 +64,7 @@ class Lease:
             os.close(self.fd)  # closing the last fd of the open file drops the flock
             self.fd = -1
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:

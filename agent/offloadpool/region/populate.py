@@ -18,9 +18,9 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from offloadpool.region import numa, vm
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
@@ -105,11 +105,27 @@ class _Prefault:
     """One pre-fault in progress: what its worker threads share (the mappings, the journal, the
     counters, the first error) and what each of them does with its share."""
 
-    def __init__(self, plan: Plan, maps: list[tuple[int, int]], journal: Journal, done: bytearray, *,
-                 mode: str, chunk_bytes: int, rate_limit: float | None, progress: Progress | None,
-                 total: int, skipped: int) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        maps: list[tuple[int, int]],
+        journal: Journal,
+        done: bytearray,
+        *,
+        mode: str,
+        chunk_bytes: int,
+        rate_limit: float | None,
+        progress: Progress | None,
+        total: int,
+        skipped: int,
+    ) -> None:
         self.plan, self.maps, self.journal, self.done = plan, maps, journal, done
-        self.chunk_bytes, self.rate_limit, self.progress, self.total = chunk_bytes, rate_limit, progress, total
+        self.chunk_bytes, self.rate_limit, self.progress, self.total = (
+            chunk_bytes,
+            rate_limit,
+            progress,
+            total,
+        )
         #: ``auto`` may fall back from madvise to touching pages once, for every worker.
         self.fallback = mode == "auto"
         self.mode = "touch" if mode == "touch" else "madvise"
@@ -122,8 +138,10 @@ class _Prefault:
 
     def run(self, all_units: list[Unit], workers: int) -> float:
         """Populate every share in its own thread; the seconds it took. Re-raises the first error."""
-        threads = [threading.Thread(target=self.work, args=(s,), name=f"populate-{i}", daemon=True)
-                   for i, s in enumerate(shares(all_units, workers))]
+        threads = [
+            threading.Thread(target=self.work, args=(s,), name=f"populate-{i}", daemon=True)
+            for i, s in enumerate(shares(all_units, workers))
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -145,7 +163,7 @@ class _Prefault:
                 self.journal.mark(first.index, len(run))
                 self.report(length)
                 self.pace()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by run() in the caller's thread
+        except BaseException as exc:
             self.errors.append(exc)
             self.stop.set()
 
@@ -183,9 +201,17 @@ class _Prefault:
                 time.sleep(ahead)
 
 
-def populate(pool_dir: str | os.PathLike[str], plan: Plan, *, workers: int = 0,
-             progress: Progress | None = None, numa_policy: str = "None", mode: str = "auto",
-             chunk_bytes: int = DEFAULT_CHUNK, rate_limit: float | None = None) -> PopulateStats:
+def populate(
+    pool_dir: str | os.PathLike[str],
+    plan: Plan,
+    *,
+    workers: int = 0,
+    progress: Progress | None = None,
+    numa_policy: str = "None",
+    mode: str = "auto",
+    chunk_bytes: int = DEFAULT_CHUNK,
+    rate_limit: float | None = None,
+) -> PopulateStats:
     """Pre-fault every segment of ``plan`` under ``pool_dir`` that the journal lacks.
 
     ``rate_limit`` (bytes/s, all workers together) keeps a pre-fault from saturating the
@@ -210,8 +236,18 @@ def populate(pool_dir: str | os.PathLike[str], plan: Plan, *, workers: int = 0,
         skipped = sum(u.bytes for u in all_units if done[u.index])
         if rate_limit:
             chunk_bytes = max(1, min(chunk_bytes, int(rate_limit / 8)))
-        job = _Prefault(plan, maps, journal, done, mode=mode, chunk_bytes=chunk_bytes,
-                        rate_limit=rate_limit, progress=progress, total=total, skipped=skipped)
+        job = _Prefault(
+            plan,
+            maps,
+            journal,
+            done,
+            mode=mode,
+            chunk_bytes=chunk_bytes,
+            rate_limit=rate_limit,
+            progress=progress,
+            total=total,
+            skipped=skipped,
+        )
         seconds = job.run(all_units, workers)
         thp = _thp_bytes(maps) if not plan.medium.hugetlb else 0
         return PopulateStats(total, job.new_bytes, skipped, seconds, workers, job.mode, thp)
@@ -223,8 +259,9 @@ def populate(pool_dir: str | os.PathLike[str], plan: Plan, *, workers: int = 0,
         journal.close()
 
 
-def _map_segments(pool_dir: Path, plan: Plan, policy: numa.Policy, fds: list[int],
-                  maps: list[tuple[int, int]]) -> None:
+def _map_segments(
+    pool_dir: Path, plan: Plan, policy: numa.Policy, fds: list[int], maps: list[tuple[int, int]]
+) -> None:
     """Open and map every segment, bound to its region's NUMA placement; each fd and mapping is
     appended as soon as it exists, so the caller's cleanup releases what a failure left."""
     region_of = [r.index for r in plan.regions for _ in r.segments]

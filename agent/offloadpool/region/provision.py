@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from offloadpool.region import capacity, hugepages, layout_files, locks, mounts, numa
 from offloadpool.region import record as records
@@ -34,7 +34,8 @@ from offloadpool.region.holders import exclusive_unused
 from offloadpool.region.journal import populated_bytes, units
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.planner import Plan, plan as make_plan
+from offloadpool.region.planner import Plan
+from offloadpool.region.planner import plan as make_plan
 from offloadpool.region.populate import DEFAULT_CHUNK, Progress, populate
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.teardown import teardown
@@ -80,12 +81,23 @@ def mount_options(plan: Plan, req: PoolRequest) -> str:
 
 def _manifest(req: PoolRequest, plan: Plan, compat: str | None, rec: records.Record) -> Manifest:
     return Manifest(
-        pool=req.name, generation=req.generation, medium=plan.medium.name,
-        page_size=plan.page_size, layout=plan.layout, regions=plan.regions,
-        total_bytes=plan.total_bytes, alignment=plan.page_size, uid=req.uid, gid=req.gid,
-        mode=req.mode, compat_file=compat,
-        extra={"fingerprint": req.fingerprint(), "numa_nodes": rec.numa_nodes,
-               "hugepage_coverage_percent": rec.hugepage_coverage_percent},
+        pool=req.name,
+        generation=req.generation,
+        medium=plan.medium.name,
+        page_size=plan.page_size,
+        layout=plan.layout,
+        regions=plan.regions,
+        total_bytes=plan.total_bytes,
+        alignment=plan.page_size,
+        uid=req.uid,
+        gid=req.gid,
+        mode=req.mode,
+        compat_file=compat,
+        extra={
+            "fingerprint": req.fingerprint(),
+            "numa_nodes": rec.numa_nodes,
+            "hugepage_coverage_percent": rec.hugepage_coverage_percent,
+        },
     )
 
 
@@ -133,9 +145,16 @@ def _reserve_hugepages(plan: Plan) -> int:
     return added
 
 
-def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progress | None = None,
-              workers: int | None = None, rate_limit: float | None = None,
-              chunk_bytes: int = DEFAULT_CHUNK, on_phase: PhaseCallback | None = None) -> ProvisionResult:
+def provision(
+    req: PoolRequest,
+    root: str | os.PathLike[str],
+    *,
+    progress: Progress | None = None,
+    workers: int | None = None,
+    rate_limit: float | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK,
+    on_phase: PhaseCallback | None = None,
+) -> ProvisionResult:
     """Make pool ``req`` Ready under ``root`` (see the module docstring for what that takes)."""
     t0 = time.perf_counter()
     plan = make_plan(req)  # validates the request: bad input fails before anything is touched
@@ -171,8 +190,10 @@ def provision(req: PoolRequest, root: str | os.PathLike[str], *, progress: Progr
             # never build, tear down or populate under an engine, leased or not
             lease = exclusive_unused(pool_dir)
             try:
-                return _build(_Call(req, plan, pool_dir, numa_nodes, say, t0),
-                              _PrefaultOptions(progress, workers, rate_limit, chunk_bytes))
+                return _build(
+                    _Call(req, plan, pool_dir, numa_nodes, say, t0),
+                    _PrefaultOptions(progress, workers, rate_limit, chunk_bytes),
+                )
             finally:
                 lease.close()
     except (RegionError, OSError) as exc:
@@ -207,7 +228,8 @@ def _reuse(pool_dir: Path, plan: Plan, req: PoolRequest, t0: float) -> Provision
         return None
     if rec.phase != "Ready":
         rec.hugepage_coverage_percent = float(
-            load_manifest(pool_dir).extra.get("hugepage_coverage_percent", rec.hugepage_coverage_percent))
+            load_manifest(pool_dir).extra.get("hugepage_coverage_percent", rec.hugepage_coverage_percent)
+        )
         rec.phase = "Ready"
     for seg in plan.segments:
         layout_files.own(pool_dir / seg.file, req)
@@ -220,9 +242,16 @@ def _reuse(pool_dir: Path, plan: Plan, req: PoolRequest, t0: float) -> Provision
         manifest = wanted
     rec.request = records.Record.new(req).request
     records.save(pool_dir, rec)
-    return ProvisionResult(pool_dir, manifest, 0, time.perf_counter() - t0, 0.0, True,
-                           skipped_bytes=plan.total_bytes,
-                           hugepage_coverage_percent=rec.hugepage_coverage_percent)
+    return ProvisionResult(
+        pool_dir,
+        manifest,
+        0,
+        time.perf_counter() - t0,
+        0.0,
+        True,
+        skipped_bytes=plan.total_bytes,
+        hugepage_coverage_percent=rec.hugepage_coverage_percent,
+    )
 
 
 @dataclass(frozen=True)
@@ -258,7 +287,9 @@ def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
             reused = _reuse(pool_dir, plan, req, t0)
             if reused is not None:
                 return reused
-    if rec is not None and (rec.fingerprint != req.fingerprint() or rec.phase in ("Ready", "Draining", "Failed")):
+    if rec is not None and (
+        rec.fingerprint != req.fingerprint() or rec.phase in ("Ready", "Draining", "Failed")
+    ):
         # Different shape, or a Ready pool that no longer validates: rebuild from scratch.
         teardown(pool_dir, keep_dir=True)  # the caller holds the lock and the exclusive lease
         rec, rebuilt = None, True
@@ -297,23 +328,44 @@ def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
     rec.phase = "Populating"
     records.save(pool_dir, rec)
     say("Populating")
-    stats = populate(pool_dir, plan, workers=opts.workers or req.workers, progress=opts.progress,
-                     numa_policy=req.numa, chunk_bytes=opts.chunk_bytes, rate_limit=opts.rate_limit)
+    stats = populate(
+        pool_dir,
+        plan,
+        workers=opts.workers or req.workers,
+        progress=opts.progress,
+        numa_policy=req.numa,
+        chunk_bytes=opts.chunk_bytes,
+        rate_limit=opts.rate_limit,
+    )
     if plan.medium.hugetlb:
         coverage = 100.0
     else:
         coverage = round(100.0 * stats.thp_bytes / plan.total_bytes, 1) if plan.total_bytes else 0.0
     rec.hugepage_coverage_percent = coverage
-    rec.populate = {"seconds": stats.seconds, "gib_per_s": stats.gib_per_s, "workers": stats.workers,
-                    "mode": stats.mode, "populated_bytes": stats.populated_bytes,
-                    "skipped_bytes": stats.skipped_bytes}
+    rec.populate = {
+        "seconds": stats.seconds,
+        "gib_per_s": stats.gib_per_s,
+        "workers": stats.workers,
+        "mode": stats.mode,
+        "populated_bytes": stats.populated_bytes,
+        "skipped_bytes": stats.skipped_bytes,
+    }
     compat = layout_files.sync_compat(pool_dir, plan, req)
     manifest = _manifest(req, plan, compat, rec)
     manifest.write(pool_dir)  # last: from here on engines may attach
     rec.phase = "Ready"
     records.save(pool_dir, rec)
     say("Ready")
-    return ProvisionResult(pool_dir, manifest, stats.populated_bytes, time.perf_counter() - t0,
-                           stats.gib_per_s, False, stats.skipped_bytes, stats.workers,
-                           rec.hugepages_added, coverage, rebuilt)
-
+    return ProvisionResult(
+        pool_dir,
+        manifest,
+        stats.populated_bytes,
+        time.perf_counter() - t0,
+        stats.gib_per_s,
+        False,
+        stats.skipped_bytes,
+        stats.workers,
+        rec.hugepages_added,
+        coverage,
+        rebuilt,
+    )

@@ -108,11 +108,14 @@ class PoolRequest:
                 f"[A-Za-z0-9_.-] (it becomes part of a file name)"
             )
         if self.compat_row_bytes is not None and (
-                not isinstance(self.compat_row_bytes, int) or self.compat_row_bytes < 1):
+            not isinstance(self.compat_row_bytes, int) or self.compat_row_bytes < 1
+        ):
             raise RequestError(f"compat row bytes must be a positive integer, got {self.compat_row_bytes!r}")
         if not isinstance(self.compat_segments, int) or not 1 <= self.compat_segments <= MAX_FILES_LIMIT:
             raise RequestError(
-                f"compat segments must be 1-{MAX_FILES_LIMIT} (vLLM's num_segments), got {self.compat_segments!r}")
+                f"compat segments must be 1-{MAX_FILES_LIMIT} (vLLM's num_segments), "
+                f"got {self.compat_segments!r}"
+            )
         from offloadpool.region.numa import parse_policy  # local: numa imports ctypes lazily
 
         parse_policy(self.numa)
@@ -131,4 +134,13 @@ class PoolRequest:
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
-SHAPE_FIELDS = ("capacity", "medium", "layout_type", "ranks", "slot_bytes", "max_files", "min_segment", "numa")
+SHAPE_FIELDS = (
+    "capacity",
+    "medium",
+    "layout_type",
+    "ranks",
+    "slot_bytes",
+    "max_files",
+    "min_segment",
+    "numa",
+)

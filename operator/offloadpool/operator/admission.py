@@ -102,8 +102,12 @@ def requested_pool(pod: Mapping[str, Any]) -> str | None:
     return None if value is None else str(value)
 
 
-def in_scope(pod: Mapping[str, Any], namespace: str | None, settings: InjectionSettings,
-             namespace_labels: Mapping[str, str] | None = None) -> bool:
+def in_scope(
+    pod: Mapping[str, Any],
+    namespace: str | None,
+    settings: InjectionSettings,
+    namespace_labels: Mapping[str, str] | None = None,
+) -> bool:
     """Whether the webhook acts on this pod at all: labelled, not the operator's own (its agent
     pods carry the pool label too), not in an excluded namespace. The webhook configurations
     select exactly this on the API server's side; this is the same rule, restated for safety."""
@@ -122,14 +126,18 @@ def refusal(pool_name: str, namespace: str | None, pool: Pool | None) -> str | N
     if error:
         return f"pod label {label} cannot name an {POOL_KIND}: {error}"
     if pool is None:
-        return (f"{POOL_KIND} {pool_name!r} does not exist (pod label {label}); "
-                f"create the pool first, or fix the label (kubectl get offloadpools)")
+        return (
+            f"{POOL_KIND} {pool_name!r} does not exist (pod label {label}); "
+            f"create the pool first, or fix the label (kubectl get offloadpools)"
+        )
     if (pool.get("metadata") or {}).get("deletionTimestamp"):
         return f"{POOL_KIND} {pool_name!r} is being deleted; pods cannot start using it (pod label {label})"
     allowed = ((pool.get("spec") or {}).get("consumers") or {}).get("namespaces") or []
     if allowed and namespace not in allowed:
-        return (f"namespace {namespace!r} may not use {POOL_KIND} {pool_name!r}: its "
-                f"spec.consumers.namespaces allows only {', '.join(sorted(allowed))} (pod label {label})")
+        return (
+            f"namespace {namespace!r} may not use {POOL_KIND} {pool_name!r}: its "
+            f"spec.consumers.namespaces allows only {', '.join(sorted(allowed))} (pod label {label})"
+        )
     return None
 
 
@@ -160,16 +168,29 @@ def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
     root = settings.host_root.rstrip("/")
     out = [{"name": pool_volume_name(name), "hostPath": {"path": f"{root}/{name}", "type": "Directory"}}]
     for i, (host_rel, _) in enumerate(_compat(pool)):
-        out.append({"name": _compat_volume(name, i), "hostPath": {"path": f"{root}/{name}/{host_rel}", "type": "File"}})
+        out.append(
+            {
+                "name": _compat_volume(name, i),
+                "hostPath": {"path": f"{root}/{name}/{host_rel}", "type": "File"},
+            }
+        )
     return out
 
 
 def mounts(pool: Pool) -> list[dict[str, Any]]:
     """The mounts every container gets (all following the host: HostToContainer)."""
     name = pool["metadata"]["name"]
-    out = [{"name": pool_volume_name(name), "mountPath": pod_pool_dir(name), "mountPropagation": "HostToContainer"}]
+    out = [
+        {
+            "name": pool_volume_name(name),
+            "mountPath": pod_pool_dir(name),
+            "mountPropagation": "HostToContainer",
+        }
+    ]
     for i, (_, in_pod) in enumerate(_compat(pool)):
-        out.append({"name": _compat_volume(name, i), "mountPath": in_pod, "mountPropagation": "HostToContainer"})
+        out.append(
+            {"name": _compat_volume(name, i), "mountPath": in_pod, "mountPropagation": "HostToContainer"}
+        )
     return out
 
 
@@ -278,7 +299,8 @@ def _add_mounts(container: dict[str, Any], wanted: Iterable[dict[str, Any]]) -> 
             raise Refused(
                 f"container {container.get('name')!r} already mounts volume {clash[0].get('name')!r} at "
                 f"{mount['mountPath']}, where the webhook mounts the pool; remove that mount and let "
-                f"the {POD_POOL_LABEL} label provide it")
+                f"the {POD_POOL_LABEL} label provide it"
+            )
         present.append(dict(mount))
 
 
@@ -296,8 +318,11 @@ def _set_env(container: dict[str, Any], wanted: list[dict[str, str]]) -> None:
 
 def _require_ready_node(spec: dict[str, Any], label: str) -> None:
     expression = {"key": label, "operator": "In", "values": [POOL_LABEL_READY]}
-    required = (spec.setdefault("affinity", {}).setdefault("nodeAffinity", {})
-                .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {}))
+    required = (
+        spec.setdefault("affinity", {})
+        .setdefault("nodeAffinity", {})
+        .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    )
     terms = required.setdefault("nodeSelectorTerms", [])
     if not terms:
         terms.append({})

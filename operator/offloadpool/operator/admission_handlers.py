@@ -44,7 +44,9 @@ def cleanup_admission(memo: kopf.Memo, **_: Any) -> None:
     _webhook(memo).cleanup()
 
 
-async def _pool_for(pod: Mapping[str, Any], namespace: str | None, runtime: WebhookRuntime) -> dict[str, Any] | None:
+async def _pool_for(
+    pod: Mapping[str, Any], namespace: str | None, runtime: WebhookRuntime
+) -> dict[str, Any] | None:
     """The pool the pod asks for, or None when the pod is none of the webhook's business.
     Raises AdmissionError when the pod must be refused."""
     if not admission.in_scope(pod, namespace, runtime.options.injection):
@@ -59,9 +61,12 @@ async def _pool_for(pod: Mapping[str, Any], namespace: str | None, runtime: Webh
     return pool
 
 
-@kopf.on.mutate("", "v1", "pods", id=MUTATE_PATH, operations=["CREATE"], labels={POD_POOL_LABEL: kopf.PRESENT})
-async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo,
-                     logger: logging.Logger, **_: Any) -> None:
+@kopf.on.mutate(
+    "", "v1", "pods", id=MUTATE_PATH, operations=["CREATE"], labels={POD_POOL_LABEL: kopf.PRESENT}
+)
+async def mutate_pod(
+    body: kopf.Body, patch: kopf.Patch, warnings: list[str], memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
     runtime = _webhook(memo)
     pod = dict(body)
     namespace = body.metadata.namespace
@@ -77,14 +82,23 @@ async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str], me
         patch.spec[key] = new["spec"][key]
     name = pool["metadata"]["name"]
     if not (pool.get("status") or {}).get("readyNodes"):
-        warnings.append(f"{POOL_KIND} {name!r} is Ready on no node yet: the pod stays Pending until it is "
-                        f"(kubectl get offloadpool {name})")
+        warnings.append(
+            f"{POOL_KIND} {name!r} is Ready on no node yet: the pod stays Pending until it is "
+            f"(kubectl get offloadpool {name})"
+        )
     if changed:
-        logger.info("pod %s/%s: pool %s injected (%s)", namespace, body.metadata.name or body.metadata.get("generateName"),
-                    name, ", ".join(changed))
+        logger.info(
+            "pod %s/%s: pool %s injected (%s)",
+            namespace,
+            body.metadata.name or body.metadata.get("generateName"),
+            name,
+            ", ".join(changed),
+        )
 
 
-@kopf.on.validate("", "v1", "pods", id=VALIDATE_PATH, operations=["CREATE"], labels={POD_POOL_LABEL: kopf.PRESENT})
+@kopf.on.validate(
+    "", "v1", "pods", id=VALIDATE_PATH, operations=["CREATE"], labels={POD_POOL_LABEL: kopf.PRESENT}
+)
 async def validate_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     runtime = _webhook(memo)
     pod = dict(body)
@@ -97,7 +111,9 @@ async def validate_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         raise kopf.AdmissionError(str(exc), code=FORBIDDEN) from None
     if missing:
         raise kopf.AdmissionError(
-            f"pod asks for {POOL_KIND} {pool['metadata']['name']!r} ({POD_POOL_LABEL}) but lacks what the offloadpool "
+            f"pod asks for {POOL_KIND} {pool['metadata']['name']!r} ({POD_POOL_LABEL}) "
+            "but lacks what the offloadpool "
             f"mutating webhook adds ({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}); "
             f"is the MutatingWebhookConfiguration {runtime.options.configuration!r} in place?",
-            code=FORBIDDEN)
+            code=FORBIDDEN,
+        )

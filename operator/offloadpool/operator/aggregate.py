@@ -108,8 +108,9 @@ class _Tally:
         return [node for severity, node, _, _ in self.problems if severity == "Unresponsive"]
 
 
-def _tally(generation: int, selected: list[str], views: Mapping[str, NodeView], now: datetime,
-           timeout: float) -> _Tally:
+def _tally(
+    generation: int, selected: list[str], views: Mapping[str, NodeView], now: datetime, timeout: float
+) -> _Tally:
     tally = _Tally(generation, selected)
     for node in selected:
         view = views.get(node)
@@ -137,8 +138,11 @@ def _unreleased(views: Mapping[str, NodeView], existing_nodes: Iterable[str] | N
     """Nodes a deletion waits for: every node of the pool still holding memory, unless the Node
     itself is gone."""
     alive = set(existing_nodes) if existing_nodes is not None else None
-    return [node for node, view in sorted(views.items())
-            if (alive is None or node in alive) and view.phase != "Released"]
+    return [
+        node
+        for node, view in sorted(views.items())
+        if (alive is None or node in alive) and view.phase != "Released"
+    ]
 
 
 def aggregate(
@@ -166,7 +170,9 @@ def aggregate(
     else:
         condition_list = conditions.serving(tally)
     problems = sorted(tally.problems, key=lambda p: (_SEVERITY.get(p[0], 9), p[1]))
-    failing = [{"node": n, "reason": r[:128], "message": m[:1024]} for _, n, r, m in problems[:MAX_FAILING_NODES]]
+    failing = [
+        {"node": n, "reason": r[:128], "message": m[:1024]} for _, n, r, m in problems[:MAX_FAILING_NODES]
+    ]
     if deleting:
         failing = [
             {"node": n, "reason": "NotReleased", "message": _release_message(views[n])}
@@ -219,13 +225,16 @@ class _Conditions:
 
     def cond(self, ctype: str, status: bool, reason: str, message: str) -> dict[str, Any]:
         text: ConditionStatus = "True" if status else "False"
-        return transition(self.previous.get(ctype), ctype, text, reason, message, self.generation,
-                          self.now).model_dump(by_alias=True)
+        return transition(
+            self.previous.get(ctype), ctype, text, reason, message, self.generation, self.now
+        ).model_dump(by_alias=True)
 
     def deleting(self, unreleased: Sequence[str], views: Mapping[str, NodeView]) -> list[dict[str, Any]]:
         cond = self.cond
         if unreleased:
-            waiting = "; ".join(f"{n} ({_release_message(views[n])})" for n in unreleased[:MAX_NAMES_IN_MESSAGE])
+            waiting = "; ".join(
+                f"{n} ({_release_message(views[n])})" for n in unreleased[:MAX_NAMES_IN_MESSAGE]
+            )
             more = len(unreleased) - MAX_NAMES_IN_MESSAGE
             message = f"deletion waits for {len(unreleased)} node(s) to release the memory: {waiting}" + (
                 f" and {more} more" if more > 0 else ""
@@ -247,33 +256,64 @@ class _Conditions:
         n, ready = len(t.selected), set(t.ready)
         not_ready = [node for node in t.selected if node not in ready]
         if not t.selected:
-            ready_c = cond("Ready", False, "NoNodesSelected", "no Node matches the pool's nodeSelector and tolerations")
+            ready_c = cond(
+                "Ready", False, "NoNodesSelected", "no Node matches the pool's nodeSelector and tolerations"
+            )
         elif not not_ready:
             ready_c = cond("Ready", True, "AllNodesReady", f"ready on {n}/{n} nodes")
         else:
-            ready_c = cond("Ready", False, "NodesNotReady", f"ready on {len(t.ready)}/{n} nodes; not ready: {_names(not_ready)}")
+            ready_c = cond(
+                "Ready",
+                False,
+                "NodesNotReady",
+                f"ready on {len(t.ready)}/{n} nodes; not ready: {_names(not_ready)}",
+            )
 
         held, busy = set(t.held), set(t.busy)
         waiting_turn = [node for node in t.pending if node not in held and node not in busy and node in ready]
         if t.halted:
-            prog = cond("Progressing", False, "RolloutHalted", f"generation {generation} failed on {_names(t.halted)}; rollout stopped")
+            prog = cond(
+                "Progressing",
+                False,
+                "RolloutHalted",
+                f"generation {generation} failed on {_names(t.halted)}; rollout stopped",
+            )
         elif t.busy:
-            prog = cond("Progressing", True, "Provisioning", f"provisioning on {len(t.busy)} node(s): {_names(t.busy)}")
+            prog = cond(
+                "Progressing",
+                True,
+                "Provisioning",
+                f"provisioning on {len(t.busy)} node(s): {_names(t.busy)}",
+            )
         elif waiting_turn:
-            prog = cond("Progressing", True, "RollingOut", f"generation {generation} still to reach {len(waiting_turn)} node(s): {_names(waiting_turn)}")
+            prog = cond(
+                "Progressing",
+                True,
+                "RollingOut",
+                f"generation {generation} still to reach {len(waiting_turn)} node(s): {_names(waiting_turn)}",
+            )
         elif t.held:
             prog = cond(
-                "Progressing", False, "RolloutPending",
-                f"generation {generation} pending on {len(t.held)} node(s) where an engine holds the lease: {_names(t.held)}",
+                "Progressing",
+                False,
+                "RolloutPending",
+                f"generation {generation} pending on {len(t.held)} node(s) where an engine holds the "
+                f"lease: {_names(t.held)}",
             )
         else:
-            prog = cond("Progressing", False, "Complete", f"generation {generation} applied on every Ready node")
+            prog = cond(
+                "Progressing", False, "Complete", f"generation {generation} applied on every Ready node"
+            )
 
         unresponsive = t.unresponsive
         if t.failed:
-            degraded = cond("Degraded", True, "NodesFailed", f"failed on {len(t.failed)} node(s): {_names(t.failed)}")
+            degraded = cond(
+                "Degraded", True, "NodesFailed", f"failed on {len(t.failed)} node(s): {_names(t.failed)}"
+            )
         elif unresponsive:
-            degraded = cond("Degraded", True, "AgentsUnresponsive", f"no heartbeat from {_names(unresponsive)}")
+            degraded = cond(
+                "Degraded", True, "AgentsUnresponsive", f"no heartbeat from {_names(unresponsive)}"
+            )
         else:
             degraded = cond("Degraded", False, "AsExpected", "no node failed")
         return [ready_c, prog, degraded]

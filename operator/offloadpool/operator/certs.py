@@ -50,8 +50,12 @@ class CertFiles:
 
 def service_hostnames(service: str, namespace: str) -> list[str]:
     """The DNS names a Service-backed webhook is reached by (the API server uses ``.svc``)."""
-    return [service, f"{service}.{namespace}", f"{service}.{namespace}.svc",
-            f"{service}.{namespace}.svc.cluster.local"]
+    return [
+        service,
+        f"{service}.{namespace}",
+        f"{service}.{namespace}.svc",
+        f"{service}.{namespace}.svc.cluster.local",
+    ]
 
 
 def ensure(directory: Path, hostnames: list[str], now: datetime.datetime | None = None) -> CertFiles:
@@ -60,7 +64,9 @@ def ensure(directory: Path, hostnames: list[str], now: datetime.datetime | None 
     files = CertFiles(directory / CERT_NAME, directory / KEY_NAME, directory / CA_NAME, made_here=True)
     given = files.cert.exists() and files.key.exists() and not (directory / MADE_HERE).exists()
     if given:
-        return CertFiles(files.cert, files.key, files.ca if files.ca.exists() else files.cert, made_here=False)
+        return CertFiles(
+            files.cert, files.key, files.ca if files.ca.exists() else files.cert, made_here=False
+        )
     if not needs_renewal(files, hostnames, now):
         return files
     make(directory, hostnames, now)
@@ -92,15 +98,27 @@ def make(directory: Path, hostnames: list[str], now: datetime.datetime | None = 
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "offloadpool-webhook-ca")])
     ca = (
         x509.CertificateBuilder()
-        .subject_name(ca_name).issuer_name(ca_name)
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + VALIDITY)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
@@ -119,8 +137,11 @@ def make(directory: Path, hostnames: list[str], now: datetime.datetime | None = 
     )
     pem = serialization.Encoding.PEM
     _write(directory / MADE_HERE, b"")
-    _write(directory / KEY_NAME, key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                   serialization.NoEncryption()), mode=0o600)
+    _write(
+        directory / KEY_NAME,
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+        mode=0o600,
+    )
     _write(directory / CA_NAME, ca.public_bytes(pem))
     # Last: kopf's server restarts when the files change; by then the key and CA are in place.
     _write(directory / CERT_NAME, cert.public_bytes(pem))

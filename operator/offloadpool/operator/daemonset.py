@@ -65,8 +65,9 @@ def pod_node(pod: Mapping[str, Any]) -> str | None:
     spec = pod.get("spec") or {}
     if spec.get("nodeName"):
         return spec["nodeName"]
-    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     for term in required.get("nodeSelectorTerms") or ():
         for field in term.get("matchFields") or ():
             if field.get("key") == "metadata.name" and field.get("operator") == "In" and field.get("values"):
@@ -188,5 +189,8 @@ def render(pool_body: Mapping[str, Any], config: OperatorConfig) -> dict[str, An
 
 def rendered_hash(body: Mapping[str, Any]) -> str:
     """A short digest of what we render (not of what the API server defaults around it)."""
-    essence = {"metadata": {k: body["metadata"][k] for k in ("labels", "ownerReferences")}, "spec": body["spec"]}
+    essence = {
+        "metadata": {k: body["metadata"][k] for k in ("labels", "ownerReferences")},
+        "spec": body["spec"],
+    }
     return hashlib.sha256(json.dumps(essence, sort_keys=True).encode()).hexdigest()[:16]

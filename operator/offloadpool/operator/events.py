@@ -44,7 +44,11 @@ def transitions(
         if prev is None and ctype == "Degraded" and cond["status"] == "False":
             continue  # "not degraded" is not news on a new pool
         bad = (ctype, cond["status"]) in _WARNING or cond["reason"] in _WARNING_REASONS
-        events.append(Event("Warning" if bad else "Normal", cond["reason"], f"{ctype}={cond['status']}: {cond['message']}"))
+        events.append(
+            Event(
+                "Warning" if bad else "Normal", cond["reason"], f"{ctype}={cond['status']}: {cond['message']}"
+            )
+        )
     old_failing = {f["node"]: f.get("reason") for f in (before or {}).get("failingNodes") or ()}
     for entry in after.get("failingNodes") or ():
         node, reason = entry["node"], entry.get("reason")

@@ -94,7 +94,12 @@ async def pool_event(event: dict[str, Any], body: kopf.Body, name: str, memo: ko
 
 @kopf.daemon(GROUP, VERSION, POOL_PLURAL, initial_delay=0)
 async def pool_daemon(
-    name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, node_index: kopf.Index, logger: logging.Logger, **_: Any
+    name: str,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    node_index: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
 ) -> None:
     """Pass after pass over one pool until kopf stops the daemon (operator exit or deletion)."""
     runtime = _runtime(memo)
@@ -118,7 +123,9 @@ async def pool_daemon(
 
 
 @kopf.on.delete(GROUP, VERSION, POOL_PLURAL)
-async def pool_deleted(name: str, memo: kopf.Memo, node_index: kopf.Index, logger: logging.Logger, **_: Any) -> None:
+async def pool_deleted(
+    name: str, memo: kopf.Memo, node_index: kopf.Index, logger: logging.Logger, **_: Any
+) -> None:
     """Hold the pool until every node (that still exists) reports Released."""
     runtime = _runtime(memo)
     result = await asyncio.to_thread(runtime.connected().run, name, _nodes(node_index))

@@ -71,8 +71,15 @@ class Kube:
 
     def patch_pool_status(self, name: str, status: Mapping[str, Any]) -> None:
         try:
-            _json(self.custom.patch_cluster_custom_object_status, GROUP, VERSION, POOL_PLURAL, name,
-                  {"status": dict(status)}, _content_type=MERGE)
+            _json(
+                self.custom.patch_cluster_custom_object_status,
+                GROUP,
+                VERSION,
+                POOL_PLURAL,
+                name,
+                {"status": dict(status)},
+                _content_type=MERGE,
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -80,8 +87,13 @@ class Kube:
     # -- OffloadPoolNodes ---------------------------------------------------------------
     def list_node_objects(self, pool: str) -> list[dict[str, Any]]:
         """A consistent (quorum) read: the rollout must see its own last write."""
-        found = _json(self.custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL,
-                      label_selector=f"{POOL_NAME_LABEL}={pool}")
+        found = _json(
+            self.custom.list_cluster_custom_object,
+            GROUP,
+            VERSION,
+            NODE_PLURAL,
+            label_selector=f"{POOL_NAME_LABEL}={pool}",
+        )
         return [item for item in found.get("items", []) if (item.get("spec") or {}).get("pool") == pool]
 
     def create_node_object(self, body: Mapping[str, Any]) -> bool:
@@ -105,8 +117,15 @@ class Kube:
             raise
 
     def patch_node_object(self, name: str, patch: Mapping[str, Any]) -> None:
-        _json(self.custom.patch_cluster_custom_object, GROUP, VERSION, NODE_PLURAL, name, dict(patch),
-              _content_type=MERGE)
+        _json(
+            self.custom.patch_cluster_custom_object,
+            GROUP,
+            VERSION,
+            NODE_PLURAL,
+            name,
+            dict(patch),
+            _content_type=MERGE,
+        )
 
     # -- agents' heartbeat Leases ------------------------------------------------------
     def list_agent_leases(self, namespace: str, pool: str) -> dict[str, datetime]:
@@ -115,8 +134,12 @@ class Kube:
         Read as raw JSON: a thousand Leases turned into client model objects would cost more
         than the rest of a pass.
         """
-        items = _json(self.coordination.list_namespaced_lease, namespace,
-                      label_selector=f"{POOL_NAME_LABEL}={pool}").get("items") or []
+        items = (
+            _json(
+                self.coordination.list_namespaced_lease, namespace, label_selector=f"{POOL_NAME_LABEL}={pool}"
+            ).get("items")
+            or []
+        )
         out: dict[str, datetime] = {}
         for item in items:
             renewed = parse_time((item.get("spec") or {}).get("renewTime"))
@@ -172,13 +195,20 @@ class Kube:
     # -- agent pods --------------------------------------------------------------------
     def list_agent_pods(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
         label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
-        return _json(self.core.list_namespaced_pod, namespace, label_selector=label_selector).get("items") or []
+        return (
+            _json(self.core.list_namespaced_pod, namespace, label_selector=label_selector).get("items") or []
+        )
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
         """Delete exactly that pod (uid precondition); True when deleted now."""
         try:
             self.core.delete_namespaced_pod(
-                name, namespace, body=kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid)))
+                name,
+                namespace,
+                body=kubernetes.client.V1DeleteOptions(
+                    preconditions=kubernetes.client.V1Preconditions(uid=uid)
+                ),
+            )
             return True
         except ApiException as exc:
             if exc.status in (404, 409):

@@ -23,22 +23,44 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="offloadpool-operator", description=__doc__.split("\n\n")[0])
     peering = p.add_mutually_exclusive_group()
-    peering.add_argument("--standalone", action="store_true", help="no peering: exactly one operator must run")
-    peering.add_argument("--peering", metavar="NAME", help="kopf peering name (ClusterKopfPeering must exist)")
+    peering.add_argument(
+        "--standalone", action="store_true", help="no peering: exactly one operator must run"
+    )
+    peering.add_argument(
+        "--peering", metavar="NAME", help="kopf peering name (ClusterKopfPeering must exist)"
+    )
     p.add_argument("--namespace", default=default_namespace(), help="namespace of the agent DaemonSets")
     p.add_argument("--agent-image", default=env("OFFLOADPOOL_AGENT_IMAGE", defaults.agent_image))
-    p.add_argument("--agent-image-pull-policy", default=env("OFFLOADPOOL_AGENT_IMAGE_PULL_POLICY", defaults.agent_image_pull_policy))
-    p.add_argument("--agent-service-account", default=env("OFFLOADPOOL_AGENT_SERVICE_ACCOUNT", defaults.agent_service_account))
+    p.add_argument(
+        "--agent-image-pull-policy",
+        default=env("OFFLOADPOOL_AGENT_IMAGE_PULL_POLICY", defaults.agent_image_pull_policy),
+    )
+    p.add_argument(
+        "--agent-service-account",
+        default=env("OFFLOADPOOL_AGENT_SERVICE_ACCOUNT", defaults.agent_service_account),
+    )
     p.add_argument("--agent-cpu-request", default=defaults.agent_cpu_request)
-    p.add_argument("--agent-memory-overhead", default=defaults.agent_memory_overhead,
-                   help="memory the agent needs besides the pool (added to tmpfs pools' request)")
+    p.add_argument(
+        "--agent-memory-overhead",
+        default=defaults.agent_memory_overhead,
+        help="memory the agent needs besides the pool (added to tmpfs pools' request)",
+    )
     p.add_argument("--agent-priority-class", default=env("OFFLOADPOOL_AGENT_PRIORITY_CLASS") or None)
-    p.add_argument("--heartbeat-timeout", type=float, default=float(env("OFFLOADPOOL_HEARTBEAT_TIMEOUT_SECONDS", defaults.heartbeat_timeout_seconds)),
-                   help="seconds without an agent heartbeat before its node stops counting as Ready (0: never)")
-    p.add_argument("--resync", type=float, default=defaults.resync_seconds, help="seconds between passes without events")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=float(env("OFFLOADPOOL_HEARTBEAT_TIMEOUT_SECONDS", defaults.heartbeat_timeout_seconds)),
+        help="seconds without an agent heartbeat before its node stops counting as Ready (0: never)",
+    )
+    p.add_argument(
+        "--resync", type=float, default=defaults.resync_seconds, help="seconds between passes without events"
+    )
     p.add_argument("--deletion-retry", type=float, default=defaults.deletion_retry_seconds)
-    p.add_argument("--liveness", default=env("OFFLOADPOOL_LIVENESS", "http://0.0.0.0:8080/healthz"),
-                   help="kopf liveness endpoint URL ('' to disable)")
+    p.add_argument(
+        "--liveness",
+        default=env("OFFLOADPOOL_LIVENESS", "http://0.0.0.0:8080/healthz"),
+        help="kopf liveness endpoint URL ('' to disable)",
+    )
     webhook.add_arguments(p)
     p.add_argument("--verbose", "-v", action="store_true")
     p.add_argument("--debug", action="store_true")
@@ -63,7 +85,10 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.standalone and not args.peering:
-        print("offloadpool-operator: give --standalone or --peering NAME (one replica must run)", file=sys.stderr)
+        print(
+            "offloadpool-operator: give --standalone or --peering NAME (one replica must run)",
+            file=sys.stderr,
+        )
         return 2
     import kopf
 

@@ -41,7 +41,7 @@ class NodeView:
     heartbeat: datetime | None = None
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> "NodeView":
+    def from_body(cls, body: Mapping[str, Any]) -> NodeView:
         meta = body.get("metadata") or {}
         spec = body.get("spec") or {}
         status = body.get("status") or {}
@@ -61,7 +61,7 @@ class NodeView:
             heartbeat=parse_time(status.get("heartbeat")),
         )
 
-    def renewed(self, renew_time: datetime | None) -> "NodeView":
+    def renewed(self, renew_time: datetime | None) -> NodeView:
         """This view with its agent's heartbeat Lease taken into account.
 
         Agents renew a Lease for liveness and write their status only on change, so the last

@@ -51,7 +51,9 @@ class PassResult:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, config: OperatorConfig, emit: EventSink, clock: Callable[[], datetime] = utcnow):
+    def __init__(
+        self, kube: Kube, config: OperatorConfig, emit: EventSink, clock: Callable[[], datetime] = utcnow
+    ):
         self.kube = kube
         self.config = config
         self.emit = emit
@@ -85,13 +87,21 @@ class Reconciler:
             outcome, ds_generation = self.kube.apply_daemonset(daemonset.render(pool, self.config))
             if outcome != "unchanged":
                 result.writes.append(f"{outcome} DaemonSet {daemonset.daemonset_name(name)}")
-                self.emit(pool, Event("Normal", f"DaemonSet{outcome.capitalize()}",
-                                      f"agent DaemonSet {self.config.namespace}/{daemonset.daemonset_name(name)} {outcome}"))
+                self.emit(
+                    pool,
+                    Event(
+                        "Normal",
+                        f"DaemonSet{outcome.capitalize()}",
+                        f"agent DaemonSet {self.config.namespace}/{daemonset.daemonset_name(name)} {outcome}",
+                    ),
+                )
 
         selected = selected_nodes(spec, list(existing.values()))
         renewals = self.kube.list_agent_leases(self.config.namespace, name)
-        views = {v.node: v.renewed(renewals.get(node_object_name(name, v.node)))
-                 for v in map(NodeView.from_body, self.kube.list_node_objects(name))}
+        views = {
+            v.node: v.renewed(renewals.get(node_object_name(name, v.node)))
+            for v in map(NodeView.from_body, self.kube.list_node_objects(name))
+        }
 
         if not deleting:
             self._sync_node_objects(pool, generation, selected, views, existing, result)
@@ -139,19 +149,26 @@ class Reconciler:
                 continue
             if self.kube.create_node_object(nodes.node_object(pool, node, generation)):
                 result.writes.append(f"created OffloadPoolNode {node_object_name(name, node)}")
-                self.emit(pool, Event("Normal", "NodeSelected", f"node {node} selected: OffloadPoolNode created"))
+                self.emit(
+                    pool, Event("Normal", "NodeSelected", f"node {node} selected: OffloadPoolNode created")
+                )
             views[node] = NodeView(node=node, target_generation=generation)
         for node in sorted(set(views) - set(selected)):
             if self.kube.delete_node_object(node_object_name(name, node)):
                 gone = node not in existing
                 result.writes.append(f"deleted OffloadPoolNode {node_object_name(name, node)}")
-                self.emit(pool, Event(
-                    "Normal" if gone else "Warning",
-                    "NodeRemoved" if gone else "NodeDeselected",
-                    f"node {node} was deleted: its OffloadPoolNode is removed" if gone else
-                    f"node {node} no longer matches the pool's nodeSelector/tolerations: its OffloadPoolNode "
-                    "is removed (the DaemonSet controller removes its agent; memory already on the node stays there)",
-                ))
+                self.emit(
+                    pool,
+                    Event(
+                        "Normal" if gone else "Warning",
+                        "NodeRemoved" if gone else "NodeDeselected",
+                        f"node {node} was deleted: its OffloadPoolNode is removed"
+                        if gone
+                        else f"node {node} no longer matches the pool's nodeSelector/tolerations: its "
+                        "OffloadPoolNode is removed (the DaemonSet controller removes its agent; memory "
+                        "already on the node stays there)",
+                    ),
+                )
             del views[node]
 
     def _roll_out(
@@ -168,13 +185,23 @@ class Reconciler:
         name = pool["metadata"]["name"]
         step = rollout.plan(generation, views, selected, now=now, heartbeat_timeout=timeout)
         for adv in step.advance:
-            self.kube.patch_node_object(node_object_name(name, adv.node), nodes.advance_patch(generation, adv.serving))
+            self.kube.patch_node_object(
+                node_object_name(name, adv.node), nodes.advance_patch(generation, adv.serving)
+            )
             view = views[adv.node]
-            views[adv.node] = replace(view, target_generation=generation,
-                                      rollout_generation=generation if adv.serving else view.rollout_generation)
+            views[adv.node] = replace(
+                view,
+                target_generation=generation,
+                rollout_generation=generation if adv.serving else view.rollout_generation,
+            )
             result.writes.append(f"advanced {adv.node} to generation {generation}")
             if adv.serving:
-                self.emit(pool, Event("Normal", "RolloutAdvanced", f"generation {generation} released to node {adv.node}"))
+                self.emit(
+                    pool,
+                    Event(
+                        "Normal", "RolloutAdvanced", f"generation {generation} released to node {adv.node}"
+                    ),
+                )
 
     def _replace_outdated_agents(
         self,
@@ -201,7 +228,8 @@ class Reconciler:
             return  # one template ever: no pod can be from an older one
         name = pool["metadata"]["name"]
         candidates = {
-            node for node in selected
+            node
+            for node in selected
             if node in views
             and (views[node].target_generation or generation) >= generation
             and views[node].observed_generation != generation
@@ -218,9 +246,15 @@ class Reconciler:
                 continue
             if self.kube.delete_pod(self.config.namespace, meta["name"], meta["uid"]):
                 result.writes.append(f"replaced agent pod {meta['name']} on {node}")
-                self.emit(pool, Event("Normal", "AgentReplaced",
-                                      f"agent pod {meta['name']} on node {node} replaced: generation {generation} "
-                                      "needs the DaemonSet's current requests and limits"))
+                self.emit(
+                    pool,
+                    Event(
+                        "Normal",
+                        "AgentReplaced",
+                        f"agent pod {meta['name']} on node {node} replaced: generation {generation} "
+                        "needs the DaemonSet's current requests and limits",
+                    ),
+                )
 
     def _sync_node_marks(
         self, pool: str, ready: frozenset[str], existing: Mapping[str, NodeInfo], result: PassResult

@@ -50,7 +50,7 @@ class NodeInfo:
         return frozenset(k for k in self.labels if k.startswith(POOL_LABEL_PREFIX)) | self.resources
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any], resource_prefix: str) -> "NodeInfo":
+    def from_body(cls, body: Mapping[str, Any], resource_prefix: str) -> NodeInfo:
         meta = body.get("metadata") or {}
         spec = body.get("spec") or {}
         status = body.get("status") or {}
@@ -61,7 +61,9 @@ class NodeInfo:
             name=meta["name"],
             labels=dict(meta.get("labels") or {}),
             taints=tuple(dict(t) for t in spec.get("taints") or ()),
-            resources=frozenset(k for k in keys if str(capacity.get(k)) == "1" and str(allocatable.get(k)) == "1"),
+            resources=frozenset(
+                k for k in keys if str(capacity.get(k)) == "1" and str(allocatable.get(k)) == "1"
+            ),
             resource_keys=frozenset(keys),
         )
 
@@ -83,7 +85,9 @@ def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
     return key == taint.get("key") and (toleration.get("value") or "") == (taint.get("value") or "")
 
 
-def taints_tolerated(taints: Sequence[Mapping[str, Any]], tolerations: Sequence[Mapping[str, Any]] | None) -> bool:
+def taints_tolerated(
+    taints: Sequence[Mapping[str, Any]], tolerations: Sequence[Mapping[str, Any]] | None
+) -> bool:
     """True when no blocking, non-system taint is left untolerated."""
     for taint in taints:
         if taint.get("effect") not in BLOCKING_EFFECTS:

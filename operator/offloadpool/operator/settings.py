@@ -44,7 +44,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     """Apply the operator's settings (called from the startup handler)."""
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = PoolDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.diffbase_storage = PoolDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
     settings.posting.enabled = True
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 270

@@ -74,17 +74,33 @@ class WebhookOptions:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("admission webhook (pods labelled offloadpool.io/pool get the pool injected)")
-    g.add_argument("--webhook", action="store_true", help="serve the admission webhook and keep its configurations current")
+    g.add_argument(
+        "--webhook",
+        action="store_true",
+        help="serve the admission webhook and keep its configurations current",
+    )
     g.add_argument("--webhook-listen", default="0.0.0.0", help="address the HTTPS server listens on")
     g.add_argument("--webhook-port", type=int, default=DEFAULT_PORT)
     g.add_argument("--webhook-url", help="base URL the API server calls (else the Service in --namespace)")
     g.add_argument("--webhook-service", default=DEFAULT_SERVICE, help="Service in front of the webhook port")
-    g.add_argument("--webhook-cert-dir", help="tls.crt/tls.key[/ca.crt] to use, or where made certificates go")
-    g.add_argument("--webhook-configuration", default=WEBHOOK_CONFIGURATION_NAME,
-                   help="name of the Mutating/ValidatingWebhookConfiguration (created by the installer)")
-    g.add_argument("--webhook-resync", type=float, default=60.0, help="seconds between checks of the configurations")
-    g.add_argument("--webhook-exclude-namespace", action="append", default=[], metavar="NS",
-                   help="a namespace never sent to the webhook (repeatable), besides the system ones and --namespace")
+    g.add_argument(
+        "--webhook-cert-dir", help="tls.crt/tls.key[/ca.crt] to use, or where made certificates go"
+    )
+    g.add_argument(
+        "--webhook-configuration",
+        default=WEBHOOK_CONFIGURATION_NAME,
+        help="name of the Mutating/ValidatingWebhookConfiguration (created by the installer)",
+    )
+    g.add_argument(
+        "--webhook-resync", type=float, default=60.0, help="seconds between checks of the configurations"
+    )
+    g.add_argument(
+        "--webhook-exclude-namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="a namespace never sent to the webhook (repeatable), besides the system ones and --namespace",
+    )
     g.add_argument("--sidecar-image", help="image of the lease sidecar (default: --agent-image)")
 
 
@@ -95,9 +111,16 @@ def options_from_args(args: argparse.Namespace) -> WebhookOptions:
         excluded_namespaces=tuple(excluded_namespaces(args.namespace, args.webhook_exclude_namespace)),
     )
     return WebhookOptions(
-        enabled=args.webhook, listen=args.webhook_listen, port=args.webhook_port, url=args.webhook_url,
-        service=args.webhook_service, namespace=args.namespace, cert_dir=args.webhook_cert_dir,
-        configuration=args.webhook_configuration, resync_seconds=args.webhook_resync, injection=injection,
+        enabled=args.webhook,
+        listen=args.webhook_listen,
+        port=args.webhook_port,
+        url=args.webhook_url,
+        service=args.webhook_service,
+        namespace=args.namespace,
+        cert_dir=args.webhook_cert_dir,
+        configuration=args.webhook_configuration,
+        resync_seconds=args.webhook_resync,
+        injection=injection,
     )
 
 
@@ -106,8 +129,9 @@ class ConfiguringWebhookServer(kopf.WebhookServer):
     ``resync`` seconds, check them again and renew made certificates before they expire."""
 
     def __init__(self, options: WebhookOptions, configurator: Configurator, files: certs.CertFiles) -> None:
-        super().__init__(addr=options.listen, port=options.port, certfile=files.cert, pkeyfile=files.key,
-                         cafile=files.ca)
+        super().__init__(
+            addr=options.listen, port=options.port, certfile=files.cert, pkeyfile=files.key, cafile=files.ca
+        )
         self.options = options
         self.configurator = configurator
         self.files = files
@@ -129,9 +153,12 @@ class ConfiguringWebhookServer(kopf.WebhookServer):
         try:
             await asyncio.to_thread(self.configurator.ensure, self.ca_bundle)
         except Exception as exc:  # retried every resync; the server keeps serving meanwhile
-            log.error("cannot update the webhook configurations %r: %s (install them with the chart or "
-                      "deploy/webhook.yaml; the operator may only get/patch them)", self.options.configuration,
-                      _short(exc))
+            log.error(
+                "cannot update the webhook configurations %r: %s (install them with the chart or "
+                "deploy/webhook.yaml; the operator may only get/patch them)",
+                self.options.configuration,
+                _short(exc),
+            )
 
     async def _keep(self) -> None:
         while True:
@@ -172,11 +199,20 @@ class WebhookRuntime:
         client = load_client()
         self.kube = Kube(client)
         files = certs.ensure(self.cert_dir(), self.options.hostnames())
-        configurator = Configurator(client, self.options.endpoint(), self.options.injection.excluded_namespaces,
-                                    self.options.configuration)
-        log.info("admission webhook: https://%s:%d (%s certificates in %s), configurations %r",
-                 self.options.listen, self.options.port, "made" if files.made_here else "given",
-                 files.cert.parent, self.options.configuration)
+        configurator = Configurator(
+            client,
+            self.options.endpoint(),
+            self.options.injection.excluded_namespaces,
+            self.options.configuration,
+        )
+        log.info(
+            "admission webhook: https://%s:%d (%s certificates in %s), configurations %r",
+            self.options.listen,
+            self.options.port,
+            "made" if files.made_here else "given",
+            files.cert.parent,
+            self.options.configuration,
+        )
         return ConfiguringWebhookServer(self.options, configurator, files)
 
     def get_pool(self, name: str) -> dict[str, Any] | None:

@@ -69,25 +69,35 @@ class Endpoint:
         if self.url:
             config = {"url": f"{self.url.rstrip('/')}/{path}"}
         else:
-            config = {"service": {"namespace": self.namespace, "name": self.service, "path": f"/{path}",
-                                  "port": self.port}}
+            config = {
+                "service": {
+                    "namespace": self.namespace,
+                    "name": self.service,
+                    "path": f"/{path}",
+                    "port": self.port,
+                }
+            }
         if ca_bundle:
             config["caBundle"] = ca_bundle
         return config
 
 
 def namespace_selector(excluded: Sequence[str]) -> dict[str, Any]:
-    return {"matchExpressions": [
-        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": list(excluded)},
-        {"key": ADMISSION_NAMESPACE_LABEL, "operator": "NotIn", "values": [ADMISSION_DISABLED]},
-    ]}
+    return {
+        "matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": list(excluded)},
+            {"key": ADMISSION_NAMESPACE_LABEL, "operator": "NotIn", "values": [ADMISSION_DISABLED]},
+        ]
+    }
 
 
 def object_selector() -> dict[str, Any]:
-    return {"matchExpressions": [
-        {"key": POD_POOL_LABEL, "operator": "Exists"},
-        {"key": MANAGED_BY_LABEL, "operator": "NotIn", "values": [OPERATOR_MANAGER]},
-    ]}
+    return {
+        "matchExpressions": [
+            {"key": POD_POOL_LABEL, "operator": "Exists"},
+            {"key": MANAGED_BY_LABEL, "operator": "NotIn", "values": [OPERATOR_MANAGER]},
+        ]
+    }
 
 
 def excluded_namespaces(operator_namespace: str, extra: Sequence[str] = ()) -> list[str]:
@@ -96,16 +106,24 @@ def excluded_namespaces(operator_namespace: str, extra: Sequence[str] = ()) -> l
     return list(dict.fromkeys([*SYSTEM_NAMESPACES, operator_namespace, *extra]))
 
 
-def webhook(name: str, path: str, endpoint: Endpoint, ca_bundle: str | None, excluded: Sequence[str],
-            mutating: bool) -> dict[str, Any]:
+def webhook(
+    name: str, path: str, endpoint: Endpoint, ca_bundle: str | None, excluded: Sequence[str], mutating: bool
+) -> dict[str, Any]:
     """One webhook entry, with every field the API server would otherwise default spelled out
     (so comparing with what is stored tells real differences only)."""
     entry: dict[str, Any] = {
         "name": name,
         "admissionReviewVersions": ["v1"],
         "clientConfig": endpoint.client_config(path, ca_bundle),
-        "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
-                   "operations": ["CREATE"], "scope": "Namespaced"}],
+        "rules": [
+            {
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "resources": ["pods"],
+                "operations": ["CREATE"],
+                "scope": "Namespaced",
+            }
+        ],
         "failurePolicy": "Fail",
         "matchPolicy": "Equivalent",
         "namespaceSelector": namespace_selector(excluded),
@@ -120,27 +138,39 @@ def webhook(name: str, path: str, endpoint: Endpoint, ca_bundle: str | None, exc
     return entry
 
 
-def render(endpoint: Endpoint, ca_bundle: str | None, excluded: Sequence[str],
-           name: str = WEBHOOK_CONFIGURATION_NAME) -> list[dict[str, Any]]:
+def render(
+    endpoint: Endpoint, ca_bundle: str | None, excluded: Sequence[str], name: str = WEBHOOK_CONFIGURATION_NAME
+) -> list[dict[str, Any]]:
     """``excluded``: the namespaces never sent to the webhook (``excluded_namespaces``)."""
     """Both configurations, complete (what ``deploy/webhook.yaml`` holds, plus the caBundle)."""
     out = []
-    for kind, hook, path, mutating in ((MUTATING_KIND, MUTATING_WEBHOOK_NAME, MUTATE_PATH, True),
-                                       (VALIDATING_KIND, VALIDATING_WEBHOOK_NAME, VALIDATE_PATH, False)):
-        out.append({
-            "apiVersion": "admissionregistration.k8s.io/v1",
-            "kind": kind,
-            "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "offloadpool-webhook",
-                                                   "app.kubernetes.io/part-of": "offloadpool"}},
-            "webhooks": [webhook(hook, path, endpoint, ca_bundle, excluded, mutating)],
-        })
+    for kind, hook, path, mutating in (
+        (MUTATING_KIND, MUTATING_WEBHOOK_NAME, MUTATE_PATH, True),
+        (VALIDATING_KIND, VALIDATING_WEBHOOK_NAME, VALIDATE_PATH, False),
+    ):
+        out.append(
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": kind,
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        "app.kubernetes.io/name": "offloadpool-webhook",
+                        "app.kubernetes.io/part-of": "offloadpool",
+                    },
+                },
+                "webhooks": [webhook(hook, path, endpoint, ca_bundle, excluded, mutating)],
+            }
+        )
     return out
 
 
 def contains(live: Any, wanted: Any) -> bool:
     """Whether ``live`` holds everything ``wanted`` says (extra defaulted fields allowed)."""
     if isinstance(wanted, Mapping):
-        return isinstance(live, Mapping) and all(k in live and contains(live[k], v) for k, v in wanted.items())
+        return isinstance(live, Mapping) and all(
+            k in live and contains(live[k], v) for k, v in wanted.items()
+        )
     if isinstance(wanted, list):
         return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
     return live == wanted
@@ -149,8 +179,13 @@ def contains(live: Any, wanted: Any) -> bool:
 class Configurator:
     """Keeps the two configurations' webhooks equal to ``render`` (get + patch, nothing else)."""
 
-    def __init__(self, api_client: Any, endpoint: Endpoint, excluded: Sequence[str],
-                 name: str = WEBHOOK_CONFIGURATION_NAME) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        endpoint: Endpoint,
+        excluded: Sequence[str],
+        name: str = WEBHOOK_CONFIGURATION_NAME,
+    ) -> None:
         from kubernetes.client import AdmissionregistrationV1Api
 
         self.api = AdmissionregistrationV1Api(api_client)
@@ -164,14 +199,23 @@ class Configurator:
         patched = []
         for desired in render(self.endpoint, ca_bundle, self.excluded, self.name):
             kind = desired["kind"]
-            read, patch = ((self.api.read_mutating_webhook_configuration, self.api.patch_mutating_webhook_configuration)
-                           if kind == MUTATING_KIND else
-                           (self.api.read_validating_webhook_configuration, self.api.patch_validating_webhook_configuration))
+            read, patch = (
+                (self.api.read_mutating_webhook_configuration, self.api.patch_mutating_webhook_configuration)
+                if kind == MUTATING_KIND
+                else (
+                    self.api.read_validating_webhook_configuration,
+                    self.api.patch_validating_webhook_configuration,
+                )
+            )
             live = json.loads(read(self.name, _preload_content=False).data)
             if contains(live.get("webhooks"), desired["webhooks"]):
                 continue
             patch(self.name, {"webhooks": desired["webhooks"]}, _content_type=MERGE)
-            log.info("%s %s: webhooks written (client config %s)", kind, self.name,
-                     {k: v for k, v in desired["webhooks"][0]["clientConfig"].items() if k != "caBundle"})
+            log.info(
+                "%s %s: webhooks written (client config %s)",
+                kind,
+                self.name,
+                {k: v for k, v in desired["webhooks"][0]["clientConfig"].items() if k != "caBundle"},
+            )
             patched.append(kind)
         return patched
