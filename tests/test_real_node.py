@@ -216,6 +216,23 @@ def test_hugepages_pod_is_admitted_uses_its_hugetlbfs_volume_and_what_its_cgroup
                 limits[f"{hierarchy}/{limit_file}"] = value
                 charged[f"{hierarchy}/{usage_file}"] = read(d / usage_file)
     charged["hugetlb limits"] = limits
+    # cgroup v2 charges a resource to the nearest ancestor whose parent enables the controller:
+    # if hugetlb is enabled anywhere above the pod in the unified hierarchy, the pod's pages
+    # must be counted there (charged, with no per-pod limit).
+    unified = cgroups.get("unified")
+    if unified is not None:
+        charged["unified/pod cgroup.controllers"] = read(unified / "cgroup.controllers")
+        for d in [unified, *unified.parents]:
+            current = read(d / "hugetlb.2MB.current")
+            if current is not None:
+                charged[f"{d}/hugetlb.2MB.current"] = current
+                charged[f"{d}/hugetlb.2MB.max"] = read(d / "hugetlb.2MB.max")
+                assert int(current) >= size, (
+                    f"{d}/hugetlb.2MB.current is {current} with the pod's {size} in use"
+                )
+                break
+            if d == Path("/sys/fs/cgroup/unified"):
+                break
     for where, value in limits.items():
         assert value == str(size), f"{where} is {value}, the pod asked for {size}"
     record_property("charged", json.dumps(charged))
