@@ -62,6 +62,8 @@ BUSYBOX_IMAGE = "offloadpool.local/busybox:1.35"
 
 #: The Debian packages the node needs: runc (with seccomp) and the busybox of the test image.
 APT_PACKAGES = {"runc": "/usr/sbin/runc", "busybox-static": "/bin/busybox"}
+#: ... and to build the static pause and hugetouch (only when the images are missing).
+BUILD_APT_PACKAGES = {"gcc": "/usr/bin/gcc", "libc6-dev": "/usr/include/stdio.h"}
 
 #: A pause process: PID 1 of every sandbox. It holds the namespaces, reaps orphans, and exits
 #: on SIGINT/SIGTERM (PID 1 has no default action for them).
@@ -261,9 +263,9 @@ class _GoLayout:
         return self.bin_dir / name
 
 
-def ensure_apt_packages() -> None:
-    """runc and busybox-static from Debian (apt-get, once)."""
-    need = [p for p, path in APT_PACKAGES.items() if not os.access(path, os.X_OK)]
+def ensure_apt_packages(packages: dict[str, str]) -> None:
+    """Debian packages (runc, busybox-static; gcc to build the images) by apt-get, once."""
+    need = [p for p, path in packages.items() if not os.path.exists(path)]
     if not need:
         return
     if not shutil.which("apt-get"):
@@ -433,7 +435,9 @@ def ensure_built() -> NodeLayout:
     if not lay.missing():
         return lay
     total = time.monotonic()
-    ensure_apt_packages()
+    ensure_apt_packages(APT_PACKAGES)
+    if any(m.startswith("image:") for m in lay.missing()):
+        ensure_apt_packages(BUILD_APT_PACKAGES)
     go = cp.go_version()
     env = cp.go_env()
     cp_layout = cp.Layout(lay.key_dir)  # only for its build lock
