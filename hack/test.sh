@@ -17,6 +17,8 @@
 #      (hack/vllm_env.py, docs/vllm.md),
 #   4. builds the real control plane (etcd, kube-apiserver, kube-controller-manager, kubectl,
 #      helm) into ${OFFLOADPOOL_CACHE:-/var/cache/offloadpool} — once; later runs reuse it,
+#   4b. builds the real node (kubelet, kube-scheduler, containerd, CNI, runc, images) the same way
+#      (hack/node.py),
 #   5. runs the whole suite: .venv/bin/python -m pytest "$@".
 # It exits non-zero if any test fails, if no test ran, or if any test was skipped or xfailed
 # (the project's rule: a test that cannot run must fail, never skip).
@@ -184,6 +186,16 @@ control_plane_build() {
   phase_end
 }
 
+# ---- 4b. real node binaries --------------------------------------------------------------------
+# kubelet, kube-scheduler, containerd, the CNI plugins, runc and busybox (apt), the pause and
+# busybox images (hack/node.py, docs/real-node.md "The test node"): the node the `node` tests
+# run pods on. Built once into its own cache; later runs take well under a second.
+node_build() {
+  phase_start "node binaries"
+  .venv/bin/python hack/node.py build
+  phase_end
+}
+
 # ---- 5. tests ----------------------------------------------------------------------------------
 # Runs pytest with the given arguments; fails if a test failed, none ran, or any was skipped.
 run_pytest() {
@@ -237,4 +249,5 @@ python_env
 lint
 vllm_env
 control_plane_build
+node_build
 run_pytest "$@"
