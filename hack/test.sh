@@ -11,8 +11,8 @@
 #      (GOTOOLCHAIN, fetched through the Go module proxy),
 #   3. creates/updates .venv with `pip install -e '.[test]'`,
 #   3a. lints: ruff check, ruff format --check, mypy ([tool.ruff], [tool.mypy] in pyproject.toml)
-#      and hack/sync_chart.py --check (the chart's CRDs and RBAC are crds/'s and deploy/'s); a
-#      finding stops the run here, before anything slow,
+#      and hack/sync_chart.py --check (the chart's CRDs and RBAC are crds/'s and deploy/'s), in
+#      seconds, before anything slow; a finding fails the run (after the tests have run too),
 #   3b. installs the pinned vLLM the vllm tests drive into a venv cached outside the clone
 #      (hack/vllm_env.py, docs/vllm.md),
 #   4. builds the real control plane (etcd, kube-apiserver, kube-controller-manager, kubectl,
@@ -20,7 +20,8 @@
 #   4b. builds the real node (kubelet, kube-scheduler, containerd, CNI, runc, images) the same way
 #      (hack/node.py),
 #   5. runs the whole suite: .venv/bin/python -m pytest "$@".
-# It exits non-zero if any test fails, if no test ran, or if any test was skipped or xfailed
+# It exits non-zero if the lint phase had a finding, if any test fails, if no test ran, or if any
+# test was skipped or xfailed
 # (the project's rule: a test that cannot run must fail, never skip).
 # Wall time of every phase is printed at the end. See docs/testing.md.
 #
@@ -231,23 +232,25 @@ print(f"OK: {ran} tests ran, none skipped", file=sys.stderr)
 PY
 }
 
+# Lint findings are printed within seconds and fail the run, but the tests still run: one run
+# shows both, and a formatting slip does not hide a test result.
+lint_rc=0
+tests_rc=0
 if [ "$FAST" -eq 1 ]; then
   python_env
-  lint_rc=0
   lint || lint_rc=$?
-  tests_rc=0
   run_pytest -m "$FAST_MARKERS" "$@" || tests_rc=$?
-  [ "$lint_rc" -eq 0 ] || echo "FAIL: the lint phase had findings (above)" >&2
-  [ "$tests_rc" -eq 0 ] && [ "$lint_rc" -eq 0 ]
-  exit
+else
+  reserve_hugepages
+  system_packages
+  go_toolchain
+  python_env
+  lint || lint_rc=$?
+  vllm_env
+  control_plane_build
+  node_build
+  run_pytest "$@" || tests_rc=$?
 fi
-
-reserve_hugepages
-system_packages
-go_toolchain
-python_env
-lint
-vllm_env
-control_plane_build
-node_build
-run_pytest "$@"
+[ "$lint_rc" -eq 0 ] || echo "FAIL: the lint phase had findings (printed before the tests)" >&2
+[ "$tests_rc" -eq 0 ] || exit "$tests_rc"
+exit "$lint_rc"
