@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.cluster import wait_for
+from fixtures.wait import wait_for
 from offloadpool.api.pods import compat_files
 from test_agent_process import create, env, start_agent, status  # noqa: F401  (env: the fixture)
 
