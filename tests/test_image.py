@@ -10,41 +10,21 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
-import tarfile
-import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Iterator
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def image_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("offloadpool_hack_image", REPO / "hack" / "image.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from fixtures.node_image import REPO, build_image, image_tool, unpack
 
 
 def build() -> tuple[Path, str, float]:
-    """Run the build as the test command does; (layout, stderr, seconds)."""
-    if os.geteuid() != 0:
-        pytest.fail("the image build needs root (debootstrap, overlay mounts, chroot)")
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, str(REPO / "hack" / "image.py"), "build"], capture_output=True, text=True,
-                         timeout=1500)
-    assert out.returncode == 0, f"hack/image.py build failed:\n{out.stdout}\n{out.stderr}"
-    return Path(out.stdout.strip().splitlines()[-1]), out.stderr, time.monotonic() - t0
+    return build_image()
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +60,7 @@ def manifest_and_config(layout: Path) -> tuple[dict[str, Any], dict[str, Any], d
 def rootfs(layout: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The image's layers unpacked in order (whiteouts applied), as a runtime would."""
     root = tmp_path_factory.mktemp("image") / "rootfs"
-    root.mkdir()
-    _, manifest, _ = manifest_and_config(layout)
-    for layer in manifest["layers"]:
-        path = layout / "blobs" / "sha256" / layer["digest"].split(":", 1)[1]
-        with tarfile.open(path, "r:gz") as tar:
-            members = []
-            for m in tar.getmembers():
-                name = Path(m.name)
-                if name.name.startswith(".wh."):
-                    gone = root / name.parent / name.name[len(".wh."):]
-                    shutil.rmtree(gone, ignore_errors=True) if gone.is_dir() else gone.unlink(missing_ok=True)
-                else:
-                    members.append(m)
-            tar.extractall(root, members=members, numeric_owner=True)
+    unpack(layout, root)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
