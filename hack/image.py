@@ -45,8 +45,9 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = "/var/cache/offloadpool"
@@ -62,8 +63,11 @@ PREFIX = "/opt/offloadpool"  # the venv inside the image; its bin/ is first on P
 EXTRAS = "operator"  # the operator's extras include the agent's: one image runs both
 REPOSITORY = "ghcr.io/offloadpool/offloadpool"
 CMD = ["offloadpool-operator", "--standalone"]
-ENV = [f"PATH={PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-       "PYTHONDONTWRITEBYTECODE=1", "PYTHONUNBUFFERED=1"]
+ENV = [
+    f"PATH={PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "PYTHONDONTWRITEBYTECODE=1",
+    "PYTHONUNBUFFERED=1",
+]
 # What the wheel is built from: these paths of the source tree (plus this script, which runs
 # the install) make the application layer's key.
 SOURCE_PATHS = ("agent", "operator", "pyproject.toml", "README.md", "hack/image.py")
@@ -74,9 +78,21 @@ MEDIA_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 KEEP_IMAGES = 3
 HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 # pip's settings passed into the chroot (the index, its certificate, timeouts, a proxy).
-PASS_ENV = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT", "PIP_CERT",
-            "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY",
-            "https_proxy", "http_proxy", "no_proxy")
+PASS_ENV = (
+    "PIP_INDEX_URL",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_TRUSTED_HOST",
+    "PIP_DEFAULT_TIMEOUT",
+    "PIP_CERT",
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "HTTPS_PROXY",
+    "HTTP_PROXY",
+    "NO_PROXY",
+    "https_proxy",
+    "http_proxy",
+    "no_proxy",
+)
 GZIP_LEVEL = 3  # a build-time trade: level 9 doubles the time for ~5% smaller blobs
 
 
@@ -101,8 +117,14 @@ def image_name() -> str:
 
 
 def base_key() -> str:
-    recipe = {"suite": SUITE, "mirror": MIRROR, "packages": PACKAGES, "revision": RECIPE_REVISION,
-              "variant": "minbase", "arch": "amd64"}
+    recipe = {
+        "suite": SUITE,
+        "mirror": MIRROR,
+        "packages": PACKAGES,
+        "revision": RECIPE_REVISION,
+        "variant": "minbase",
+        "arch": "amd64",
+    }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -110,12 +132,21 @@ def source_files() -> list[str]:
     """The files the application layer is made from: git's view (tracked, and untracked but
     not ignored) when this is a clone, else every file under SOURCE_PATHS."""
     try:
-        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "--", *SOURCE_PATHS], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "--", *SOURCE_PATHS],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         files = [f for f in out.splitlines() if (ROOT / f).is_file()]
     except (OSError, subprocess.CalledProcessError):
-        files = [str(p.relative_to(ROOT)) for s in SOURCE_PATHS
-                 for p in ([ROOT / s] if (ROOT / s).is_file() else sorted((ROOT / s).rglob("*"))) if p.is_file()]
+        files = [
+            str(p.relative_to(ROOT))
+            for s in SOURCE_PATHS
+            for p in ([ROOT / s] if (ROOT / s).is_file() else sorted((ROOT / s).rglob("*")))
+            if p.is_file()
+        ]
     return sorted(f for f in files if "__pycache__" not in f and not f.endswith(".pyc"))
 
 
@@ -135,6 +166,7 @@ def _lock(path: Path) -> Iterator[None]:
 
 
 # ---- layers ---------------------------------------------------------------------------------
+
 
 class _Hashing:
     """A write-only file that hashes and counts what passes through to ``sink``."""
@@ -190,11 +222,15 @@ def write_layer(tree: Path, out: Path) -> dict[str, object]:
                                 tar.addfile(info, fh)
                         else:
                             tar.addfile(info)
-    return {"digest": f"sha256:{blob.sha.hexdigest()}", "size": blob.size,
-            "diff_id": f"sha256:{diff.sha.hexdigest()}"}
+    return {
+        "digest": f"sha256:{blob.sha.hexdigest()}",
+        "size": blob.size,
+        "diff_id": f"sha256:{diff.sha.hexdigest()}",
+    }
 
 
 # ---- base -----------------------------------------------------------------------------------
+
 
 def ensure_base() -> tuple[Path, dict[str, object]]:
     """The cached base root file system and its layer (made once per recipe)."""
@@ -206,17 +242,32 @@ def ensure_base() -> tuple[Path, dict[str, object]]:
         if not shutil.which("debootstrap"):
             _log("installing debootstrap")
             subprocess.run(["apt-get", "update", "-qq"], check=True)
-            subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "debootstrap"], check=True,
-                           env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+            subprocess.run(
+                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "debootstrap"],
+                check=True,
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            )
         if d.exists():
             shutil.rmtree(d)
         d.mkdir(parents=True)
         t0 = time.monotonic()
         _log(f"debootstrap {SUITE} ({', '.join(PACKAGES)}) from {MIRROR}")
-        proc = subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE,
-                               str(d / "rootfs"), MIRROR], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(PACKAGES)}",
+                SUITE,
+                str(d / "rootfs"),
+                MIRROR,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
-            raise SystemExit(f"debootstrap failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise SystemExit(
+                f"debootstrap failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         rootfs = d / "rootfs"
         # What a slim image leaves out: downloaded .debs and package lists; the runtime brings
         # its own resolv.conf.
@@ -233,6 +284,7 @@ def ensure_base() -> tuple[Path, dict[str, object]]:
 
 # ---- application layer ------------------------------------------------------------------------
 
+
 def _mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True)
 
@@ -244,7 +296,14 @@ def build_app_layer(base_rootfs: Path, work: Path) -> dict[str, object]:
         p.mkdir()
     mounted: list[Path] = []
     try:
-        _mount("-t", "overlay", "overlay", "-o", f"lowerdir={base_rootfs},upperdir={upper},workdir={wd}", str(merged))
+        _mount(
+            "-t",
+            "overlay",
+            "overlay",
+            "-o",
+            f"lowerdir={base_rootfs},upperdir={upper},workdir={wd}",
+            str(merged),
+        )
         mounted.append(merged)
         src = merged / "src"
         src.mkdir()
@@ -254,8 +313,11 @@ def build_app_layer(base_rootfs: Path, work: Path) -> dict[str, object]:
         # The build machine's network settings, for pip only (bind mounts: nothing of them
         # lands in the layer): its resolver, and its CA bundle over the image's (a TLS-
         # intercepting egress proxy signs with its own CA).
-        binds = [("proc", merged / "proc", ["-t", "proc"]), ("/dev", merged / "dev", ["--rbind"]),
-                 ("/etc/resolv.conf", merged / "etc/resolv.conf", ["--bind"])]
+        binds = [
+            ("proc", merged / "proc", ["-t", "proc"]),
+            ("/dev", merged / "dev", ["--rbind"]),
+            ("/etc/resolv.conf", merged / "etc/resolv.conf", ["--bind"]),
+        ]
         if Path(HOST_CA_BUNDLE).is_file() and (merged / HOST_CA_BUNDLE.lstrip("/")).is_file():
             binds.append((HOST_CA_BUNDLE, merged / HOST_CA_BUNDLE.lstrip("/"), ["--bind"]))
         for what, target, opts in binds:
@@ -263,11 +325,17 @@ def build_app_layer(base_rootfs: Path, work: Path) -> dict[str, object]:
             mounted.append(target)
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
         env.update({k: v for k, v in os.environ.items() if k in PASS_ENV})
-        proc = subprocess.run(["chroot", str(merged), "/usr/bin/python3", "/src/hack/image.py", "install", "/src"],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            ["chroot", str(merged), "/usr/bin/python3", "/src/hack/image.py", "install", "/src"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if proc.returncode != 0:
-            raise SystemExit(f"install in the image failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-4000:]}")
+            raise SystemExit(
+                f"install in the image failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                f"{proc.stderr[-4000:]}"
+            )
     finally:
         for target in reversed(mounted):
             subprocess.run(["umount", "-R", str(target)], check=False)
@@ -287,14 +355,24 @@ def install(src: Path, prefix: str = PREFIX) -> None:
     """Inside the image (the Dockerfile's RUN, or the chroot above): a venv at ``prefix`` with
     ``src[operator]`` (the wheel built from src, and its dependencies) installed."""
     subprocess.run([sys.executable, "-m", "venv", prefix], check=True)
-    subprocess.run([f"{prefix}/bin/pip", "install", "--no-cache-dir", "--disable-pip-version-check", "-q",
-                    f"{src}[{EXTRAS}]"], check=True)
+    subprocess.run(
+        [
+            f"{prefix}/bin/pip",
+            "install",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "-q",
+            f"{src}[{EXTRAS}]",
+        ],
+        check=True,
+    )
     # pip's own build leftovers; nothing of src stays in the image
     for leftover in src.glob("build"):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---- the OCI layout ---------------------------------------------------------------------------
+
 
 def _blob(layout: Path, data: bytes) -> tuple[str, int]:
     digest = hashlib.sha256(data).hexdigest()
@@ -317,25 +395,45 @@ def write_layout(layout: Path, layers: list[tuple[Path, dict[str, object]]]) -> 
         _place_layer(layout, file, layer)
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     config = {
-        "created": created, "architecture": "amd64", "os": "linux",
+        "created": created,
+        "architecture": "amd64",
+        "os": "linux",
         "config": {"Env": ENV, "Cmd": CMD, "WorkingDir": "/"},
         "rootfs": {"type": "layers", "diff_ids": [layer["diff_id"] for _, layer in layers]},
-        "history": [{"created": created, "created_by": f"debootstrap --variant=minbase {SUITE} +{','.join(PACKAGES)}"},
-                    {"created": created, "created_by": f"python3 hack/image.py install /src  # {PREFIX}"}],
+        "history": [
+            {
+                "created": created,
+                "created_by": f"debootstrap --variant=minbase {SUITE} +{','.join(PACKAGES)}",
+            },
+            {"created": created, "created_by": f"python3 hack/image.py install /src  # {PREFIX}"},
+        ],
     }
     config_digest, config_size = _blob(layout, json.dumps(config, sort_keys=True).encode())
     manifest = {
-        "schemaVersion": 2, "mediaType": MEDIA_MANIFEST,
+        "schemaVersion": 2,
+        "mediaType": MEDIA_MANIFEST,
         "config": {"mediaType": MEDIA_CONFIG, "digest": config_digest, "size": config_size},
-        "layers": [{"mediaType": MEDIA_LAYER, "digest": layer["digest"], "size": layer["size"]} for _, layer in layers],
+        "layers": [
+            {"mediaType": MEDIA_LAYER, "digest": layer["digest"], "size": layer["size"]}
+            for _, layer in layers
+        ],
     }
     manifest_digest, manifest_size = _blob(layout, json.dumps(manifest, sort_keys=True).encode())
     index = {
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-        "manifests": [{"mediaType": MEDIA_MANIFEST, "digest": manifest_digest, "size": manifest_size,
-                       "platform": {"architecture": "amd64", "os": "linux"},
-                       "annotations": {"org.opencontainers.image.ref.name": version(),
-                                       "io.containerd.image.name": image_name()}}],
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {
+                "mediaType": MEDIA_MANIFEST,
+                "digest": manifest_digest,
+                "size": manifest_size,
+                "platform": {"architecture": "amd64", "os": "linux"},
+                "annotations": {
+                    "org.opencontainers.image.ref.name": version(),
+                    "io.containerd.image.name": image_name(),
+                },
+            }
+        ],
     }
     (layout / "index.json").write_text(json.dumps(index, indent=2))
     return {"name": image_name(), "manifest": manifest_digest, "config": config_digest}
@@ -356,9 +454,12 @@ def ensure_image() -> Path:
             work = Path(tmp)
             app_layer = build_app_layer(base_rootfs, work)
             staging = work / "layout"
-            info = write_layout(staging, [(base_rootfs.parent / "layer.tar.gz", base_layer),
-                                          (work / "app.tar.gz", app_layer)])
-            info["seconds"] = f"base {t1 - t0:.0f} s, application layer and layout {time.monotonic() - t1:.0f} s"
+            info = write_layout(
+                staging, [(base_rootfs.parent / "layer.tar.gz", base_layer), (work / "app.tar.gz", app_layer)]
+            )
+            info["seconds"] = (
+                f"base {t1 - t0:.0f} s, application layer and layout {time.monotonic() - t1:.0f} s"
+            )
             (staging / "image.json").write_text(json.dumps(info, indent=2))
             staging.rename(layout)
         _log(f"built {image_name()} in {time.monotonic() - t0:.0f} s: {layout}")
@@ -368,14 +469,19 @@ def ensure_image() -> Path:
 
 def prune(keep: int) -> None:
     """Keep the newest ``keep`` image layouts (each source change makes one); bases stay."""
-    layouts = sorted((d for d in cache_root().iterdir() if (d / "index.json").exists()),
-                     key=lambda d: (d / "index.json").stat().st_mtime, reverse=True)
+    layouts = sorted(
+        (d for d in cache_root().iterdir() if (d / "index.json").exists()),
+        key=lambda d: (d / "index.json").stat().st_mtime,
+        reverse=True,
+    )
     for old in layouts[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("build", help="make (or reuse) the image; print its OCI layout directory")
     sub.add_parser("key", help="print the cache key of the current source")

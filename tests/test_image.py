@@ -15,12 +15,15 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from fixtures.node_image import REPO, build_image, image_tool, unpack
+
+pytestmark = pytest.mark.root  # builds images, mounts, cgroups: root only
 
 
 def build() -> tuple[Path, str, float]:
@@ -80,7 +83,7 @@ def test_layout_is_a_valid_oci_image_named_as_the_chart_expects(layout: Path) ->
     assert entry["annotations"]["io.containerd.image.name"] == f"{repository[1]}:{app_version[1]}"
     assert config["architecture"] == "amd64" and config["os"] == "linux"
     assert len(manifest["layers"]) == len(config["rootfs"]["diff_ids"]) == 2
-    for layer, diff_id in zip(manifest["layers"], config["rootfs"]["diff_ids"]):
+    for layer, diff_id in zip(manifest["layers"], config["rootfs"]["diff_ids"], strict=True):
         assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar+gzip"
         data = descriptor_content(layout, layer)
         assert "sha256:" + hashlib.sha256(gzip.decompress(data)).hexdigest() == diff_id
@@ -95,24 +98,31 @@ def test_the_image_runs_offloadpool(rootfs: Path, layout: Path) -> None:
         exe = rootfs / tool.PREFIX.lstrip("/") / "bin" / script
         assert exe.is_file() and os.access(exe, os.X_OK), f"{script} is not in the image"
     env = dict(e.split("=", 1) for e in config["config"]["Env"])
-    code = ("import offloadpool, offloadpool.agent, offloadpool.agent.main, offloadpool.operator.main, kopf, kubernetes;"
-            "print(offloadpool.__version__, offloadpool.__file__)")
-    out = subprocess.run(["chroot", str(rootfs), "python", "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "import offloadpool, offloadpool.agent, offloadpool.agent.main, offloadpool.operator.main;"
+        "import kopf, kubernetes;"
+        "print(offloadpool.__version__, offloadpool.__file__)"
+    )
+    out = subprocess.run(
+        ["chroot", str(rootfs), "python", "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     installed_version, where = out.stdout.split()
     assert installed_version == tool.version()
     assert where.startswith(f"{tool.PREFIX}/lib/python3"), where  # the wheel, installed; no source tree
     assert not (rootfs / "src").exists()
-    cli = subprocess.run(["chroot", str(rootfs), "offloadpool", "--help"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    cli = subprocess.run(
+        ["chroot", str(rootfs), "offloadpool", "--help"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert cli.returncode == 0 and "provision" in cli.stdout, cli.stderr
 
 
 def test_dockerfile_installs_what_the_build_installs() -> None:
     tool = image_tool()
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert re.search(rf"^FROM debian:{tool.SUITE}-slim$", dockerfile, re.M), "the base differs from the build's"
+    assert re.search(rf"^FROM debian:{tool.SUITE}-slim$", dockerfile, re.M), (
+        "the base differs from the build's"
+    )
     apt = re.search(r"apt-get install -y --no-install-recommends ([^\\\n]+)", dockerfile)
     assert apt and tuple(apt[1].split()) == tool.PACKAGES
     assert "RUN python3 /src/hack/image.py install /src" in dockerfile

@@ -14,14 +14,17 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from fixtures.node_image import build_image, image_manifest, runc_bundle, runc_run, unpack
 from offloadpool.region import mounts
 from offloadpool.region.release import release
+
+pytestmark = pytest.mark.root  # builds images, mounts, cgroups: root only
 
 MiB = 1 << 20
 AGENT_ROOT = "/var/lib/offloadpool"  # the chart's host root, mounted at the same path
@@ -54,7 +57,7 @@ def host_root(tmp_path: Path, hugepage_baseline: dict[int, int]) -> Iterator[Pat
             if child.is_dir():
                 try:
                     release(root, child.name, force=True)
-                except Exception:  # noqa: BLE001 - the raw unmounts below still run
+                except Exception:
                     pass
         for m in reversed(mounts.mounts_under(root)):
             mounts.umount(m.target, lazy=True)
@@ -62,18 +65,30 @@ def host_root(tmp_path: Path, hugepage_baseline: dict[int, int]) -> Iterator[Pat
             subprocess.run(["umount", "-l", str(root)], check=True)
 
 
-def provision_in_agent_container(image: tuple[Path, dict[str, Any]], host_root: Path, bundle: Path, medium: str,
-                                 propagation: str) -> subprocess.CompletedProcess:
+def provision_in_agent_container(
+    image: tuple[Path, dict[str, Any]], host_root: Path, bundle: Path, medium: str, propagation: str
+) -> subprocess.CompletedProcess:
     rootfs, config = image
-    args = ["offloadpool", "provision", "--root", AGENT_ROOT, "--name", "pool", "--capacity", "64Mi",
-            "--medium", medium]
+    args = [
+        "offloadpool",
+        "provision",
+        "--root",
+        AGENT_ROOT,
+        "--name",
+        "pool",
+        "--capacity",
+        "64Mi",
+        "--medium",
+        medium,
+    ]
     runc_bundle(bundle, rootfs, config, args, [(host_root, AGENT_ROOT, propagation)], privileged=True)
     return runc_run(bundle, timeout=300)
 
 
 @pytest.mark.parametrize("medium,fstype", [("Memory", "tmpfs"), ("HugePages-2Mi", "hugetlbfs")])
-def test_bidirectional_mount_reaches_host_and_consumer(image, host_root: Path, tmp_path: Path, medium: str,
-                                                       fstype: str) -> None:
+def test_bidirectional_mount_reaches_host_and_consumer(
+    image, host_root: Path, tmp_path: Path, medium: str, fstype: str
+) -> None:
     out = provision_in_agent_container(image, host_root, tmp_path / "agent", medium, "Bidirectional")
     assert out.returncode == 0, (out.stdout, out.stderr)
 
@@ -90,11 +105,19 @@ def test_bidirectional_mount_reaches_host_and_consumer(image, host_root: Path, t
     # the mount it sees, and the host reads the same memory
     rootfs, config = image
     seg = files[0].name
-    code = (f"import mmap, os; fd = os.open('/pool/mnt/{seg}', os.O_RDWR); "
-            f"m = mmap.mmap(fd, os.fstat(fd).st_size); m[:{len(MARK)}] = {MARK!r}; m.flush(); "
-            "print(os.fstat(fd).st_size)")
-    runc_bundle(tmp_path / "consumer", rootfs, config, ["python", "-c", code],
-                [(pool, "/pool", "HostToContainer")], privileged=False)
+    code = (
+        f"import mmap, os; fd = os.open('/pool/mnt/{seg}', os.O_RDWR); "
+        f"m = mmap.mmap(fd, os.fstat(fd).st_size); m[:{len(MARK)}] = {MARK!r}; m.flush(); "
+        "print(os.fstat(fd).st_size)"
+    )
+    runc_bundle(
+        tmp_path / "consumer",
+        rootfs,
+        config,
+        ["python", "-c", code],
+        [(pool, "/pool", "HostToContainer")],
+        privileged=False,
+    )
     out = runc_run(tmp_path / "consumer")
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert int(out.stdout) == files[0].stat().st_size

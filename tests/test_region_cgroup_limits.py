@@ -18,13 +18,16 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from fixtures.host import cli_argv, hugepage_totals
 from offloadpool.region import cgroup_limits, mounts
+
+pytestmark = pytest.mark.root  # builds images, mounts, cgroups: root only
 
 MiB = 1 << 20
 GROUP, VERSION = "offloadpool.io", "v1alpha1"
@@ -62,7 +65,9 @@ class Cgroups:
                 except OSError:
                     time.sleep(0.1)
             else:
-                raise AssertionError(f"cannot remove test cgroup {path}: {(path / 'cgroup.procs').read_text()!r}")
+                raise AssertionError(
+                    f"cannot remove test cgroup {path}: {(path / 'cgroup.procs').read_text()!r}"
+                )
         for control in reversed(self.enabled):
             try:
                 control.write_text("-hugetlb")
@@ -87,10 +92,19 @@ def in_cgroups(groups: list[Path], argv: list[str]) -> list[str]:
     return ["sh", "-c", f'{moves} && exec "$@"', "sh", *argv]
 
 
-def run_provision(groups: list[Path], root: Path, name: str, capacity: str, medium: str) -> subprocess.CompletedProcess:
-    argv = cli_argv("provision", "--root", str(root), "--name", name, "--capacity", capacity, "--medium", medium)
-    return subprocess.run(in_cgroups(groups, argv), capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "400"})
+def run_provision(
+    groups: list[Path], root: Path, name: str, capacity: str, medium: str
+) -> subprocess.CompletedProcess:
+    argv = cli_argv(
+        "provision", "--root", str(root), "--name", name, "--capacity", capacity, "--medium", medium
+    )
+    return subprocess.run(
+        in_cgroups(groups, argv),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "400"},
+    )
 
 
 def read_int(path: Path) -> int:
@@ -109,7 +123,9 @@ def assert_nothing_built(root: Path, baseline: dict[int, int]) -> None:
 
 
 @pytest.mark.parametrize("limit_file", ["hugetlb.2MB.max", "hugetlb.2MB.rsvd.max"])
-def test_hugetlb_limit_refuses_the_pool_on_the_cli(cgroups, region_root, hugepage_baseline, limit_file) -> None:
+def test_hugetlb_limit_refuses_the_pool_on_the_cli(
+    cgroups, region_root, hugepage_baseline, limit_file
+) -> None:
     cg = cgroups.child("hugetlb")
     (cg / limit_file).write_text(str(16 * MiB))
     out = run_provision([cg], region_root, "capped", "32Mi", "HugePages-2Mi")
@@ -155,8 +171,9 @@ def test_memory_limit_refuses_a_tmpfs_pool(cgroups, region_root, hugepage_baseli
 
 
 @pytest.mark.parametrize("medium", ["HugePages-2Mi", "MemoryTHP"])
-def test_a_pool_within_the_limits_is_built_and_charged_to_that_cgroup(cgroups, region_root, hugepage_baseline,
-                                                                       medium) -> None:
+def test_a_pool_within_the_limits_is_built_and_charged_to_that_cgroup(
+    cgroups, region_root, hugepage_baseline, medium
+) -> None:
     """The check passes what fits, and the charge lands where the module says it does."""
     huge, mem = cgroups.child("hugetlb"), cgroups.child("memory")
     mem_h = cgroup_limits.hierarchy("memory")
@@ -185,16 +202,22 @@ def test_the_kernel_enforces_the_limit_the_check_reads(cgroups, tmp_path) -> Non
     mnt.mkdir()
     subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,size=8M", "probe", str(mnt)], check=True)
     try:
-        code = ("import os, sys; from offloadpool.region import vm\n"
-                f"fd = os.open({str(mnt / 'f')!r}, os.O_RDWR | os.O_CREAT, 0o600); os.ftruncate(fd, {8 * MiB})\n"
-                "try:\n    vm.map_shared(fd, %d)\nexcept vm.VMError as e:\n    print(e.errno); sys.exit(3)\n" % (8 * MiB))
-        out = subprocess.run(in_cgroups([cg], [sys.executable, "-c", code]), capture_output=True, text=True, timeout=60)
+        code = (
+            "import os, sys; from offloadpool.region import vm\n"
+            f"fd = os.open({str(mnt / 'f')!r}, os.O_RDWR | os.O_CREAT, 0o600); os.ftruncate(fd, {8 * MiB})\n"
+            "try:\n    vm.map_shared(fd, %d)\nexcept vm.VMError as e:\n    print(e.errno); sys.exit(3)\n"
+            % (8 * MiB)
+        )
+        out = subprocess.run(
+            in_cgroups([cg], [sys.executable, "-c", code]), capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 3 and out.stdout.strip() == "12", (out.stdout, out.stderr)  # ENOMEM
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
 
 
 # ---- the agent: the same refusal reaches the OffloadPoolNode status ---------------------------
+
 
 @pytest.fixture
 def agent_world(crds_installed: Any, cgroups: Cgroups) -> Iterator[dict[str, Any]]:
@@ -233,25 +256,53 @@ def test_agent_reports_the_cgroup_limit_in_status(agent_world, cgroups) -> None:
 
     pool, node = "cg-capped", "node-cg"
     custom = agent_world["custom"]
-    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpools", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": pool},
-        "spec": {"capacity": "32Mi", "medium": "HugePages-2Mi"}})
+    custom.create_cluster_custom_object(
+        GROUP,
+        VERSION,
+        "offloadpools",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "OffloadPool",
+            "metadata": {"name": pool},
+            "spec": {"capacity": "32Mi", "medium": "HugePages-2Mi"},
+        },
+    )
     agent_world["names"].append(("offloadpools", pool))
-    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPoolNode", "metadata": {"name": f"{pool}.{node}"},
-        "spec": {"pool": pool, "nodeName": node}})
+    custom.create_cluster_custom_object(
+        GROUP,
+        VERSION,
+        "offloadpoolnodes",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "OffloadPoolNode",
+            "metadata": {"name": f"{pool}.{node}"},
+            "spec": {"pool": pool, "nodeName": node},
+        },
+    )
     agent_world["names"].append(("offloadpoolnodes", f"{pool}.{node}"))
 
     cg = cgroups.child("hugetlb")
     (cg / "hugetlb.2MB.max").write_text(str(16 * MiB))
     root = agent_world["work"] / "root"
-    env = {**os.environ, "KUBECONFIG": str(agent_world["cp"].kubeconfig), "POOL_NAME": pool, "NODE_NAME": node,
-           "POD_NAMESPACE": "default", "OFFLOADPOOL_ROOT": str(root), "OFFLOADPOOL_HTTP_PORT": str(free_port()),
-           "OFFLOADPOOL_HEARTBEAT_SECONDS": "1", "OFFLOADPOOL_RETRY_SECONDS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(agent_world["cp"].kubeconfig),
+        "POOL_NAME": pool,
+        "NODE_NAME": node,
+        "POD_NAMESPACE": "default",
+        "OFFLOADPOOL_ROOT": str(root),
+        "OFFLOADPOOL_HTTP_PORT": str(free_port()),
+        "OFFLOADPOOL_HEARTBEAT_SECONDS": "1",
+        "OFFLOADPOOL_RETRY_SECONDS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     exe = str(Path(sys.executable).parent / "offloadpool-agent")
     log = open(agent_world["work"] / "agent.log", "wb")
-    agent_world["procs"].append(subprocess.Popen(in_cgroups([cg], [exe]), env=env, stdout=log,
-                                                 stderr=subprocess.STDOUT, start_new_session=True))
+    agent_world["procs"].append(
+        subprocess.Popen(
+            in_cgroups([cg], [exe]), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    )
 
     def failed() -> dict[str, Any] | None:
         obj = custom.get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", f"{pool}.{node}")

@@ -83,12 +83,13 @@ def _inside(mount_root: str, path: str) -> str | None:
     if path == root or root == "":
         return path.lstrip("/")
     if path.startswith(root + "/"):
-        return path[len(root) + 1:]
+        return path[len(root) + 1 :]
     return None
 
 
-def hierarchy(controller: str, *, proc_cgroup: str = "/proc/self/cgroup",
-              mountinfo: str = "/proc/self/mountinfo") -> Hierarchy | None:
+def hierarchy(
+    controller: str, *, proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo"
+) -> Hierarchy | None:
     """The hierarchy ``controller`` is attached to for this process, v1 first (a controller in
     use on v1 is not available on v2); None when it is mounted nowhere visible."""
     lines = [ln.split(":", 2) for ln in Path(proc_cgroup).read_text().splitlines() if ln.count(":") >= 2]
@@ -158,11 +159,17 @@ def hugetlb_limits(page_size: int, *, rsvd: bool, h: Hierarchy | None) -> list[L
         return []
     size = hugetlb_size_name(page_size)
     if h.version == 2:
-        limit_name, usage_name = (f"hugetlb.{size}.rsvd.max", f"hugetlb.{size}.rsvd.current") if rsvd else \
-            (f"hugetlb.{size}.max", f"hugetlb.{size}.current")
+        limit_name, usage_name = (
+            (f"hugetlb.{size}.rsvd.max", f"hugetlb.{size}.rsvd.current")
+            if rsvd
+            else (f"hugetlb.{size}.max", f"hugetlb.{size}.current")
+        )
     else:
-        limit_name, usage_name = (f"hugetlb.{size}.rsvd.limit_in_bytes", f"hugetlb.{size}.rsvd.usage_in_bytes") \
-            if rsvd else (f"hugetlb.{size}.limit_in_bytes", f"hugetlb.{size}.usage_in_bytes")
+        limit_name, usage_name = (
+            (f"hugetlb.{size}.rsvd.limit_in_bytes", f"hugetlb.{size}.rsvd.usage_in_bytes")
+            if rsvd
+            else (f"hugetlb.{size}.limit_in_bytes", f"hugetlb.{size}.usage_in_bytes")
+        )
     out = []
     for level in _levels(h):
         limit = _read(level / limit_name)
@@ -177,8 +184,11 @@ def memory_limits(h: Hierarchy | None) -> list[Limit]:
     cgroup's usage less the page cache it would reclaim first)."""
     if h is None:
         return []
-    limit_name, usage_name = ("memory.max", "memory.current") if h.version == 2 else \
-        ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    limit_name, usage_name = (
+        ("memory.max", "memory.current")
+        if h.version == 2
+        else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    )
     out = []
     for level in _levels(h):
         limit = _read(level / limit_name)
@@ -196,10 +206,14 @@ def quantity(n: int) -> str:
     return f"{-(-n // MiB)}Mi"
 
 
-def _refuse(what: str, need: int, want: int, limit: Limit, own: Path, resource: str,
-            note: str) -> CgroupLimitError:
-    where = "this process's cgroup" if limit.file.parent == own else \
-        f"an ancestor of this process's cgroup ({own})"
+def _refuse(
+    what: str, need: int, want: int, limit: Limit, own: Path, resource: str, note: str
+) -> CgroupLimitError:
+    where = (
+        "this process's cgroup"
+        if limit.file.parent == own
+        else f"an ancestor of this process's cgroup ({own})"
+    )
     ask = limit.usage + want
     freed = f" ({fmt_bytes(need - want)} of it freed by the pool it replaces)" if want != need else ""
     return CgroupLimitError(
@@ -210,8 +224,14 @@ def _refuse(what: str, need: int, want: int, limit: Limit, own: Path, resource: 
     )
 
 
-def check(medium: Medium, need: int, *, credit: int = 0, proc_cgroup: str = "/proc/self/cgroup",
-          mountinfo: str = "/proc/self/mountinfo") -> None:
+def check(
+    medium: Medium,
+    need: int,
+    *,
+    credit: int = 0,
+    proc_cgroup: str = "/proc/self/cgroup",
+    mountinfo: str = "/proc/self/mountinfo",
+) -> None:
     """Raise CgroupLimitError unless ``need`` bytes of ``medium`` fit every limit of this
     process's cgroups; ``credit`` is what a pool being replaced frees (its pages leave the
     cgroup that was charged for them, normally this one)."""
@@ -224,14 +244,23 @@ def check(medium: Medium, need: int, *, credit: int = 0, proc_cgroup: str = "/pr
         h = hierarchy("hugetlb", **paths)
         resource = f"hugepages-{quantity(page)}"
         what = f"{medium.name} pool of {need // page} huge pages ({hugetlb_size_name(page)})"
-        for rsvd, note in ((True, " (the reservation limit: charged when the pool's files are mapped, "
-                                  "the mmap fails with ENOMEM past it)"),
-                           (False, " (charged as pages are faulted: SIGBUS past it)")):
+        for rsvd, note in (
+            (
+                True,
+                " (the reservation limit: charged when the pool's files are mapped, "
+                "the mmap fails with ENOMEM past it)",
+            ),
+            (False, " (charged as pages are faulted: SIGBUS past it)"),
+        ):
             for limit in hugetlb_limits(page, rsvd=rsvd, h=h):
                 if want > limit.room:
-                    raise _refuse(what, need, want, limit, h.directory if h else limit.file.parent, resource, note)
+                    raise _refuse(
+                        what, need, want, limit, h.directory if h else limit.file.parent, resource, note
+                    )
         mem = hierarchy("memory", **paths)
-        v2_accounts_hugetlb = mem is not None and mem.version == 2 and "memory_hugetlb_accounting" in mem.options
+        v2_accounts_hugetlb = (
+            mem is not None and mem.version == 2 and "memory_hugetlb_accounting" in mem.options
+        )
         if not v2_accounts_hugetlb:
             return
         note = " (cgroup v2 is mounted with memory_hugetlb_accounting: huge pages count as memory)"
@@ -241,4 +270,6 @@ def check(medium: Medium, need: int, *, credit: int = 0, proc_cgroup: str = "/pr
         note = " (tmpfs pages are charged to the memory cgroup of the process that writes them first)"
     for limit in memory_limits(mem):
         if want > limit.room:
-            raise _refuse(what, need, want, limit, mem.directory if mem else limit.file.parent, "memory", note)
+            raise _refuse(
+                what, need, want, limit, mem.directory if mem else limit.file.parent, "memory", note
+            )
