@@ -132,3 +132,33 @@ def test_without_propagation_nothing_reaches_the_host(image, host_root: Path, tm
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert mounts.mount_at(host_root / "pool" / "mnt") is None
     assert [m for m in mounts.mounts_under(host_root) if Path(m.target) != host_root] == []
+
+
+def test_the_containers_memory_limit_refuses_a_tmpfs_pool_inside_it(
+    image, host_root: Path, tmp_path: Path
+) -> None:
+    """The agent's container with a memory limit below the pool (as the kubelet sets it from
+    resources.limits.memory): the check reads the limit through the container's own cgroup
+    mount and refuses, naming it, before anything reaches the host."""
+    rootfs, config = image
+    args = ["offloadpool", "provision", "--root", AGENT_ROOT, "--name", "pool", "--capacity", "128Mi"]
+    args += ["--medium", "Memory"]
+    runc_bundle(
+        tmp_path / "agent",
+        rootfs,
+        config,
+        args,
+        [(host_root, AGENT_ROOT, "Bidirectional")],
+        privileged=True,
+        resources={"memory": {"limit": 96 * MiB}},
+    )
+    out = runc_run(tmp_path / "agent")
+    message = " ".join(out.stderr.split())
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "memory.limit_in_bytes is 96.00 MiB" in message or "memory.max is 96.00 MiB" in message, message
+    assert "Memory pool (tmpfs) needs 128.00 MiB" in message and "resources.limits.memory: " in message, (
+        message
+    )
+    assert not (host_root / "pool").exists() or not any((host_root / "pool").iterdir())
+    assert [m for m in mounts.mounts_under(host_root) if Path(m.target) != host_root] == []
