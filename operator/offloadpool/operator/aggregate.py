@@ -28,7 +28,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from offloadpool.api.status import MAX_FAILING_NODES, Condition, ConditionStatus, transition
+from offloadpool.api.status import (
+    MAX_FAILING_NODES,
+    Condition,
+    ConditionStatus,
+    FailingNode,
+    OffloadPoolStatus,
+    transition,
+)
 
 from .nodeview import NodeView
 
@@ -171,26 +178,26 @@ def aggregate(
         condition_list = conditions.serving(tally)
     problems = sorted(tally.problems, key=lambda p: (_SEVERITY.get(p[0], 9), p[1]))
     failing = [
-        {"node": n, "reason": r[:128], "message": m[:1024]} for _, n, r, m in problems[:MAX_FAILING_NODES]
+        FailingNode(node=n, reason=r[:128], message=m[:1024]) for _, n, r, m in problems[:MAX_FAILING_NODES]
     ]
     if deleting:
         failing = [
-            {"node": n, "reason": "NotReleased", "message": _release_message(views[n])}
+            FailingNode(node=n, reason="NotReleased", message=_release_message(views[n]))
             for n in unreleased[:MAX_FAILING_NODES]
         ]
-    status = {
-        "observedGeneration": generation,
-        "phase": _phase(tally, deleting),
-        "desiredNodes": len(tally.selected),
-        "readyNodes": 0 if deleting else len(tally.ready),
-        "failedNodes": len(tally.failed),
-        "pendingNodes": len(tally.pending),
-        "totalBytes": 0 if deleting else tally.total_bytes,
-        "failingNodes": failing,
-        "conditions": condition_list,
-    }
+    status = OffloadPoolStatus(
+        observed_generation=generation,
+        phase=_phase(tally, deleting),
+        desired_nodes=len(tally.selected),
+        ready_nodes=0 if deleting else len(tally.ready),
+        failed_nodes=len(tally.failed),
+        pending_nodes=len(tally.pending),
+        total_bytes=0 if deleting else tally.total_bytes,
+        failing_nodes=failing,
+        conditions=condition_list,
+    )
     return Aggregate(
-        status=status,
+        status=status.model_dump(by_alias=True),
         ready_nodes=frozenset() if deleting else frozenset(tally.ready),
         failed_nodes=frozenset(tally.failed),
         unreleased_nodes=tuple(unreleased),
@@ -223,13 +230,11 @@ class _Conditions:
     def __init__(self, previous: Mapping[str, Condition], generation: int, now: datetime) -> None:
         self.previous, self.generation, self.now = previous, generation, now
 
-    def cond(self, ctype: str, status: bool, reason: str, message: str) -> dict[str, Any]:
+    def cond(self, ctype: str, status: bool, reason: str, message: str) -> Condition:
         text: ConditionStatus = "True" if status else "False"
-        return transition(
-            self.previous.get(ctype), ctype, text, reason, message, self.generation, self.now
-        ).model_dump(by_alias=True)
+        return transition(self.previous.get(ctype), ctype, text, reason, message, self.generation, self.now)
 
-    def deleting(self, unreleased: Sequence[str], views: Mapping[str, NodeView]) -> list[dict[str, Any]]:
+    def deleting(self, unreleased: Sequence[str], views: Mapping[str, NodeView]) -> list[Condition]:
         cond = self.cond
         if unreleased:
             waiting = "; ".join(
@@ -251,7 +256,7 @@ class _Conditions:
             cond("Degraded", False, "Deleting", "the pool is being deleted"),
         ]
 
-    def serving(self, t: _Tally) -> list[dict[str, Any]]:
+    def serving(self, t: _Tally) -> list[Condition]:
         cond, generation = self.cond, self.generation
         n, ready = len(t.selected), set(t.ready)
         not_ready = [node for node in t.selected if node not in ready]
