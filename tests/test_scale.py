@@ -42,6 +42,7 @@ from kubernetes import config as kconfig
 from prometheus_client import CollectorRegistry
 
 from fixtures.cluster import mounts_under, release_everything
+from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
 from offloadpool.agent import kube
@@ -89,10 +90,10 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
     label = {f"scale.offloadpool.io/{tag}": "true"}
     work = Path(tempfile.mkdtemp(prefix="offloadpool-scale-"))
     admin = cp.api_client()
-    core = client.CoreV1Api(admin)
-    custom = client.CustomObjectsApi(admin)
+    cluster = ClusterClient(admin, tag, node_selector=label)
+    core, custom = cluster.core, cluster.custom
     names = [f"scale-{tag}-{i:04d}" for i in range(nodes)]
-    pool = f"scale-{tag}"
+    pool = cluster.name("scale")
 
     token = cp.token_for(op.namespace, "offloadpool-agent", expiration_seconds=3600)
     agent_cfg = client.Configuration()
@@ -115,12 +116,10 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
                          daemon=True).start()
         cpu0 = op.cpu_seconds()
         t0 = time.monotonic()
-        custom.create_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool", "metadata": {"name": pool},
-            "spec": {"capacity": "4Mi", "medium": "Memory", "nodeSelector": label}})
+        cluster.create_pool("scale", {"capacity": "4Mi", "medium": "Memory"})
 
         def converged() -> dict[str, Any] | None:
-            st = (custom.get_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool).get("status") or {})
+            st = cluster.pool_status(pool)
             ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions") or [])
             return st if ready and st.get("readyNodes") == nodes == st.get("desiredNodes") else None
 
@@ -161,7 +160,7 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         assert writes.get("leases", 0) > 0, writes
 
         custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
-        wait_for("pool deleted after every node released", lambda: not _exists(custom, pool), 900, interval=1)
+        wait_for("pool deleted after every node released", lambda: cluster.pool(pool) is None, 900, interval=1)
         assert not mounts_under(work), "released pools left mounts"
         return report
     finally:
@@ -172,9 +171,7 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         for a in agents:
             if a.thread is not None:
                 a.thread.join(timeout=30)
-        if _exists(custom, pool):
-            custom.patch_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool, {"metadata": {"finalizers": None}})
-            custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
+        cluster.delete_pools()  # a pool the test did not see deleted: finalizer stripped
         for name in names:
             try:
                 core.delete_node(name)
@@ -210,13 +207,3 @@ def op_debounce() -> float:
     from offloadpool.operator.config import OperatorConfig
 
     return OperatorConfig().debounce_seconds
-
-
-def _exists(custom: client.CustomObjectsApi, pool: str) -> bool:
-    try:
-        custom.get_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
-        return True
-    except client.rest.ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
