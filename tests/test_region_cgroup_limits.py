@@ -34,11 +34,15 @@ GROUP, VERSION = "offloadpool.io", "v1alpha1"
 
 
 class Cgroups:
-    """Child cgroups of this test process's own, removed (deepest first) at the end."""
+    """Child cgroups of this test process's own, removed (deepest first) at the end.
+
+    On cgroup v2 the parent must enable the controller for its children (``+hugetlb`` in
+    ``cgroup.subtree_control``). That stays on in the hierarchy's existing cgroups, as on a
+    cgroup-v2 node: taking it back would pull the limit files from under anyone else's child
+    cgroups (a concurrent test, the real node's ``kubepods``)."""
 
     def __init__(self) -> None:
         self.made: list[Path] = []
-        self.enabled: list[Path] = []  # cgroup.subtree_control files we added +hugetlb to
 
     def child(self, controller: str, parent: Path | None = None) -> Path:
         h = cgroup_limits.hierarchy(controller)
@@ -48,7 +52,6 @@ class Cgroups:
             control = base / "cgroup.subtree_control"
             if controller not in control.read_text().split():
                 control.write_text(f"+{controller}")
-                self.enabled.append(control)
         path = base / f"offloadpool-test-{uuid.uuid4().hex[:8]}"
         path.mkdir()
         self.made.append(path)
@@ -68,11 +71,6 @@ class Cgroups:
                 raise AssertionError(
                     f"cannot remove test cgroup {path}: {(path / 'cgroup.procs').read_text()!r}"
                 )
-        for control in reversed(self.enabled):
-            try:
-                control.write_text("-hugetlb")
-            except OSError:
-                pass  # another cgroup below uses it now; leaving a controller enabled is harmless
 
 
 @pytest.fixture
