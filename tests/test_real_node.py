@@ -160,6 +160,29 @@ def test_busybox_pod_succeeds_and_its_log_is_read_through_the_api(
     assert "kubepods" in log, f"the container does not run in a kubepods cgroup:\n{log}"
 
 
+def test_a_pod_reaches_the_api_server_at_the_kubernetes_service_with_its_token(
+    real_node: RealNode, namespace: str
+) -> None:
+    """In-cluster clients (the operator, the agents) dial KUBERNETES_SERVICE_HOST and present
+    their ServiceAccount token: both must work on this node without kube-proxy."""
+    api = "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT"
+    review = '{"apiVersion":"authentication.k8s.io/v1","kind":"SelfSubjectReview"}'
+    script = (
+        f"wget -q -O- --no-check-certificate {api}/version && echo && "
+        "token=$(cat /var/run/secrets/kubernetes.io/serviceaccount/token) && "
+        f'wget -q -O- --no-check-certificate --header "Authorization: Bearer $token" '
+        f"--header 'Content-Type: application/json' --post-data '{review}' "
+        f"{api}/apis/authentication.k8s.io/v1/selfsubjectreviews"
+    )
+    manifest = pod(real_node, "incluster", script, automountServiceAccountToken=True)
+    create(real_node, namespace, manifest)
+    obj = wait_phase(real_node, namespace, "incluster", {"Succeeded", "Failed"})
+    log = real_node.kubectl("logs", "incluster", "-n", namespace).stdout
+    assert obj["status"]["phase"] == "Succeeded", (log, real_node.service_errors())
+    assert '"gitVersion": "v1.37.2"' in log, log
+    assert f'"username": "system:serviceaccount:{namespace}:default"' in log.replace('":"', '": "'), log
+
+
 def test_hugepages_pod_is_admitted_uses_its_hugetlbfs_volume_and_what_its_cgroups_charge(
     real_node: RealNode, namespace: str, record_property: Callable[[str, object], None]
 ) -> None:
