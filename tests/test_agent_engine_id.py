@@ -46,22 +46,49 @@ sys.stdin.read()
 """
 
 
-def start_engine(state: dict[str, Any], shm: Path, pool_file: Path, pool_name: str,
-                 engine_id: str) -> subprocess.Popen[str]:
+def start_engine(
+    state: dict[str, Any], shm: Path, pool_file: Path, pool_name: str, engine_id: str
+) -> subprocess.Popen[str]:
     shm.mkdir(parents=True)
-    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
-                             MISMATCHED_ENGINE, str(shm), str(pool_file), pool_name, engine_id],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            sys.executable,
+            "-c",
+            MISMATCHED_ENGINE,
+            str(shm),
+            str(pool_file),
+            pool_name,
+            engine_id,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     state["engines"].append(proc)
     assert proc.stdout is not None and proc.stdout.readline().split() == ["ready", str(proc.pid)]
     return proc
 
 
-def test_an_engine_under_another_id_is_named_in_status_until_it_exits(env: dict[str, Any],  # noqa: F811
-                                                                        tmp_path: Path) -> None:
+def test_an_engine_under_another_id_is_named_in_status_until_it_exits(
+    env: dict[str, Any],  # noqa: F811
+    tmp_path: Path,
+) -> None:
     pool, node = "agent-dpid", "node-d"
-    create(env, pool, node, {"capacity": "64Mi", "medium": "Memory",
-                             "segments": {"maxFiles": 1}, "compat": {"vllm": {"engineId": "llama"}}})
+    create(
+        env,
+        pool,
+        node,
+        {
+            "capacity": "64Mi",
+            "medium": "Memory",
+            "segments": {"maxFiles": 1},
+            "compat": {"vllm": {"engineId": "llama"}},
+        },
+    )
     name = f"{pool}.{node}"
     start_agent(env, pool, node)
     st = wait_for("Ready", lambda: (s := status(env, name)).get("phase") == "Ready" and s, timeout=90)
@@ -72,7 +99,9 @@ def test_an_engine_under_another_id_is_named_in_status_until_it_exits(env: dict[
     right = start_engine(env, tmp_path / "pod-ok", pool_dir / host_rel, Path(pod_path).name, "llama")
     wrong = start_engine(env, tmp_path / "pod-dp", pool_dir / host_rel, Path(pod_path).name, "llama_dp0")
 
-    st = wait_for("engineIdMismatch", lambda: (s := status(env, name)).get("engineIdMismatch") and s, timeout=30)
+    st = wait_for(
+        "engineIdMismatch", lambda: (s := status(env, name)).get("engineIdMismatch") and s, timeout=30
+    )
     message = st["engineIdMismatch"]
     assert f"pid {wrong.pid} " in message and f"pid {right.pid} " not in message, message
     assert 'engine_id "llama_dp0"' in message and 'compat.vllm.engineId is "llama"' in message

@@ -19,16 +19,17 @@ import json
 import mmap
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 
 from offloadpool.api import OffloadPool
-from offloadpool.api.pods import compat_files
 from offloadpool.api import pool_request as request_from_pool
+from offloadpool.api.pods import compat_files
 from offloadpool.region import engine_id_mismatch, holders, vllm_compat
 from offloadpool.region.planner import plan
 from offloadpool.region.provision import ProvisionResult, provision
@@ -43,10 +44,24 @@ TP, RANK_BLOCK = 2, 256 * KiB
 ROW = TP * RANK_BLOCK
 
 
-def make_pool(root: Path, name: str, capacity: int, engine_id: str, *, row: int | None = ROW,
-              segments: int = 32, medium: str = "MemoryTHP") -> ProvisionResult:
-    req = PoolRequest(name=name, capacity=capacity, medium=medium, compat_engine_id=engine_id,
-                      compat_row_bytes=row, compat_segments=segments)
+def make_pool(
+    root: Path,
+    name: str,
+    capacity: int,
+    engine_id: str,
+    *,
+    row: int | None = ROW,
+    segments: int = 32,
+    medium: str = "MemoryTHP",
+) -> ProvisionResult:
+    req = PoolRequest(
+        name=name,
+        capacity=capacity,
+        medium=medium,
+        compat_engine_id=engine_id,
+        compat_row_bytes=row,
+        compat_segments=segments,
+    )
     return provision(req, root)
 
 
@@ -87,8 +102,15 @@ def read_bytes(result: ProvisionResult, offsets: list[int]) -> list[int]:
     return [out[o] for o in offsets]
 
 
-def engine_config(result: ProvisionResult, engine_id: str, *, pool_engine_id: str | None = None,
-                  cpu_bytes: int | None = None, read_offsets: list[int] = (), **extra: Any) -> dict[str, Any]:
+def engine_config(
+    result: ProvisionResult,
+    engine_id: str,
+    *,
+    pool_engine_id: str | None = None,
+    cpu_bytes: int | None = None,
+    read_offsets: list[int] = (),
+    **extra: Any,
+) -> dict[str, Any]:
     """What the pod's engine runs with: the webhook's file mounts for the pool's engine id, and
     vLLM's own settings (engine id, cpu_bytes_to_use, the model's KV bytes per block)."""
     files = compat_files(pool_engine_id or engine_id, len(pool_files(result)))
@@ -104,8 +126,13 @@ def engine_config(result: ProvisionResult, engine_id: str, *, pool_engine_id: st
     }
 
 
-def assert_adopted(result: ProvisionResult, run: dict[str, Any], before: list[tuple[int, int, int]],
-                   usage: int, marks: dict[int, int]) -> None:
+def assert_adopted(
+    result: ProvisionResult,
+    run: dict[str, Any],
+    before: list[tuple[int, int, int]],
+    usage: int,
+    marks: dict[int, int],
+) -> None:
     for w in run["workers"]:
         assert "error" not in w, w.get("traceback")
         assert w["shm_attached"]["used_bytes"] < MiB, "vLLM made memory of its own in the pod's /dev/shm"
@@ -120,8 +147,9 @@ def assert_adopted(result: ProvisionResult, run: dict[str, Any], before: list[tu
     assert read_bytes(result, [last_row + r * RANK_BLOCK for r in range(TP)]) == [0x40 + r for r in range(TP)]
 
 
-def run_held(vllm_engine, cfg: dict[str, Any], hold_dir: Path,
-             look: Callable[[], Any]) -> tuple[dict[str, Any], list[int], Any]:
+def run_held(
+    vllm_engine, cfg: dict[str, Any], hold_dir: Path, look: Callable[[], Any]
+) -> tuple[dict[str, Any], list[int], Any]:
     """Run the engine; while every worker is attached, ``look()`` at it from the host (the node
     agent's view: the host's /proc); then let it finish. Returns the run, the workers' pids and
     what ``look`` saw."""
@@ -148,11 +176,16 @@ def test_stock_vllm_adopts_a_one_file_pool(region_root: Path, vllm_engine, tmp_p
     write_bytes(result, marks)
     before, usage = identity(pool_files(result)), pool_usage(result)
     run, pids, (held_by, mismatches) = run_held(
-        vllm_engine, engine_config(result, "llama-tp2", read_offsets=list(marks)), tmp_path / "hold",
-        lambda: (holders.find_holders(result.pool_dir), engine_id_mismatch.find(result.pool_dir)))
+        vllm_engine,
+        engine_config(result, "llama-tp2", read_offsets=list(marks)),
+        tmp_path / "hold",
+        lambda: (holders.find_holders(result.pool_dir), engine_id_mismatch.find(result.pool_dir)),
+    )
     assert len(pids) == TP and {h.pid for h in held_by if h.mapped} >= set(pids), held_by
     assert mismatches == []
-    assert [w["segments"] for w in run["workers"]] == [[["/dev/shm/vllm_offload_llama-tp2.mmap", 0, 256 * MiB]]] * TP
+    assert [w["segments"] for w in run["workers"]] == [
+        [["/dev/shm/vllm_offload_llama-tp2.mmap", 0, 256 * MiB]]
+    ] * TP
     assert_adopted(result, run, before, usage, marks)
 
 
@@ -165,35 +198,47 @@ def test_stock_vllm_adopts_a_multi_file_pool_split_on_its_rows(region_root: Path
     write_bytes(result, marks)
     before, usage = identity(files), pool_usage(result)
     run = vllm_engine("stock_engine.py", engine_config(result, "llama-tp2", read_offsets=list(marks)))
-    planned = [[pod, seg.offset, seg.bytes] for (_, pod), seg in
-               zip(compat_files("llama-tp2", 2), result.manifest.regions[0].segments)]
+    planned = [
+        [pod, seg.offset, seg.bytes]
+        for (_, pod), seg in zip(
+            compat_files("llama-tp2", 2), result.manifest.regions[0].segments, strict=True
+        )
+    ]
     assert all(w["segments"] == planned for w in run["workers"]), run["workers"][0].get("segments")
     assert_adopted(result, run, before, usage, marks)
 
 
-def test_a_pool_in_one_file_where_vllm_wants_several_fails_on_the_second_file(region_root: Path,
-                                                                              vllm_engine) -> None:
+def test_a_pool_in_one_file_where_vllm_wants_several_fails_on_the_second_file(
+    region_root: Path, vllm_engine
+) -> None:
     """What every compat pool of 2 GiB or more did before the split followed vLLM's (numSegments 1
     is TieringOffloadingSpec's; CPUOffloadingSpec wants 32)."""
     result = make_pool(region_root, "onefile", 2 * GiB, "llama-tp2", row=None, segments=1)
     before, usage = identity(pool_files(result)), pool_usage(result)
     run = vllm_engine("stock_engine.py", engine_config(result, "llama-tp2"))
     for w in run["workers"]:
-        assert w["error"] == "FileNotFoundError: [Errno 2] No such file or directory: " \
-                             "'/dev/shm/vllm_offload_llama-tp2.mmap.1'", w.get("traceback")
+        assert (
+            w["error"] == "FileNotFoundError: [Errno 2] No such file or directory: "
+            "'/dev/shm/vllm_offload_llama-tp2.mmap.1'"
+        ), w.get("traceback")
     assert identity(pool_files(result)) == before and pool_usage(result) == usage
 
 
-def test_an_engine_id_that_differs_makes_vllm_silently_build_its_own_region(region_root: Path,
-                                                                              vllm_engine, tmp_path: Path) -> None:
+def test_an_engine_id_that_differs_makes_vllm_silently_build_its_own_region(
+    region_root: Path, vllm_engine, tmp_path: Path
+) -> None:
     """Data parallelism appends _dp<rank> to kv_transfer_config.engine_id: a pool named for the
     bare id is not found, and vLLM creates, pre-faults and unlinks a region of its own in the
     pod's /dev/shm — no error from vLLM, the node's memory spent twice. The node side sees it
     from the host while the engine runs: each worker, by pid, with the id it uses."""
     result = make_pool(region_root, "dp", 64 * MiB, "llama")
     before, usage = identity(pool_files(result)), pool_usage(result)
-    run, pids, found = run_held(vllm_engine, engine_config(result, "llama_dp0", pool_engine_id="llama"),
-                                tmp_path / "hold", lambda: engine_id_mismatch.find(result.pool_dir))
+    run, pids, found = run_held(
+        vllm_engine,
+        engine_config(result, "llama_dp0", pool_engine_id="llama"),
+        tmp_path / "hold",
+        lambda: engine_id_mismatch.find(result.pool_dir),
+    )
     assert len(pids) == TP and sorted((m.pid, m.engine_id) for m in found) == [(p, "llama_dp0") for p in pids]
     message = engine_id_mismatch.describe(found, "llama")
     assert f"pid {pids[0]} " in message and 'engine_id "llama_dp0"' in message
@@ -213,15 +258,18 @@ def test_a_region_larger_than_the_pool_times_out_after_30_s(region_root: Path, v
     before, usage = identity(pool_files(result)), pool_usage(result)
     run = vllm_engine("stock_engine.py", engine_config(result, "llama-tp2", cpu_bytes=66 * MiB))
     for w in run["workers"]:
-        assert w["error"] == f"TimeoutError: Timed out waiting for mmap file to reach {66 * MiB} bytes", \
+        assert w["error"] == f"TimeoutError: Timed out waiting for mmap file to reach {66 * MiB} bytes", (
             w.get("traceback")
+        )
     assert identity(pool_files(result)) == before and pool_usage(result) == usage
 
 
 def test_the_stock_example_pod_names_its_pools_region() -> None:
     """examples/vllm/deployment-stock-compat.yaml passes the engine id and size of examples/vllm-compat.yaml,
     whose file split the node engine makes as vLLM would (31 files of whole 5Mi rows)."""
-    (deployment,) = yaml.safe_load_all((REPO / "examples" / "vllm" / "deployment-stock-compat.yaml").read_text())
+    (deployment,) = yaml.safe_load_all(
+        (REPO / "examples" / "vllm" / "deployment-stock-compat.yaml").read_text()
+    )
     assert deployment["kind"] == "Deployment" and deployment["spec"]["strategy"] == {"type": "Recreate"}
     pod = deployment["spec"]["template"]
     (arg,) = [a for a in pod["spec"]["containers"][0]["args"] if a.startswith("--kv-transfer-config=")]
@@ -252,12 +300,16 @@ def test_stock_vllm_cannot_map_several_hugetlbfs_files(region_root: Path, vllm_e
     each file with MAP_FIXED into an anonymous reservation aligned to 4 KiB (2 MiB at best), and
     hugetlbfs refuses a 1 GiB-page mapping there. Shown on a plain 2-file HugePages-1Gi pool
     whose files are bind-mounted under vLLM's names (the engine would not make it a compat pool)."""
-    result = provision(PoolRequest(name="g1", capacity=2 * GiB, medium="HugePages-1Gi", max_files=2), region_root)
+    result = provision(
+        PoolRequest(name="g1", capacity=2 * GiB, medium="HugePages-1Gi", max_files=2), region_root
+    )
     segs = result.manifest.regions[0].segments
     assert [s.bytes for s in segs] == vllm_compat.segment_sizes(2 * GiB, ROW, 32)  # vLLM's own split
     config = engine_config(result, "llama-tp2")
-    config["mounts"] = [[str(result.pool_dir / s.file), f"/dev/shm/{name}"]
-                        for s, name in zip(segs, vllm_compat.file_names("llama-tp2", 2))]
+    config["mounts"] = [
+        [str(result.pool_dir / s.file), f"/dev/shm/{name}"]
+        for s, name in zip(segs, vllm_compat.file_names("llama-tp2", 2), strict=True)
+    ]
     run = vllm_engine("stock_engine.py", config)
     einval = "OSError: [Errno 22] Failed to map /dev/shm/vllm_offload_llama-tp2.mmap"
     errors = [w.get("error") for w in run["workers"]]

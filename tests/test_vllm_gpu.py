@@ -21,16 +21,34 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 SLOT = 256 << 10
 
 
-def test_vllm_worker_stores_and_loads_blocks_through_the_pool(region_root: Path, tmp_path: Path,
-                                                             vllm_engine) -> None:
-    result = provision(PoolRequest(name="gpu", capacity=64 * SLOT, medium="Memory", layout_type="Interleaved",
-                                   ranks=1, slot_bytes=SLOT), region_root)
+def test_vllm_worker_stores_and_loads_blocks_through_the_pool(
+    region_root: Path, tmp_path: Path, vllm_engine
+) -> None:
+    result = provision(
+        PoolRequest(
+            name="gpu",
+            capacity=64 * SLOT,
+            medium="Memory",
+            layout_type="Interleaved",
+            ranks=1,
+            slot_bytes=SLOT,
+        ),
+        region_root,
+    )
     # native_gpu.py needs no pod view of its own: the pool directory through its env var
-    run = vllm_engine("native_gpu.py", {"slot_bytes": SLOT}, env={"OFFLOADPOOL_POOL_DIR": str(result.pool_dir)},
-                      namespace=False)
+    run = vllm_engine(
+        "native_gpu.py",
+        {"slot_bytes": SLOT},
+        env={"OFFLOADPOOL_POOL_DIR": str(result.pool_dir)},
+        namespace=False,
+    )
     assert "error" not in run, run.get("traceback")
     assert (run["spec"], run["region"], run["pinned"], run["pin_backend"]) == (
-        "OffloadPoolOffloadingSpec", "PoolRegion", True, "cuda")
+        "OffloadPoolOffloadingSpec",
+        "PoolRegion",
+        True,
+        "cuda",
+    )
     assert run["pin_bytes"] == 64 * SLOT and run["vllm_registrations"] == 0
     assert run["stored"] == [True] and run["pool_equals_gpu"] is True
     assert run["loaded"] == [True] and run["gpu_round_trip"] is True

@@ -32,15 +32,29 @@ REPO = Path(__file__).resolve().parents[1]
 SLOT = 256 * KiB  # one rank's KV bytes per block
 
 
-def make_pool(root: Path, name: str, capacity: int, *, layout: str = "Interleaved", ranks: int = 2,
-              slot: int | None = SLOT, medium: str = "Memory") -> ProvisionResult:
-    return provision(PoolRequest(name=name, capacity=capacity, medium=medium, layout_type=layout,
-                                 ranks=ranks, slot_bytes=slot), root)
+def make_pool(
+    root: Path,
+    name: str,
+    capacity: int,
+    *,
+    layout: str = "Interleaved",
+    ranks: int = 2,
+    slot: int | None = SLOT,
+    medium: str = "Memory",
+) -> ProvisionResult:
+    return provision(
+        PoolRequest(
+            name=name, capacity=capacity, medium=medium, layout_type=layout, ranks=ranks, slot_bytes=slot
+        ),
+        root,
+    )
 
 
 def files_of(result: ProvisionResult) -> list[tuple[int, int]]:
-    return [(os.stat(result.pool_dir / s.file).st_ino, os.stat(result.pool_dir / s.file).st_size)
-            for s in result.manifest.regions[0].segments]
+    return [
+        (os.stat(result.pool_dir / s.file).st_ino, os.stat(result.pool_dir / s.file).st_size)
+        for s in result.manifest.regions[0].segments
+    ]
 
 
 def byte_at(result: ProvisionResult, offset: int) -> int:
@@ -52,17 +66,27 @@ def byte_at(result: ProvisionResult, offset: int) -> int:
     raise IndexError(offset)
 
 
-def run_native(vllm_engine, tmp_path: Path, result: ProvisionResult, world: int, **cfg: Any) -> dict[str, Any]:
+def run_native(
+    vllm_engine, tmp_path: Path, result: ProvisionResult, world: int, **cfg: Any
+) -> dict[str, Any]:
     pod_root = tmp_path / f"pod-{world}"
     pod_root.mkdir()
-    return vllm_engine("native_engine.py", {
-        "pool_dir": str(result.pool_dir), "pod_root": str(pod_root), "world_size": world,
-        "worker_kv_bytes_per_block": SLOT, **cfg})
+    return vllm_engine(
+        "native_engine.py",
+        {
+            "pool_dir": str(result.pool_dir),
+            "pod_root": str(pod_root),
+            "world_size": world,
+            "worker_kv_bytes_per_block": SLOT,
+            **cfg,
+        },
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_tp_workers_attach_the_pool_through_vllms_spec_factory(region_root: Path, tmp_path: Path,
-                                                               vllm_engine, world: int) -> None:
+def test_tp_workers_attach_the_pool_through_vllms_spec_factory(
+    region_root: Path, tmp_path: Path, vllm_engine, world: int
+) -> None:
     capacity = 32 * world * SLOT  # 32 rows of world slots
     result = make_pool(region_root, f"tp{world}", capacity, ranks=world)
     before = files_of(result)
@@ -77,8 +101,10 @@ def test_tp_workers_attach_the_pool_through_vllms_spec_factory(region_root: Path
         assert (w["num_chunks"], w["row_bytes"], w["slot_bytes"]) == (32, row, SLOT)
         assert w["region"] == "PoolRegion" and w["pinned"] is True
         # vLLM's own views over the pool: this rank's slot of every row, in two tensors
-        assert w["views"] == [[[32, SLOT // 2], [row, 1], r * SLOT],
-                              [[32, SLOT // 2], [row, 1], r * SLOT + SLOT // 2]]
+        assert w["views"] == [
+            [[32, SLOT // 2], [row, 1], r * SLOT],
+            [[32, SLOT // 2], [row, 1], r * SLOT + SLOT // 2],
+        ]
         # exactly one registration path: offloadpool's, of this rank's slots only
         assert w["offloadpool_pin"]["bytes"] == 32 * SLOT and w["offloadpool_pin"]["backend"] == "mlock"
         assert w["vllm_registrations"] == 0 and w["vllm_pinned_addresses"] == 0
@@ -86,7 +112,9 @@ def test_tp_workers_attach_the_pool_through_vllms_spec_factory(region_root: Path
     assert files_of(result) == before  # nothing created, truncated or unlinked
     last = 31 * row
     assert [byte_at(result, q * SLOT) for q in range(world)] == [0x40 + q for q in range(world)]
-    assert [byte_at(result, last + q * SLOT + SLOT - 1) for q in range(world)] == [0x60 + q for q in range(world)]
+    assert [byte_at(result, last + q * SLOT + SLOT - 1) for q in range(world)] == [
+        0x60 + q for q in range(world)
+    ]
 
 
 def test_replicated_mla_tier_shares_one_copy_per_row(region_root: Path, tmp_path: Path, vllm_engine) -> None:
@@ -102,8 +130,9 @@ def test_replicated_mla_tier_shares_one_copy_per_row(region_root: Path, tmp_path
     assert run["lease_after_exit"] == "free"
 
 
-def test_data_parallel_replicas_each_attach_their_own_pool(region_root: Path, tmp_path: Path,
-                                                          vllm_engine) -> None:
+def test_data_parallel_replicas_each_attach_their_own_pool(
+    region_root: Path, tmp_path: Path, vllm_engine
+) -> None:
     """DP-2 × TP-2 in one pod (docs/vllm.md): ``pool_dir`` with ``{dp}`` sends replica i's workers
     to pool ``kv-dp<i>``; each replica's writes land in its own pool only, each pool's lease is
     held while its replica runs and free after."""
@@ -111,10 +140,17 @@ def test_data_parallel_replicas_each_attach_their_own_pool(region_root: Path, tm
     before = [files_of(p) for p in pools]
     pod_root = tmp_path / "pod-dp"
     pod_root.mkdir()
-    run = vllm_engine("native_engine.py", {
-        "pool_dirs": [str(p.pool_dir) for p in pools], "pod_root": str(pod_root), "world_size": 2,
-        "dp_size": 2, "worker_kv_bytes_per_block": SLOT,
-        "extra_config": {"pool_dir": f"{pod_root}/offloadpool/kv-dp{{dp}}"}})
+    run = vllm_engine(
+        "native_engine.py",
+        {
+            "pool_dirs": [str(p.pool_dir) for p in pools],
+            "pod_root": str(pod_root),
+            "world_size": 2,
+            "dp_size": 2,
+            "worker_kv_bytes_per_block": SLOT,
+            "extra_config": {"pool_dir": f"{pod_root}/offloadpool/kv-dp{{dp}}"},
+        },
+    )
     assert run["leases_while_attached"] == ["held", "held"] and run["leases_after_exit"] == ["free", "free"]
     assert [(w["dp"], w["rank"]) for w in run["workers"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for w in run["workers"]:
@@ -126,30 +162,35 @@ def test_data_parallel_replicas_each_attach_their_own_pool(region_root: Path, tm
     for i, pool in enumerate(pools):
         assert files_of(pool) == before[i]
         assert [byte_at(pool, q * SLOT) for q in range(2)] == [0x40 + 0x10 * i + q for q in range(2)]
-        assert [byte_at(pool, 31 * 2 * SLOT + q * SLOT + SLOT - 1) for q in range(2)] == \
-            [0x60 + 0x10 * i + q for q in range(2)]
+        assert [byte_at(pool, 31 * 2 * SLOT + q * SLOT + SLOT - 1) for q in range(2)] == [
+            0x60 + 0x10 * i + q for q in range(2)
+        ]
 
 
-def test_a_pool_for_other_ranks_fails_every_worker_with_the_spec_that_fits(region_root: Path, tmp_path: Path,
-                                                                          vllm_engine) -> None:
+def test_a_pool_for_other_ranks_fails_every_worker_with_the_spec_that_fits(
+    region_root: Path, tmp_path: Path, vllm_engine
+) -> None:
     result = make_pool(region_root, "two", 32 * 2 * SLOT, ranks=2)
     run = run_native(vllm_engine, tmp_path, result, 4)
     for w in run["workers"]:
         assert w["error"] == (
             f"PoolMismatch: pool 'two' at {run['pod_dir']} is laid out for 2 ranks, the engine has 4 "
             f"workers; a pool that fits: spec: {{capacity: {32 * 2 * SLOT}, layout: {{type: Interleaved, "
-            f"ranks: 4, slotSize: {SLOT}}}}}")
+            f"ranks: 4, slotSize: {SLOT}}}}}"
+        )
     assert run["lease_after_exit"] == "free"
 
 
-def test_a_tier_larger_than_the_pool_fails_with_both_numbers(region_root: Path, tmp_path: Path,
-                                                             vllm_engine) -> None:
+def test_a_tier_larger_than_the_pool_fails_with_both_numbers(
+    region_root: Path, tmp_path: Path, vllm_engine
+) -> None:
     result = make_pool(region_root, "small", 32 * 2 * SLOT, ranks=2)
     run = run_native(vllm_engine, tmp_path, result, 2, extra_config={"cpu_bytes_to_use": 64 * 2 * SLOT})
     for w in run["workers"]:
         assert w["error"].startswith(
             f"PoolMismatch: pool 'small' at {run['pod_dir']} holds {32 * 2 * SLOT} bytes, vLLM's CPU tier "
-            f"needs {64 * 2 * SLOT} (64 rows of {2 * SLOT}); lower cpu_bytes_to_use or use a pool that fits"), w
+            f"needs {64 * 2 * SLOT} (64 rows of {2 * SLOT}); lower cpu_bytes_to_use or use a pool that fits"
+        ), w
 
 
 def example_docs(name: str) -> list[dict[str, Any]]:
@@ -161,8 +202,9 @@ def kv_transfer_config(container: dict[str, Any]) -> dict[str, Any]:
     return json.loads(arg.split("=", 1)[1])
 
 
-def test_the_native_example_deployment_runs_on_its_pool_scaled_down(region_root: Path, tmp_path: Path,
-                                                                    vllm_engine) -> None:
+def test_the_native_example_deployment_runs_on_its_pool_scaled_down(
+    region_root: Path, tmp_path: Path, vllm_engine
+) -> None:
     """examples/vllm/deployment-native-tp4.yaml: its --kv-transfer-config, loaded by vLLM, on its
     pool's layout (Llama-3.1-70B TP4: 1280Ki per rank per block) with 8 rows instead of 13104."""
     pool_doc, deployment = example_docs("deployment-native-tp4.yaml")
@@ -173,9 +215,16 @@ def test_the_native_example_deployment_runs_on_its_pool_scaled_down(region_root:
     result = make_pool(region_root, "example", 8 * layout["ranks"] * slot, ranks=layout["ranks"], slot=slot)
     pod_root = tmp_path / "pod-example"
     pod_root.mkdir()
-    run = vllm_engine("native_engine.py", {
-        "pool_dir": str(result.pool_dir), "pod_root": str(pod_root), "world_size": layout["ranks"],
-        "worker_kv_bytes_per_block": slot, "extra_config": config["kv_connector_extra_config"]})
+    run = vllm_engine(
+        "native_engine.py",
+        {
+            "pool_dir": str(result.pool_dir),
+            "pod_root": str(pod_root),
+            "world_size": layout["ranks"],
+            "worker_kv_bytes_per_block": slot,
+            "extra_config": config["kv_connector_extra_config"],
+        },
+    )
     for w in run["workers"]:
         assert "error" not in w, w.get("traceback")
         assert w["spec"] == "offloadpool.vllm.spec.OffloadPoolOffloadingSpec" and w["num_chunks"] == 8

@@ -57,8 +57,12 @@ def offloading_config(cfg: dict[str, Any], rank: int, dp: int = 0):
     )
 
     world = cfg["world_size"]
-    extra = {"spec_name": "OffloadPoolOffloadingSpec", "spec_module_path": "offloadpool.vllm.spec",
-             "pin_backend": "mlock", **cfg.get("extra_config", {})}
+    extra = {
+        "spec_name": "OffloadPoolOffloadingSpec",
+        "spec_module_path": "offloadpool.vllm.spec",
+        "pin_backend": "mlock",
+        **cfg.get("extra_config", {}),
+    }
     return OffloadingConfig(
         groups=(),
         worker_kv_bytes_per_block=cfg["worker_kv_bytes_per_block"],
@@ -68,9 +72,16 @@ def offloading_config(cfg: dict[str, Any], rank: int, dp: int = 0):
         model=OffloadingModelConfig(name="test-model", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=cfg.get("blocks_per_chunk", 1)),
         parallel=OffloadingParallelConfig(
-            rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=cfg.get("dp_index", dp), data_parallel_size=cfg.get("dp_size", 1),
-            data_parallel_rank_local=None, is_parallelism_agnostic=True,
+            rank=rank,
+            world_size=world,
+            tp_size=world,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=cfg.get("dp_index", dp),
+            data_parallel_size=cfg.get("dp_size", 1),
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
         ),
         replicated_layout=cfg.get("replicated_layout", False),
     )
@@ -79,7 +90,9 @@ def offloading_config(cfg: dict[str, Any], rank: int, dp: int = 0):
 class WorkerStandIn:
     """What vLLM's CPUOffloadingWorker does with the region before its CUDA handlers."""
 
-    def __init__(self, *, kv_caches: Any, blocks_per_chunk: int, num_cpu_chunks: int, mmap_region: Any) -> None:
+    def __init__(
+        self, *, kv_caches: Any, blocks_per_chunk: int, num_cpu_chunks: int, mmap_region: Any
+    ) -> None:
         from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
 
         self.region = mmap_region
@@ -108,18 +121,23 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
         spec = OffloadingSpecFactory.create_spec(offloading_config(cfg, rank, dp))
         report["spec"] = f"{type(spec).__module__}.{type(spec).__name__}"
         report["pool_dir"] = str(getattr(spec, "pool_dir", ""))
-        report.update(num_chunks=spec.num_chunks, row_bytes=spec.kv_bytes_per_chunk,
-                      slot_bytes=spec.cpu_page_size_per_worker,
-                      cpu_bytes_to_use=int(spec.extra_config["cpu_bytes_to_use"]))
+        report.update(
+            num_chunks=spec.num_chunks,
+            row_bytes=spec.kv_bytes_per_chunk,
+            slot_bytes=spec.cpu_page_size_per_worker,
+            cpu_bytes_to_use=int(spec.extra_config["cpu_bytes_to_use"]),
+        )
         # one "KV tensor" per layer group: this worker's slot split in two
         slot = spec.cpu_page_size_per_worker
         stand_in = spec.create_worker(kv_caches=[slot // 2, slot - slot // 2])
         region = stand_in.region
         stats = region.pin_stats
         report.update(
-            region=type(region).__name__, pinned=region.is_pinned,
+            region=type(region).__name__,
+            pinned=region.is_pinned,
             offloadpool_pin={"bytes": stats.bytes_registered, "calls": stats.calls, "backend": stats.backend},
-            vllm_registrations=len(vllm_registrations), vllm_pinned_addresses=len(region.pinned_addresses),
+            vllm_registrations=len(vllm_registrations),
+            vllm_pinned_addresses=len(region.pinned_addresses),
             views=[[list(v.shape), list(v.stride()), v.storage_offset()] for v in stand_in.views],
         )
         # write through vLLM's views: this rank's marker in every row of its first view
@@ -130,8 +148,10 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
         base, stride = region.base_tensor, region._row_stride
         last = (spec.num_chunks - 1) * stride
         slots_per_row = min(cfg["world_size"], stride // slot)  # 1 under vLLM's replicated layout
-        report["seen"] = [[int(base[r * slot].item()) & 0xFF, int(base[last + r * slot + slot - 1].item()) & 0xFF]
-                          for r in range(slots_per_row)]
+        report["seen"] = [
+            [int(base[r * slot].item()) & 0xFF, int(base[last + r * slot + slot - 1].item()) & 0xFF]
+            for r in range(slots_per_row)
+        ]
         out.put({"rank": rank, "dp": dp, "attached": True})
         go.wait(timeout)  # the parent checks the lease while every worker is attached
     except BaseException as exc:
@@ -146,8 +166,8 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
 
 def main() -> int:
     cfg = json.loads(sys.argv[1])
-    import vllm.v1.kv_offload.cpu.gpu_worker  # noqa: F401  (import once, before forking)
-    import vllm.v1.kv_offload.cpu.spec  # noqa: F401
+    import vllm.v1.kv_offload.cpu.gpu_worker
+    import vllm.v1.kv_offload.cpu.spec
     import vllm.v1.kv_offload.factory  # noqa: F401
 
     from offloadpool.region.lease import Lease, LeaseHeld
@@ -158,8 +178,11 @@ def main() -> int:
     tp, dps = cfg["world_size"], cfg.get("dp_size", 1)
     world = tp * dps
     barriers, out, go = [ctx.Barrier(tp) for _ in range(dps)], ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=worker, args=(r, cfg, barriers[dp], out, go, dp))
-             for dp in range(dps) for r in range(tp)]
+    procs = [
+        ctx.Process(target=worker, args=(r, cfg, barriers[dp], out, go, dp))
+        for dp in range(dps)
+        for r in range(tp)
+    ]
     for p in procs:
         p.start()
     reports, attached = [], 0
@@ -169,6 +192,7 @@ def main() -> int:
             attached += 1
         else:
             reports.append(msg)
+
     def leases() -> list[str]:
         states = []
         for pod_dir in pod_dirs:

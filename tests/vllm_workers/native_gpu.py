@@ -44,36 +44,62 @@ def main() -> int:
 
         slot = cfg["slot_bytes"]
         config = OffloadingConfig(
-            groups=(), worker_kv_bytes_per_block=slot, enable_kv_cache_events=False,
-            extra_config={"spec_name": "OffloadPoolOffloadingSpec", "spec_module_path": "offloadpool.vllm.spec",
-                          "pin_backend": "cuda"},
-            engine_id="gpu-check", model=OffloadingModelConfig(name="test-model", dtype="float16"),
+            groups=(),
+            worker_kv_bytes_per_block=slot,
+            enable_kv_cache_events=False,
+            extra_config={
+                "spec_name": "OffloadPoolOffloadingSpec",
+                "spec_module_path": "offloadpool.vllm.spec",
+                "pin_backend": "cuda",
+            },
+            engine_id="gpu-check",
+            model=OffloadingModelConfig(name="test-model", dtype="float16"),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
-                data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=True),
+                rank=0,
+                world_size=1,
+                tp_size=1,
+                pp_size=1,
+                pcp_size=1,
+                dcp_size=1,
+                data_parallel_index=0,
+                data_parallel_size=1,
+                data_parallel_rank_local=None,
+                is_parallelism_agnostic=True,
+            ),
         )
         torch.cuda.set_device(0)
         gpu = torch.randint(-128, 127, (8, slot), dtype=torch.int8, device="cuda")
-        kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=gpu, page_size_bytes=slot)],
-                               group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=slot)]])
+        kv = CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(tensor=gpu, page_size_bytes=slot)],
+            group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=slot)]],
+        )
         spec = OffloadingSpecFactory.create_spec(config)
         worker = spec.get_worker(kv)
         region = worker._mmap_region
-        report.update(spec=type(spec).__name__, region=type(region).__name__, pinned=region.is_pinned,
-                      pin_backend=region.pin_stats.backend, pin_bytes=region.pin_stats.bytes_registered,
-                      vllm_registrations=len(registrations))
-        assert worker.submit_store(1, GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0]),
-                                   CPULoadStoreSpec([0, 3]))
+        report.update(
+            spec=type(spec).__name__,
+            region=type(region).__name__,
+            pinned=region.is_pinned,
+            pin_backend=region.pin_stats.backend,
+            pin_bytes=region.pin_stats.bytes_registered,
+            vllm_registrations=len(registrations),
+        )
+        assert worker.submit_store(
+            1, GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0]), CPULoadStoreSpec([0, 3])
+        )
         worker.wait({1})
         stored = [r.success for r in worker.get_finished()]
         base = region.base_tensor
         row = region._row_stride
         report["stored"] = stored
         report["pool_equals_gpu"] = bool(
-            torch.equal(base[0:slot], gpu[1].cpu()) and torch.equal(base[3 * row:3 * row + slot], gpu[2].cpu()))
-        assert worker.submit_load(2, CPULoadStoreSpec([0, 3]),
-                                  GPULoadStoreSpec([5, 6], group_sizes=[2], block_indices=[0]))
+            torch.equal(base[0:slot], gpu[1].cpu())
+            and torch.equal(base[3 * row : 3 * row + slot], gpu[2].cpu())
+        )
+        assert worker.submit_load(
+            2, CPULoadStoreSpec([0, 3]), GPULoadStoreSpec([5, 6], group_sizes=[2], block_indices=[0])
+        )
         worker.wait({2})
         report["loaded"] = [r.success for r in worker.get_finished()]
         torch.cuda.synchronize()

@@ -44,7 +44,9 @@ def shm_view() -> dict[str, Any]:
 
 
 def make_pod_view(cfg: dict[str, Any]) -> None:
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={cfg['shm_size']}", "pod-shm", "/dev/shm"], check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={cfg['shm_size']}", "pod-shm", "/dev/shm"], check=True
+    )
     for host_path, pod_path in cfg["mounts"]:
         open(pod_path, "w").close()  # a hostPath File mount's target
         subprocess.run(["mount", "--bind", host_path, pod_path], check=True)
@@ -69,8 +71,15 @@ def offloading_config(cfg: dict[str, Any], rank: int):
         model=OffloadingModelConfig(name="test-model", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=cfg.get("blocks_per_chunk", 1)),
         parallel=OffloadingParallelConfig(
-            rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            rank=rank,
+            world_size=world,
+            tp_size=world,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
             is_parallelism_agnostic=True,
         ),
         replicated_layout=cfg.get("replicated_layout", False),
@@ -108,8 +117,11 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
         region = spec.create_worker(kv_caches=None)
         report["attach_seconds"] = time.perf_counter() - t0
         report.update(
-            mmap_path=region.mmap_path, num_chunks=region.num_chunks, row_stride=region._row_stride,
-            cpu_page_size=region.cpu_page_size, total_bytes=region.total_size_bytes,
+            mmap_path=region.mmap_path,
+            num_chunks=region.num_chunks,
+            row_stride=region._row_stride,
+            cpu_page_size=region.cpu_page_size,
+            total_bytes=region.total_size_bytes,
             segments=[[path, offset, length] for path, offset, length in region._segments],
         )
         pin_mmap_region(region, worker_slot_only=True)
@@ -126,7 +138,9 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
         barrier.wait(timeout)
         # every worker wrote; read the other ranks' markers through this worker's mapping
         row, stride, slot = 0, region._row_stride, region.cpu_page_size
-        report["seen_markers"] = [int(base[row * stride + r * slot].item()) & 0xFF for r in range(cfg["world_size"])]
+        report["seen_markers"] = [
+            int(base[row * stride + r * slot].item()) & 0xFF for r in range(cfg["world_size"])
+        ]
         barrier.wait(timeout)
         hold(cfg, rank)
     except BaseException as exc:  # reported, and the parent's verdict is the test's
@@ -143,8 +157,8 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     # Import vLLM once, before forking, as vLLM's own worker processes inherit it.
-    import vllm.v1.kv_offload.cpu.gpu_worker  # noqa: F401
-    import vllm.v1.kv_offload.cpu.spec  # noqa: F401
+    import vllm.v1.kv_offload.cpu.gpu_worker
+    import vllm.v1.kv_offload.cpu.spec
     import vllm.v1.kv_offload.factory  # noqa: F401
 
     make_pod_view(cfg)

@@ -126,14 +126,17 @@ def describe(mismatches: list[Mismatch], pool_engine_id: str) -> str:
     """One line for status and events: who, which id it used, which id the pool serves, and
     what to change."""
     used = sorted({m.engine_id for m in mismatches})
-    named = "; ".join(f"pid {m.pid} ({m.comm}) maps vllm_offload_{m.engine_id}.mmap"
-                      for m in mismatches[:_NAMED])
+    named = "; ".join(
+        f"pid {m.pid} ({m.comm}) maps vllm_offload_{m.engine_id}.mmap" for m in mismatches[:_NAMED]
+    )
     more = len(mismatches) - _NAMED
     if more > 0:
         named += f"; and {more} more"
     quoted = ", ".join(f'"{u}"' for u in used)
-    return (f"engine id mismatch: {named} — a region of its own, not this pool's "
-            f"vllm_offload_{pool_engine_id}.mmap, so the pool stays unused and the node's memory is "
-            f"spent twice; the engine runs with kv_transfer_config.engine_id {quoted} but the pool's "
-            f'compat.vllm.engineId is "{pool_engine_id}" (under data parallelism vLLM appends '
-            f"_dp<rank>: give each DP rank a pool named for its id)")
+    return (
+        f"engine id mismatch: {named} — a region of its own, not this pool's "
+        f"vllm_offload_{pool_engine_id}.mmap, so the pool stays unused and the node's memory is "
+        f"spent twice; the engine runs with kv_transfer_config.engine_id {quoted} but the pool's "
+        f'compat.vllm.engineId is "{pool_engine_id}" (under data parallelism vLLM appends '
+        f"_dp<rank>: give each DP rank a pool named for its id)"
+    )

@@ -15,9 +15,10 @@ vLLM maps a byte, with both numbers and the pool spec that would fit.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from offloadpool.region.manifest import Manifest
 
@@ -47,8 +48,10 @@ class EngineTier:
         """The OffloadPool spec (capacity and layout) that serves this tier exactly."""
         if self.replicated or self.world_size == 1:
             return f"capacity: {self.bytes}, layout: {{type: Replicated}}"
-        return (f"capacity: {self.bytes}, layout: {{type: Interleaved, ranks: {self.world_size}, "
-                f"slotSize: {self.slot_bytes}}}")
+        return (
+            f"capacity: {self.bytes}, layout: {{type: Interleaved, ranks: {self.world_size}, "
+            f"slotSize: {self.slot_bytes}}}"
+        )
 
 
 def pool_dir_of(extra_config: Mapping[str, Any], data_parallel_index: int = 0) -> Path:
@@ -60,7 +63,8 @@ def pool_dir_of(extra_config: Mapping[str, Any], data_parallel_index: int = 0) -
     if not raw:
         raise PoolMismatch(
             f"no offloadpool pool given: set kv_connector_extra_config.pool_dir, or "
-            f"{ENV_POOL_DIR} (the admission webhook sets it in pods labelled offloadpool.io/pool)")
+            f"{ENV_POOL_DIR} (the admission webhook sets it in pods labelled offloadpool.io/pool)"
+        )
     return Path(str(raw).replace("{dp}", str(data_parallel_index)))
 
 
@@ -83,29 +87,33 @@ def check(manifest: Manifest, pool_dir: Path, tier: EngineTier) -> int | None:
     if tier.num_chunks < 1:
         raise PoolMismatch(
             f"{name} holds {tier_bytes(manifest)} bytes, less than one of vLLM's "
-            f"{tier.row_bytes}-byte rows; {fit}")
+            f"{tier.row_bytes}-byte rows; {fit}"
+        )
     if lay.type == "PerRank":
         raise PoolMismatch(
             f"{name} is laid out PerRank (one region per rank), but vLLM's CPU tier is one "
-            f"region of rows shared by its {tier.world_size} workers; {fit}")
+            f"region of rows shared by its {tier.world_size} workers; {fit}"
+        )
     if lay.type == "Interleaved":
         if tier.replicated:
             raise PoolMismatch(
                 f"{name} is Interleaved for {lay.ranks} ranks, but vLLM keeps one replicated "
-                f"copy per row (MLA); {fit}")
+                f"copy per row (MLA); {fit}"
+            )
         if lay.ranks != tier.world_size:
             raise PoolMismatch(
-                f"{name} is laid out for {lay.ranks} ranks, the engine has {tier.world_size} "
-                f"workers; {fit}")
+                f"{name} is laid out for {lay.ranks} ranks, the engine has {tier.world_size} workers; {fit}"
+            )
         if lay.slot_bytes != tier.slot_bytes or lay.row_bytes != tier.row_bytes:
             raise PoolMismatch(
                 f"{name} has slots of {lay.slot_bytes} bytes in rows of {lay.row_bytes}, vLLM's "
-                f"are {tier.slot_bytes} in rows of {tier.row_bytes}; {fit}")
+                f"are {tier.slot_bytes} in rows of {tier.row_bytes}; {fit}"
+            )
     elif lay.row_bytes is not None and lay.row_bytes != tier.row_bytes:
-        raise PoolMismatch(
-            f"{name} has rows of {lay.row_bytes} bytes, vLLM's are {tier.row_bytes}; {fit}")
+        raise PoolMismatch(f"{name} has rows of {lay.row_bytes} bytes, vLLM's are {tier.row_bytes}; {fit}")
     if tier.bytes > tier_bytes(manifest):
         raise PoolMismatch(
             f"{name} holds {tier_bytes(manifest)} bytes, vLLM's CPU tier needs {tier.bytes} "
-            f"({tier.num_chunks} rows of {tier.row_bytes}); lower cpu_bytes_to_use or use {fit}")
+            f"({tier.num_chunks} rows of {tier.row_bytes}); lower cpu_bytes_to_use or use {fit}"
+        )
     return 0 if lay.type == "Replicated" else None

@@ -31,9 +31,18 @@ logger = init_logger(__name__)
 class PoolRegion(SharedOffloadRegion):
     """A SharedOffloadRegion whose bytes are an offloadpool pool (see the module docstring)."""
 
-    def __init__(self, pool_dir: Path, *, attach_rank: int, rank: int | None, num_chunks: int,
-                 kv_bytes_per_chunk: int, cpu_page_size: int, pin_backend: str = "auto",
-                 lease_timeout: float | None = 60.0) -> None:
+    def __init__(
+        self,
+        pool_dir: Path,
+        *,
+        attach_rank: int,
+        rank: int | None,
+        num_chunks: int,
+        kv_bytes_per_chunk: int,
+        cpu_page_size: int,
+        pin_backend: str = "auto",
+        lease_timeout: float | None = 60.0,
+    ) -> None:
         # Not SharedOffloadRegion.__init__: that creates or joins a /dev/shm file. These are the
         # attributes its view methods and vLLM's worker read, set from the attachment.
         self.attachment: Attachment = attach(pool_dir, attach_rank, lease_timeout=lease_timeout)
@@ -44,7 +53,9 @@ class PoolRegion(SharedOffloadRegion):
             self._bytes = num_chunks * kv_bytes_per_chunk
             self.cpu_page_size = cpu_page_size
             self.mmap_path = str(pool_dir)
-            self._segments = [(str(pool_dir / s.file), s.offset, s.bytes) for s in self.attachment.region.segments]
+            self._segments = [
+                (str(pool_dir / s.file), s.offset, s.bytes) for s in self.attachment.region.segments
+            ]
             self._creator = False  # never unlinks
             self.mmap_obj = None
             self.fd = None
@@ -76,8 +87,14 @@ class PoolRegion(SharedOffloadRegion):
         assert isinstance(stats, PinStats)
         self.pin_stats = stats
         self.is_pinned = True
-        logger.info("offloadpool pinned %d bytes of %s in %d call(s), %.3f s (%s)",
-                    stats.bytes_registered, self.mmap_path, stats.calls, stats.seconds, stats.backend)
+        logger.info(
+            "offloadpool pinned %d bytes of %s in %d call(s), %.3f s (%s)",
+            stats.bytes_registered,
+            self.mmap_path,
+            stats.calls,
+            stats.seconds,
+            stats.backend,
+        )
         return stats
 
     @property

@@ -14,6 +14,7 @@ and on every worker, before anything is mapped (``offloadpool.vllm.geometry``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -43,14 +44,22 @@ class OffloadPoolOffloadingSpec(CPUOffloadingSpec):
         self._attach_rank: int | None = None  # None: each worker attaches as its own rank
         if self.num_chunks > 0:  # 0 on a scheduler that does not know the KV size yet
             tier = geometry.EngineTier(
-                world_size=config.parallel.world_size, row_bytes=self.kv_bytes_per_chunk,
-                slot_bytes=self.cpu_page_size_per_worker, num_chunks=self.num_chunks,
-                replicated=self.replicated_layout)
+                world_size=config.parallel.world_size,
+                row_bytes=self.kv_bytes_per_chunk,
+                slot_bytes=self.cpu_page_size_per_worker,
+                num_chunks=self.num_chunks,
+                replicated=self.replicated_layout,
+            )
             self._attach_rank = geometry.check(manifest, self.pool_dir, tier)
-            logger.info("offloadpool: CPU KV tier of %d rows of %d bytes in pool %s (%s)",
-                        self.num_chunks, self.kv_bytes_per_chunk, manifest.pool, self.pool_dir)
+            logger.info(
+                "offloadpool: CPU KV tier of %d rows of %d bytes in pool %s (%s)",
+                self.num_chunks,
+                self.kv_bytes_per_chunk,
+                manifest.pool,
+                self.pool_dir,
+            )
 
-    def create_worker(self, kv_caches):  # type: ignore[no-untyped-def]
+    def create_worker(self, kv_caches: Any) -> Any:
         # Where vLLM would not use a shared region (no CUDA/XPU) it keeps private tensors: so
         # does this spec.
         if not self._uses_shared_region() or self.num_chunks <= 0:
