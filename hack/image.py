@@ -20,11 +20,12 @@ and the standard library:
    the content of every file that goes into the wheel, so an unchanged tree rebuilds nothing.
 
     python3 hack/image.py build       make (or reuse) the image; print its layout directory
+    python3 hack/image.py archive     the same, as one tar for ``ctr images import``; its path
     python3 hack/image.py key         print the key the current source gives
     python3 hack/image.py install SRC install SRC[operator] into /opt/offloadpool (in the image)
 
-Import it with ``containerd``: ``ctr -n k8s.io images import`` of a tar of the layout (the index
-names it ``ghcr.io/offloadpool/offloadpool:<version>``, the chart's default image).
+Import it with ``containerd``: ``ctr -n k8s.io images import`` of the archive (the index names
+it ``ghcr.io/offloadpool/offloadpool:<version>``, the chart's default image).
 Standard library only; build needs root (debootstrap, mounts, chroot).
 """
 
@@ -478,12 +479,31 @@ def prune(keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+ARCHIVE_NAME = "image.oci.tar"
+
+
+def ensure_archive() -> Path:
+    """The image as one tar of its OCI layout, what ``ctr images import`` reads; kept in the
+    layout's directory (so it goes when the layout is pruned)."""
+    layout = ensure_image()
+    archive = layout / ARCHIVE_NAME
+    with _lock(cache_root() / f".{layout.name}.lock"):
+        if not archive.exists():
+            partial = layout / f".{ARCHIVE_NAME}.partial"
+            with tarfile.open(partial, "w") as tar:
+                for name in ("oci-layout", "index.json", "blobs"):
+                    tar.add(layout / name, arcname=name)
+            partial.rename(archive)
+    return archive
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("build", help="make (or reuse) the image; print its OCI layout directory")
+    sub.add_parser("archive", help="the image as a tar of its layout (for ctr images import); print its path")
     sub.add_parser("key", help="print the cache key of the current source")
     inst = sub.add_parser("install", help="(inside the image) install SRC[operator] into the venv")
     inst.add_argument("src", type=Path)
@@ -496,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if os.geteuid() != 0:
             raise SystemExit("hack/image.py build needs root (debootstrap, overlay mounts, chroot)")
-        print(ensure_image())
+        print(ensure_archive() if args.command == "archive" else ensure_image())
     return 0
 
 
