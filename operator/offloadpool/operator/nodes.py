@@ -27,14 +27,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from offloadpool.api.constants import (
-    API_VERSION,
-    NODE_KIND,
     POOL_LABEL_READY,
     POOL_NAME_LABEL,
     extended_resource_name,
     node_object_name,
     pool_label_key,
 )
+from offloadpool.api.node import OffloadPoolNode, OffloadPoolNodeSpec
 
 from .daemonset import owner_reference
 from .nodeview import ROLLOUT_ANNOTATION
@@ -47,16 +46,15 @@ EXTENDED_RESOURCE_CAPACITY = "1"
 def node_object(pool_body: Mapping[str, Any], node: str, generation: int) -> dict[str, Any]:
     """A new OffloadPoolNode for ``node``; it starts at the pool's current generation."""
     pool = pool_body["metadata"]["name"]
-    return {
-        "apiVersion": API_VERSION,
-        "kind": NODE_KIND,
-        "metadata": {
+    obj = OffloadPoolNode(
+        metadata={
             "name": node_object_name(pool, node),
             "labels": {POOL_NAME_LABEL: pool},
             "ownerReferences": [owner_reference(pool_body)],
         },
-        "spec": {"pool": pool, "nodeName": node, "targetGeneration": generation},
-    }
+        spec=OffloadPoolNodeSpec(pool=pool, node_name=node, target_generation=generation),
+    )
+    return obj.model_dump(by_alias=True, exclude_none=True)
 
 
 def advance_patch(generation: int, serving: bool) -> dict[str, Any]:
