@@ -19,9 +19,11 @@ from offloadpool.api import (
     FailingNode,
     OffloadPool,
     OffloadPoolNode,
+    OffloadPoolNodeSpec,
     OffloadPoolNodeStatus,
     OffloadPoolSpec,
     OffloadPoolStatus,
+    node_object_name,
     now,
 )
 
@@ -74,7 +76,10 @@ def test_pool_status_written_from_the_models_round_trips(cr_objects: CustomObjec
 
 
 def test_node_status_written_from_the_models_round_trips(cr_objects: CustomObjects) -> None:
-    node = OffloadPoolNode.for_node("rt", "gpu-9")
+    node = OffloadPoolNode(
+        metadata={"name": node_object_name("rt", "gpu-9")},
+        spec=OffloadPoolNodeSpec(pool="rt", node_name="gpu-9"),
+    )
     cr_objects.create(NODE_PLURAL, node.model_dump(by_alias=True, exclude_none=True))
     status = OffloadPoolNodeStatus(
         phase="Ready", progress=100, bytes_total=2**30, bytes_populated=2**30, populate_gib_per_second=7.8,
