@@ -151,8 +151,16 @@ def source_files() -> list[str]:
     return sorted(f for f in files if "__pycache__" not in f and not f.endswith(".pyc"))
 
 
-def image_key() -> str:
+def deps_key() -> str:
+    """The dependency layer's key: the base, the dependency declaration, the install recipe."""
     h = hashlib.sha256(base_key().encode())
+    for f in ("pyproject.toml", "hack/image.py"):
+        h.update(hashlib.sha256((ROOT / f).read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def image_key() -> str:
+    h = hashlib.sha256(deps_key().encode())
     for f in source_files():
         h.update(f.encode() + b"\0" + hashlib.sha256((ROOT / f).read_bytes()).digest())
     return h.hexdigest()[:16]
@@ -290,8 +298,9 @@ def _mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True)
 
 
-def build_app_layer(base_rootfs: Path, work: Path) -> dict[str, object]:
-    """Run the install in a chroot on an overlay over the base; the upper dir is the layer."""
+def build_layer(lowers: list[Path], work: Path, stage: str) -> dict[str, object]:
+    """Run ``install /src --stage STAGE`` in a chroot on an overlay over ``lowers`` (topmost
+    first); the overlay's upper dir (``work/upper``) is the layer, written to ``work/layer.tar.gz``."""
     upper, wd, merged = work / "upper", work / "work", work / "merged"
     for p in (upper, wd, merged):
         p.mkdir()
@@ -302,7 +311,7 @@ def build_app_layer(base_rootfs: Path, work: Path) -> dict[str, object]:
             "overlay",
             "overlay",
             "-o",
-            f"lowerdir={base_rootfs},upperdir={upper},workdir={wd}",
+            f"lowerdir={':'.join(map(str, lowers))},upperdir={upper},workdir={wd}",
             str(merged),
         )
         mounted.append(merged)
@@ -327,7 +336,16 @@ def build_app_layer(base_rootfs: Path, work: Path) -> dict[str, object]:
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
         env.update({k: v for k, v in os.environ.items() if k in PASS_ENV})
         proc = subprocess.run(
-            ["chroot", str(merged), "/usr/bin/python3", "/src/hack/image.py", "install", "/src"],
+            [
+                "chroot",
+                str(merged),
+                "/usr/bin/python3",
+                "/src/hack/image.py",
+                "install",
+                "/src",
+                "--stage",
+                stage,
+            ],
             capture_output=True,
             text=True,
             env=env,
@@ -349,24 +367,29 @@ def build_app_layer(base_rootfs: Path, work: Path) -> dict[str, object]:
         if p.is_dir():
             for child in p.iterdir():
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
-    return write_layer(upper, work / "app.tar.gz")
+    shutil.rmtree(wd, ignore_errors=True)
+    return write_layer(upper, work / "layer.tar.gz")
 
 
-def install(src: Path, prefix: str = PREFIX) -> None:
+STAGES = ("all", "deps", "app")
+
+
+def install(src: Path, prefix: str = PREFIX, stage: str = "all") -> None:
     """Inside the image (the Dockerfile's RUN, or the chroot above): a venv at ``prefix`` with
-    ``src[operator]`` (the wheel built from src, and its dependencies) installed."""
-    subprocess.run([sys.executable, "-m", "venv", prefix], check=True)
-    subprocess.run(
-        [
-            f"{prefix}/bin/pip",
-            "install",
-            "--no-cache-dir",
-            "--disable-pip-version-check",
-            "-q",
-            f"{src}[{EXTRAS}]",
-        ],
-        check=True,
-    )
+    ``src[operator]`` (the wheel built from src, and its dependencies) installed.
+
+    ``all`` (the Dockerfile) does it in one go. The engine-less build splits it in two layers
+    so a source change rebuilds only the small one: ``deps`` makes the venv and installs
+    everything but leaves offloadpool itself out again (its layer is keyed by pyproject.toml),
+    ``app`` adds the wheel without touching the dependencies. The end result is the same."""
+    pip = [f"{prefix}/bin/pip", "--disable-pip-version-check", "-q"]
+    if stage in ("all", "deps"):
+        subprocess.run([sys.executable, "-m", "venv", prefix], check=True)
+        subprocess.run([*pip, "install", "--no-cache-dir", f"{src}[{EXTRAS}]"], check=True)
+    if stage == "deps":
+        subprocess.run([*pip, "uninstall", "-y", "offloadpool"], check=True)
+    if stage == "app":
+        subprocess.run([*pip, "install", "--no-cache-dir", "--no-deps", str(src)], check=True)
     # pip's own build leftovers; nothing of src stays in the image
     for leftover in src.glob("build"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -406,7 +429,11 @@ def write_layout(layout: Path, layers: list[tuple[Path, dict[str, object]]]) -> 
                 "created": created,
                 "created_by": f"debootstrap --variant=minbase {SUITE} +{','.join(PACKAGES)}",
             },
-            {"created": created, "created_by": f"python3 hack/image.py install /src  # {PREFIX}"},
+            {
+                "created": created,
+                "created_by": f"python3 hack/image.py install /src --stage deps  # {PREFIX}",
+            },
+            {"created": created, "created_by": f"python3 hack/image.py install /src --stage app  # {PREFIX}"},
         ],
     }
     config_digest, config_size = _blob(layout, json.dumps(config, sort_keys=True).encode())
@@ -440,6 +467,26 @@ def write_layout(layout: Path, layers: list[tuple[Path, dict[str, object]]]) -> 
     return {"name": image_name(), "manifest": manifest_digest, "config": config_digest}
 
 
+def ensure_deps(base_rootfs: Path) -> tuple[Path, dict[str, object]]:
+    """The cached dependency layer (its tree, an overlay lower for the application layer)."""
+    key = deps_key()
+    d = cache_root() / f"deps-{key}"
+    with _lock(cache_root() / f".deps-{key}.lock"):
+        if not (d / "layer.json").exists():
+            with tempfile.TemporaryDirectory(prefix="offloadpool-image-", dir=cache_root()) as tmp:
+                work = Path(tmp)
+                layer = build_layer([base_rootfs], work, "deps")
+                (work / "layer.json").write_text(json.dumps(layer))
+                shutil.rmtree(work / "merged", ignore_errors=True)
+                shutil.rmtree(d, ignore_errors=True)
+                work.rename(d)
+                work.mkdir()  # for TemporaryDirectory's cleanup
+            for old in cache_root().glob("deps-*"):  # one per pyproject.toml: keep the newest
+                if old != d:
+                    shutil.rmtree(old, ignore_errors=True)
+        return d / "upper", json.loads((d / "layer.json").read_text())
+
+
 def ensure_image() -> Path:
     """The OCI layout for the current source, built unless the cache has it; its directory."""
     key = image_key()
@@ -451,15 +498,23 @@ def ensure_image() -> Path:
         t0 = time.monotonic()
         base_rootfs, base_layer = ensure_base()
         t1 = time.monotonic()
+        deps_tree, deps_layer = ensure_deps(base_rootfs)
+        t2 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="offloadpool-image-", dir=cache_root()) as tmp:
             work = Path(tmp)
-            app_layer = build_app_layer(base_rootfs, work)
+            app_layer = build_layer([deps_tree, base_rootfs], work, "app")
             staging = work / "layout"
             info = write_layout(
-                staging, [(base_rootfs.parent / "layer.tar.gz", base_layer), (work / "app.tar.gz", app_layer)]
+                staging,
+                [
+                    (base_rootfs.parent / "layer.tar.gz", base_layer),
+                    (deps_tree.parent / "layer.tar.gz", deps_layer),
+                    (work / "layer.tar.gz", app_layer),
+                ],
             )
             info["seconds"] = (
-                f"base {t1 - t0:.0f} s, application layer and layout {time.monotonic() - t1:.0f} s"
+                f"base {t1 - t0:.0f} s, dependencies {t2 - t1:.0f} s, "
+                f"application layer and layout {time.monotonic() - t2:.0f} s"
             )
             (staging / "image.json").write_text(json.dumps(info, indent=2))
             staging.rename(layout)
@@ -508,11 +563,12 @@ def main(argv: list[str] | None = None) -> int:
     inst = sub.add_parser("install", help="(inside the image) install SRC[operator] into the venv")
     inst.add_argument("src", type=Path)
     inst.add_argument("--prefix", default=PREFIX)
+    inst.add_argument("--stage", choices=STAGES, default="all", help="all (the Dockerfile), or deps then app")
     args = parser.parse_args(argv)
     if args.command == "key":
         print(image_key())
     elif args.command == "install":
-        install(args.src, args.prefix)
+        install(args.src, args.prefix, args.stage)
     else:
         if os.geteuid() != 0:
             raise SystemExit("hack/image.py build needs root (debootstrap, overlay mounts, chroot)")

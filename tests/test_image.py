@@ -82,7 +82,7 @@ def test_layout_is_a_valid_oci_image_named_as_the_chart_expects(layout: Path) ->
     assert app_version and repository
     assert entry["annotations"]["io.containerd.image.name"] == f"{repository[1]}:{app_version[1]}"
     assert config["architecture"] == "amd64" and config["os"] == "linux"
-    assert len(manifest["layers"]) == len(config["rootfs"]["diff_ids"]) == 2
+    assert len(manifest["layers"]) == len(config["rootfs"]["diff_ids"]) == 3  # base, deps, app
     for layer, diff_id in zip(manifest["layers"], config["rootfs"]["diff_ids"], strict=True):
         assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar+gzip"
         data = descriptor_content(layout, layer)
