@@ -154,6 +154,16 @@ def test_agent_pod_provisions_and_a_consumer_pod_uses_the_pool(
     assert m is not None and m.fstype == fstype, "the pool's mount did not reach the host"
     manifest = json.loads((pool / "manifest.json").read_text())
     assert manifest["total_bytes"] == 64 * MiB
+    # Where the pool is charged once the agent's pod has ended (docs/real-node.md, "What the
+    # cgroups charge"): tmpfs pages stay in the pods' memory cgroup tree (kubepods, the limit
+    # that is enforced here); huge pages are not memory-cgroup memory, and are charged to the
+    # unified kubepods when the unified root enables hugetlb (no per-pod hugetlb cgroup here).
+    kubepods_memory = int(Path("/sys/fs/cgroup/memory/kubepods/memory.usage_in_bytes").read_text())
+    hugetlb = Path("/sys/fs/cgroup/unified/kubepods/hugetlb.2MB.current")
+    if fstype == "tmpfs":
+        assert kubepods_memory >= 64 * MiB, kubepods_memory
+    elif hugetlb.exists():
+        assert int(hugetlb.read_text()) >= 64 * MiB
     seg = sorted(p for p in (pool / "mnt").iterdir() if p.is_file() and p.stat().st_size > 0)[0]
 
     code = (
