@@ -190,6 +190,38 @@ def test_a_pool_within_the_limits_is_built_and_charged_to_that_cgroup(
         assert read_int(huge / "hugetlb.2MB.current") == 0
         assert read_int(mem / usage) >= 32 * MiB  # the tmpfs pages, still charged
 
+    # A consumer (an inference pod requesting no huge pages and little memory) in cgroups that
+    # allow it no huge pages at all and 48 MiB of memory maps the pool and writes every page:
+    # it succeeds, and nothing of the pool is charged to it (less than 16 MiB, its own Python).
+    c_huge, c_mem = cgroups.child("hugetlb"), cgroups.child("memory")
+    (c_huge / "hugetlb.2MB.max").write_text("0")
+    (c_huge / "hugetlb.2MB.rsvd.max").write_text("0")
+    (c_mem / ("memory.max" if mem_h.version == 2 else "memory.limit_in_bytes")).write_text(str(48 * MiB))
+    files = sorted(
+        str(p) for p in (region_root / "fits" / "mnt").iterdir() if p.is_file() and p.stat().st_size
+    )
+    code = (
+        "import mmap, os, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    fd = os.open(path, os.O_RDWR); size = os.fstat(fd).st_size\n"
+        "    m = mmap.mmap(fd, size)\n"
+        "    for off in range(0, size, 4096): m[off] = 7\n"
+        "    m.close(); os.close(fd)\n"
+        "print('wrote')\n"
+    )
+    before = read_int(c_mem / usage)
+    out = subprocess.run(
+        in_cgroups([c_huge, c_mem], [sys.executable, "-c", code, *files]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "wrote" in out.stdout, (out.returncode, out.stderr)
+    assert (
+        read_int(c_huge / "hugetlb.2MB.current") == 0 and read_int(c_huge / "hugetlb.2MB.rsvd.current") == 0
+    )
+    assert read_int(c_mem / usage) - before < 16 * MiB, "the pool's pages were charged to the consumer"
+
 
 def test_the_kernel_enforces_the_limit_the_check_reads(cgroups, tmp_path) -> None:
     """Without the check, the pre-fault's own mmap fails past hugetlb.2MB.rsvd.max (the
