@@ -372,6 +372,23 @@ def build_layer(lowers: list[Path], work: Path, stage: str) -> dict[str, object]
 
 
 STAGES = ("all", "deps", "app")
+#: The chart runs the operator (and the lease sidecar) as this uid/gid (runAsUser in
+#: charts/offloadpool and deploy/). It must have a passwd entry: kopf asks getpass.getuser(),
+#: which ends in pwd.getpwuid() and raises KeyError for an unknown uid (the operator pod then
+#: crash-loops with "getpwuid(): uid not found: 65532").
+RUN_AS = 65532
+RUN_AS_NAME = "offloadpool"
+
+
+def add_run_as_user(etc: Path = Path("/etc")) -> None:
+    """Give the chart's uid a name in the image (passwd and group), once."""
+    passwd, group = etc / "passwd", etc / "group"
+    if not any(line.split(":")[2:3] == [str(RUN_AS)] for line in passwd.read_text().splitlines()):
+        with passwd.open("a") as fh:
+            fh.write(f"{RUN_AS_NAME}:x:{RUN_AS}:{RUN_AS}:offloadpool:/nonexistent:/usr/sbin/nologin\n")
+    if not any(line.split(":")[2:3] == [str(RUN_AS)] for line in group.read_text().splitlines()):
+        with group.open("a") as fh:
+            fh.write(f"{RUN_AS_NAME}:x:{RUN_AS}:\n")
 
 
 def install(src: Path, prefix: str = PREFIX, stage: str = "all") -> None:
@@ -384,6 +401,7 @@ def install(src: Path, prefix: str = PREFIX, stage: str = "all") -> None:
     ``app`` adds the wheel without touching the dependencies. The end result is the same."""
     pip = [f"{prefix}/bin/pip", "--disable-pip-version-check", "-q"]
     if stage in ("all", "deps"):
+        add_run_as_user()
         subprocess.run([sys.executable, "-m", "venv", prefix], check=True)
         subprocess.run([*pip, "install", "--no-cache-dir", f"{src}[{EXTRAS}]"], check=True)
     if stage == "deps":

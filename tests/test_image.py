@@ -117,6 +117,30 @@ def test_the_image_runs_offloadpool(rootfs: Path, layout: Path) -> None:
     assert cli.returncode == 0 and "provision" in cli.stdout, cli.stderr
 
 
+def test_the_charts_user_has_a_name_in_the_image(rootfs: Path, layout: Path) -> None:
+    """The chart runs the operator as uid 65532; kopf asks getpass.getuser() at start, which
+    fails for a uid with no passwd entry (the operator pod crash-looped with KeyError)."""
+    _, _, config = manifest_and_config(layout)
+    env = {k: v for k, v in (e.split("=", 1) for e in config["config"]["Env"])}
+    chart = (REPO / "charts" / "offloadpool" / "templates" / "deployment.yaml").read_text()
+    assert f"runAsUser: {image_tool().RUN_AS}" in chart
+    out = subprocess.run(
+        [
+            "chroot",
+            "--userspec=65532:65532",
+            str(rootfs),
+            "python",
+            "-c",
+            "import getpass; print(getpass.getuser())",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "offloadpool", out.stderr
+
+
 def test_dockerfile_installs_what_the_build_installs() -> None:
     tool = image_tool()
     dockerfile = (REPO / "Dockerfile").read_text()
