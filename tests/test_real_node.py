@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import mmap
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -305,3 +306,191 @@ def test_bidirectional_host_path_mount_made_in_a_container_appears_on_the_host(
             if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
                 break
     assert str(target) not in _host_mounts()
+
+
+AGENT_ROOT = Path("/var/lib/offloadpool")  # the chart's host root (offloadpool.api's HOST_ROOT)
+CHART = Path(__file__).resolve().parents[1] / "charts" / "offloadpool"
+
+
+def _mounts_under(root: Path) -> list[tuple[str, str]]:
+    """(mount point, fstype) of every mount strictly below ``root`` on the host."""
+    found = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            fields = line.split()
+            point, fstype = fields[4], fields[fields.index("-") + 1]
+            if point.startswith(f"{root}/"):
+                found.append((point, fstype))
+    return found
+
+
+@pytest.fixture
+def shared_agent_root() -> Iterator[Path]:
+    """/var/lib/offloadpool as a shared mount (the agent's Bidirectional hostPath needs one; `/`
+    is private here); afterwards every mount below it and the bind itself are gone."""
+    created = not AGENT_ROOT.exists()
+    AGENT_ROOT.mkdir(parents=True, exist_ok=True)
+    assert AGENT_ROOT.as_posix() not in _host_mounts(), f"{AGENT_ROOT} is a mount point already"
+    subprocess.run(["mount", "--bind", str(AGENT_ROOT), str(AGENT_ROOT)], check=True)
+    subprocess.run(["mount", "--make-shared", str(AGENT_ROOT)], check=True)
+    try:
+        yield AGENT_ROOT
+    finally:
+        for point, _ in sorted(_mounts_under(AGENT_ROOT), key=lambda m: m[0].count("/"), reverse=True):
+            subprocess.run(["umount", "-l", point], capture_output=True)
+        subprocess.run(["umount", "-l", str(AGENT_ROOT)], capture_output=True)
+        if created:
+            subprocess.run(["rm", "-rf", "--one-file-system", str(AGENT_ROOT)], capture_output=True)
+
+
+def import_offloadpool_image(real_node: RealNode) -> str:
+    """hack/image.py's image (built or cached), imported into the node's containerd; its name."""
+    tool = CHART.parents[1] / "hack" / "image.py"
+    out = {}
+    for command in ("build", "archive"):
+        run = subprocess.run(
+            [sys.executable, str(tool), command], capture_output=True, text=True, timeout=1500
+        )
+        assert run.returncode == 0, f"hack/image.py {command} failed:\n{run.stderr[-4000:]}"
+        out[command] = Path(run.stdout.strip().splitlines()[-1])
+    index = json.loads((out["build"] / "index.json").read_text())
+    ref = index["manifests"][0]["annotations"]["io.containerd.image.name"]
+    real_node.ctr("images", "import", "--platform", "linux/amd64", str(out["archive"]))
+    assert ref in real_node.ctr("images", "ls", "-q").stdout.split()
+    return ref
+
+
+def test_e2e_chart_operator_and_agent_provision_a_memory_thp_pool_on_the_real_node(
+    real_node: RealNode, crds_installed: Any, shared_agent_root: Path
+) -> None:
+    """helm install with the local image: the operator pod runs on the node; a MemoryTHP pool
+    tolerating the node's taint gets an agent pod that provisions inside its container, and the
+    pool's tmpfs mount appears on the host; deleting the pool releases it."""
+    image = import_offloadpool_image(real_node)
+    repository, tag = image.rsplit(":", 1)
+    release, ns = "op", f"offloadpool-e2e-{uuid.uuid4().hex[:6]}"
+    pool = f"e2e-{uuid.uuid4().hex[:6]}"
+    toleration = json.dumps([TOLERATION])
+    cp = real_node.control_plane
+    try:
+        cp.helm(
+            "install",
+            release,
+            str(CHART),
+            "--namespace",
+            ns,
+            "--create-namespace",
+            "--take-ownership",
+            "--set",
+            f"image.repository={repository}",
+            "--set",
+            f"image.tag={tag}",
+            "--set",
+            "image.pullPolicy=Never",
+            "--set",
+            "webhook.enabled=false",
+            "--set-json",
+            f"operator.tolerations={toleration}",
+            timeout=120,
+        )
+
+        def operator_ready() -> dict | None:
+            pods = json.loads(
+                cp.kubectl(
+                    "get", "pods", "-n", ns, "-l", "app.kubernetes.io/name=offloadpool-operator", "-o", "json"
+                ).stdout
+            )["items"]
+            ready = [
+                p
+                for p in pods
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])
+                )
+            ]
+            return ready[0] if ready else None
+
+        try:
+            operator = wait_for("the operator pod Ready", operator_ready, 180)
+        except AssertionError:
+            raise AssertionError(
+                cp.kubectl("get", "pods,events", "-n", ns, "-o", "wide").stdout
+                + cp.kubectl("logs", "-n", ns, "deploy/op-operator", "--tail=50", check=False).stdout
+                + str(real_node.service_errors())
+            ) from None
+        assert operator["spec"]["nodeName"] == real_node.name
+        # Ready comes with the container's start (no readiness probe): it must also stay up.
+        time.sleep(10)
+        status = json.loads(
+            cp.kubectl("get", "pod", "-n", ns, operator["metadata"]["name"], "-o", "json").stdout
+        )
+        restarts = status["status"]["containerStatuses"][0]["restartCount"]
+        assert restarts == 0, (
+            "the operator container restarted:\n"
+            + cp.kubectl(
+                "logs", "-n", ns, operator["metadata"]["name"], "--previous", "--tail=30", check=False
+            ).stdout
+        )
+
+        body = {
+            "apiVersion": "offloadpool.io/v1alpha1",
+            "kind": "OffloadPool",
+            "metadata": {"name": pool},
+            "spec": {"capacity": "64Mi", "medium": "MemoryTHP", "tolerations": [TOLERATION]},
+        }
+        cp.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+        def provisioned() -> list[tuple[str, str]] | None:
+            mounts = [m for m in _mounts_under(shared_agent_root) if m[1] == "tmpfs" and pool in m[0]]
+            return mounts or None
+
+        try:
+            mounts = wait_for(
+                f"pool {pool}'s tmpfs mount under {shared_agent_root} on the host", provisioned, 180
+            )
+        except AssertionError:
+            raise AssertionError(
+                cp.kubectl("get", "pods,events", "-n", ns, "-o", "wide").stdout
+                + cp.kubectl("get", "offloadpools,offloadpoolnodes", "-o", "yaml").stdout
+                + cp.kubectl(
+                    "logs", "-n", ns, "-l", "app.kubernetes.io/component=agent", "--tail=50", check=False
+                ).stdout
+                + cp.kubectl(
+                    "logs", "-n", ns, "deploy/op-operator", "--previous", "--tail=60", check=False
+                ).stdout
+                + cp.kubectl("logs", "-n", ns, "deploy/op-operator", "--tail=80", check=False).stdout
+                + cp.kubectl("get", "daemonsets", "-n", ns, "-o", "wide", check=False).stdout
+                + str(real_node.service_errors())
+            ) from None
+        agents = json.loads(
+            cp.kubectl(
+                "get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=agent", "-o", "json"
+            ).stdout
+        )["items"]
+        assert [a["spec"]["nodeName"] for a in agents] == [real_node.name]
+        wait_for(
+            f"OffloadPoolNode {pool}.{real_node.name} Ready",
+            lambda: (
+                json.loads(
+                    cp.kubectl(
+                        "get", "offloadpoolnodes", f"{pool}.{real_node.name}", "-o", "json", check=False
+                    ).stdout
+                    or "{}"
+                )
+                .get("status", {})
+                .get("phase")
+                == "Ready"
+            ),
+            120,
+        )
+        point = mounts[0][0]
+        with open("/proc/self/mountinfo") as fh:
+            options = next(line for line in fh if line.split()[4] == point)
+        assert "huge=always" in options, options
+
+        cp.kubectl("delete", "offloadpool", pool, "--timeout=120s", timeout=150)
+        wait_for(f"pool {pool}'s mount released", lambda: provisioned() is None, 60)
+    finally:
+        cp.kubectl("delete", "offloadpool", pool, "--ignore-not-found", "--wait=false", check=False)
+        cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
+        cp.kubectl("delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=90s", check=False)
+        cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
