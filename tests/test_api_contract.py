@@ -5,6 +5,7 @@ turn a pool into the same request."""
 from __future__ import annotations
 
 import copy
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import yaml
 
 from offloadpool.agent.config import load as load_agent_config
 from offloadpool.agent.reconcile import decide
-from offloadpool.api import HOST_ROOT, OffloadPool, is_hugetlbfs, node_object_name, pool_request
+from offloadpool.api import HOST_ROOT, OffloadPool, is_hugetlbfs, node_object_name, pool_request, status_patch
 from offloadpool.api.constants import AGENT_HTTP_PORT
 from offloadpool.api.spec import DEFAULT_MEDIUM, MAX_FILES_LIMIT
 from offloadpool.cli.commands import request_from_args
@@ -23,6 +24,7 @@ from offloadpool.operator.daemonset import resources
 from offloadpool.region import media as engine_media
 from offloadpool.region.request import PoolRequest
 
+HEARTBEAT = datetime(2026, 11, 30, 16, 0, 0, tzinfo=timezone.utc)
 CRD = Path(__file__).resolve().parents[1] / "crds" / "offloadpool.io_offloadpools.yaml"
 
 POOL: dict[str, Any] = {
@@ -97,3 +99,28 @@ def test_absent_fields_get_the_crds_defaults_in_the_request() -> None:
     req = pool_request(pool)
     assert req == PoolRequest(name="kv", capacity=1 << 30, generation=4)
     assert (req.medium, req.max_files, req.min_segment, req.mode) == ("HugePages-2Mi", 32, 1 << 30, 0o660)
+
+
+def test_node_status_is_written_through_the_model() -> None:
+    patch = status_patch(
+        phase="Ready",
+        bytes_total=1 << 30,
+        populate_gib_per_second=7.5,
+        heartbeat=HEARTBEAT,
+        pending_generation=None,
+    )
+    # camelCase as the CRD names the fields; None kept (a merge patch removes the field); time as written
+    assert patch == {
+        "phase": "Ready",
+        "bytesTotal": 1 << 30,
+        "populateGiBPerSecond": 7.5,
+        "heartbeat": "2026-11-30T16:00:00Z",
+        "pendingGeneration": None,
+    }
+    # a misspelt or camelCase name would be pruned by the API server without a word: refused here
+    with pytest.raises(TypeError, match="bytesTotal"):
+        status_patch(bytesTotal=1)
+    with pytest.raises(TypeError, match="engines_atached"):
+        status_patch(engines_atached=1)
+    with pytest.raises(ValueError, match="progress"):
+        status_patch(progress=101)

@@ -27,9 +27,6 @@ from offloadpool.api.constants import (
     split_node_object_name,
 )
 
-# Short names the agent loop watches by (the plurals of offloadpool.api.constants).
-POOLS = POOL_PLURAL
-POOL_NODES = NODE_PLURAL
 MERGE = "application/merge-patch+json"
 #: events about cluster-scoped objects must live here (API server validation)
 EVENT_NAMESPACE = "default"
@@ -73,10 +70,10 @@ class KubeAccess:
         self.namespace = namespace
 
     def get_pool(self) -> dict[str, Any] | None:
-        return self._get(POOLS, self.pool)
+        return self._get(POOL_PLURAL, self.pool)
 
     def get_pool_node(self) -> dict[str, Any] | None:
-        return self._get(POOL_NODES, self.node_object)
+        return self._get(NODE_PLURAL, self.node_object)
 
     def _get(self, plural: str, name: str) -> dict[str, Any] | None:
         try:
@@ -90,7 +87,7 @@ class KubeAccess:
         """Merge-patch our OffloadPoolNode's status subresource; None if the object is gone."""
         try:
             return self.custom.patch_cluster_custom_object_status(
-                GROUP, VERSION, POOL_NODES, self.node_object, {"status": status}
+                GROUP, VERSION, NODE_PLURAL, self.node_object, {"status": status}
             )
         except ApiException as exc:
             if exc.status == 404:

@@ -14,18 +14,21 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from offloadpool.agent import kube
 from offloadpool.agent.metrics import AgentMetrics
-from offloadpool.agent.reconcile import Action, Decision, SpecError, decide
+from offloadpool.agent.reconcile import Action, Decision, decide
 from offloadpool.agent.status_writer import StatusWriter
+from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
+from offloadpool.api.conversion import SpecError
+from offloadpool.api.media import is_hugetlbfs
+from offloadpool.region import engine_id_mismatch, holders
 from offloadpool.region import manifest as manifest_mod
 from offloadpool.region.errors import CapacityError, RegionError
-from offloadpool.region import engine_id_mismatch, holders
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
@@ -33,7 +36,6 @@ from offloadpool.region.request import PoolRequest
 
 log = logging.getLogger(__name__)
 
-HUGE_MEDIA = {"HugePages-2Mi", "HugePages-1Gi"}
 #: The Lease's leaseDurationSeconds, in heartbeat periods (as the kubelet: 40 s for 10 s renewals).
 LEASE_PERIODS = 4
 
@@ -125,12 +127,14 @@ class Agent:
         return phase == "Ready", f"phase {phase}"
 
     # -- running -----------------------------------------------------------------------------
-    def start(self) -> "Agent":
+    def start(self) -> Agent:
         self.thread = threading.Thread(target=self.run, name=f"agent-{self.access.node_object}", daemon=True)
         self.thread.start()
         if self.watches:
-            for plural, name in ((kube.POOLS, self.access.pool), (kube.POOL_NODES, self.access.node_object)):
-                threading.Thread(target=self._watch, args=(plural, name), name=f"watch-{plural}", daemon=True).start()
+            for plural, name in ((POOL_PLURAL, self.access.pool), (NODE_PLURAL, self.access.node_object)):
+                threading.Thread(
+                    target=self._watch, args=(plural, name), name=f"watch-{plural}", daemon=True
+                ).start()
         return self
 
     def _watch(self, plural: str, name: str) -> None:
@@ -138,8 +142,14 @@ class Agent:
         while not self.stop.is_set():
             w = watch.Watch()
             try:
-                for _ in w.stream(self.access.custom.list_cluster_custom_object, kube.GROUP, kube.VERSION,
-                                  plural, field_selector=f"metadata.name={name}", timeout_seconds=120):
+                for _ in w.stream(
+                    self.access.custom.list_cluster_custom_object,
+                    GROUP,
+                    VERSION,
+                    plural,
+                    field_selector=f"metadata.name={name}",
+                    timeout_seconds=120,
+                ):
                     self.wake.set()
                     if self.stop.is_set():
                         break
@@ -200,7 +210,9 @@ class Agent:
         # by hand): write all of it again, not just what changed
         seen = ((self._pool_node or {}).get("status") or {}).get("phase")
         mismatch = self.engine_id_mismatch()
-        self.status.set(full=seen != self.status.phase, enginesAttached=n, engineIdMismatch=mismatch, **fields)
+        self.status.set(
+            full=seen != self.status.phase, engines_attached=n, engine_id_mismatch=mismatch, **fields
+        )
         if mismatch is not None:
             self._event("Warning", "EngineIdMismatch", mismatch)
 
@@ -220,62 +232,94 @@ class Agent:
     def _provision(self, d: Decision) -> float:
         req = d.request
         assert req is not None
-        if self.applied and self.applied.request == req and self.status.phase == "Ready" and self.status.exists:
+        if (
+            self.applied
+            and self.applied.request == req
+            and self.status.phase == "Ready"
+            and self.status.exists
+        ):
             self._beat()
             return self.heartbeat_seconds
         self.released = False
         try:
             # no status before the engine says it builds: a region that is reused, or that an
             # engine holds, must never show "Provisioning" (the memory is not being touched)
-            result = provision(req, self.root, progress=self._progress, workers=req.workers or None,
-                               on_phase=lambda phase: self._on_phase(phase, req))
+            result = provision(
+                req,
+                self.root,
+                progress=self._progress,
+                workers=req.workers or None,
+                on_phase=lambda phase: self._on_phase(phase, req),
+            )
         except LeaseHeld as exc:
             # a newer spec cannot replace a region an engine holds: keep the old one, say why
             self.metrics.error("LeaseHeld")
             old = self._manifest()
             fields: dict[str, Any] = {}
             if old is not None:
-                fields = dict(bytesTotal=old.total_bytes, bytesPopulated=old.total_bytes, progress=100)
-            self._phase("Ready" if old is not None else "Pending", reason="LeaseHeld",
-                        message=f"generation {req.generation} pending: {exc}",
-                        pendingGeneration=req.generation, observedGeneration=old.generation if old else None,
-                        enginesAttached=self.engines_attached(), **fields)
+                fields = dict(bytes_total=old.total_bytes, bytes_populated=old.total_bytes, progress=100)
+            self._phase(
+                "Ready" if old is not None else "Pending",
+                reason="LeaseHeld",
+                message=f"generation {req.generation} pending: {exc}",
+                pending_generation=req.generation,
+                observed_generation=old.generation if old else None,
+                engines_attached=self.engines_attached(),
+                **fields,
+            )
             self._event("Normal", "LeaseHeld", f"generation {req.generation} waits: {exc}")
             return self.retry_seconds
         except CapacityError as exc:
-            return self._fail("InsufficientHugePages" if req.medium in HUGE_MEDIA else "InsufficientMemory", str(exc))
+            return self._fail(
+                "InsufficientHugePages" if is_hugetlbfs(req.medium) else "InsufficientMemory", str(exc)
+            )
         except RegionError as exc:
             return self._fail("ProvisionFailed", str(exc))
         m = result.manifest
         total = int(m.total_bytes)
-        self.metrics.provisioned(total, int(result.populated_bytes), float(result.seconds), float(result.gib_per_s))
+        self.metrics.provisioned(
+            total, int(result.populated_bytes), float(result.seconds), float(result.gib_per_s)
+        )
         self.applied = Applied(req, total)
         self._failures = 0
         if result.reused:
             message = f"validated the existing region ({total} bytes); nothing re-populated"
         else:
-            message = (f"populated {result.populated_bytes} bytes in {result.seconds:.2f} s "
-                       f"({result.gib_per_s:.2f} GiB/s)")
+            message = (
+                f"populated {result.populated_bytes} bytes in {result.seconds:.2f} s "
+                f"({result.gib_per_s:.2f} GiB/s)"
+            )
             if result.skipped_bytes:
                 message += f"; {result.skipped_bytes} bytes were already populated by an interrupted run"
             if result.rebuilt:
                 message += "; the previous region was torn down first"
         numa_nodes = sorted({n for region in (m.extra or {}).get("numa_nodes") or [] for n in region})
         self._phase(
-            "Ready", reason="Reused" if result.reused else ("Resumed" if result.skipped_bytes else "Populated"),
-            message=message, observedGeneration=req.generation, pendingGeneration=None,
-            bytesTotal=total, bytesPopulated=total, progress=100,
-            populateGiBPerSecond=round(float(result.gib_per_s), 3) if not result.reused else
-            self.status.current.get("populateGiBPerSecond"),
-            hugePageCoverage=float(result.hugepage_coverage_percent),
-            numaNodes=numa_nodes or None, enginesAttached=self.engines_attached(),
+            "Ready",
+            reason="Reused" if result.reused else ("Resumed" if result.skipped_bytes else "Populated"),
+            message=message,
+            observed_generation=req.generation,
+            pending_generation=None,
+            bytes_total=total,
+            bytes_populated=total,
+            progress=100,
+            populate_gib_per_second=round(float(result.gib_per_s), 3)
+            if not result.reused
+            else self.status.current.populate_gib_per_second,
+            huge_page_coverage=float(result.hugepage_coverage_percent),
+            numa_nodes=numa_nodes or None,
+            engines_attached=self.engines_attached(),
         )
-        self._event("Normal", "Ready", self.status.current.get("message", "region Ready"))
+        self._event("Normal", "Ready", self.status.current.message or "region Ready")
         return self.heartbeat_seconds
 
     def _keep(self, d: Decision) -> float:
-        self._beat(reason=d.reason, message=d.message, pendingGeneration=d.pending_generation,
-                   observedGeneration=self.local_generation())
+        self._beat(
+            reason=d.reason,
+            message=d.message,
+            pending_generation=d.pending_generation,
+            observed_generation=self.local_generation(),
+        )
         return self.heartbeat_seconds
 
     def _release(self, d: Decision) -> float:
@@ -287,9 +331,12 @@ class Agent:
         except LeaseHeld as exc:
             self.metrics.error("LeaseHeld")
             n = self.engines_attached()
-            self._phase("Draining", reason="LeaseHeld",
-                        message=f"pool deleted but {n} engine(s) still attached; release waits: {exc}",
-                        enginesAttached=n)
+            self._phase(
+                "Draining",
+                reason="LeaseHeld",
+                message=f"pool deleted but {n} engine(s) still attached; release waits: {exc}",
+                engines_attached=n,
+            )
             self._event("Warning", "LeaseHeld", f"release waits for {n} attached engine(s)")
             return self.retry_seconds
         except RegionError as exc:
@@ -297,8 +344,15 @@ class Agent:
         self.released = True
         self.applied = None
         self.metrics.released()
-        self._phase("Released", reason="Released", message="region released, memory returned to the node",
-                    bytesPopulated=0, progress=0, enginesAttached=0, pendingGeneration=None)
+        self._phase(
+            "Released",
+            reason="Released",
+            message="region released, memory returned to the node",
+            bytes_populated=0,
+            progress=0,
+            engines_attached=0,
+            pending_generation=None,
+        )
         self._event("Normal", "Released", "region released")
         return self.heartbeat_seconds
 
@@ -318,9 +372,16 @@ class Agent:
     def _on_phase(self, phase: str, req: PoolRequest) -> None:
         """The engine's own phase changes (Provisioning, Populating, Ready) as they happen."""
         if phase == "Provisioning":
-            self._phase("Provisioning", reason=None, message=None, pendingGeneration=None,
-                        observedGeneration=self.local_generation(),
-                        bytesTotal=req.capacity, bytesPopulated=0, progress=0)
+            self._phase(
+                "Provisioning",
+                reason=None,
+                message=None,
+                pending_generation=None,
+                observed_generation=self.local_generation(),
+                bytes_total=req.capacity,
+                bytes_populated=0,
+                progress=0,
+            )
         elif phase == "Populating" and self.status.phase != "Populating":
             self._phase("Populating")
 

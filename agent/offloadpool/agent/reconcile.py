@@ -13,10 +13,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from offloadpool.api.conversion import SpecError, pool_request
+from offloadpool.api.conversion import pool_request
 from offloadpool.region.request import PoolRequest
-
-__all__ = ["Action", "Decision", "SpecError", "decide"]
 
 
 class Action(enum.Enum):

@@ -6,6 +6,10 @@ last wrote, so a heartbeat writes nothing unless a field changed (liveness is th
 job: every status write wakes the operator, a Lease renewal does not), and progress updates
 coming from populate worker threads are throttled and serialised here. ``heartbeat`` in the
 status is the time of the last status write.
+
+Fields are named as the status model (``offloadpool.api.node.OffloadPoolNodeStatus``) names
+them and go through it (``status_patch``): a misspelt name raises here, where a raw camelCase
+key would be written and then silently pruned by the API server.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from offloadpool import __version__
+from offloadpool.api.node import OffloadPoolNodeStatus, status_patch
 
 log = logging.getLogger(__name__)
 
 Patch = Callable[[dict[str, Any]], Any]
+_POPULATING = status_patch(phase="Populating")
 
 
 class StatusWriter:
@@ -36,7 +43,7 @@ class StatusWriter:
     def __init__(self, patch: Patch, clock: Callable[[], str], progress_interval: float = 0.5) -> None:
         self._patch = patch
         self._clock = clock
-        self._lock = threading.Lock()     # guards the dicts below; never held across a request
+        self._lock = threading.Lock()  # guards the dicts below; never held across a request
         self._io_lock = threading.Lock()  # one request at a time, in order
         self._written: dict[str, Any] = {}
         self._dirty: dict[str, Any] = {}
@@ -48,35 +55,41 @@ class StatusWriter:
         self.exists = False
 
     @property
-    def current(self) -> dict[str, Any]:
+    def current(self) -> OffloadPoolNodeStatus:
+        """The status as written, with what is still to be written laid over it."""
         with self._lock:
-            return {**self._written, **self._dirty}
+            return OffloadPoolNodeStatus.model_validate({**self._written, **self._dirty})
 
     def set(self, *, full: bool = False, **fields: Any) -> bool:
-        """Record ``fields`` (camelCase status keys) and write those that changed now, with a
-        fresh ``heartbeat`` timestamp; nothing is written when none changed.
+        """Record ``fields`` (``OffloadPoolNodeStatus`` field names; None removes a field) and
+        write those that changed now, with a fresh ``heartbeat`` timestamp; nothing is written
+        when none changed.
 
         Liveness is the heartbeat Lease's job, so an unchanged status costs no write and wakes
         no one. ``full`` re-sends the whole status (an object that lost it: re-created, or
         written by someone else); so does the first write after the object was missing.
         """
+        patch = status_patch(**fields)
         with self._lock:
-            if fields.get("phase") is not None:
-                self.phase = fields["phase"]
-            self._dirty.update(fields)
+            if patch.get("phase") is not None:
+                self.phase = patch["phase"]
+            self._dirty.update(patch)
         return self._flush(full=full)
 
     def progress(self, done: int, total: int) -> None:
         """Populate progress from a worker thread: recorded at once, written by the flusher
         thread at most every ``progress_interval`` seconds."""
         pct = int(done * 100 // total) if total else 0
+        patch = status_patch(bytes_populated=int(min(done, total)), bytes_total=int(total), progress=pct)
         with self._lock:
-            self._dirty.update(bytesPopulated=int(min(done, total)), bytesTotal=int(total), progress=pct)
+            self._dirty.update(patch)
             if self.phase != "Populating":
                 self.phase = "Populating"
-                self._dirty["phase"] = "Populating"
+                self._dirty.update(_POPULATING)
             if self._flusher is None:
-                self._flusher = threading.Thread(target=self._flush_progress, name="status-progress", daemon=True)
+                self._flusher = threading.Thread(
+                    target=self._flush_progress, name="status-progress", daemon=True
+                )
                 self._flusher.start()
         self._kick.set()
 
@@ -93,15 +106,18 @@ class StatusWriter:
     def _flush(self, full: bool = False) -> bool:
         with self._io_lock:
             with self._lock:
-                sent = {k: v for k, v in self._dirty.items() if full or k not in self._written or self._written[k] != v}
+                sent = {
+                    k: v
+                    for k, v in self._dirty.items()
+                    if full or k not in self._written or self._written[k] != v
+                }
                 if not sent and not full and self.exists:
                     self._dirty.clear()
                     return True  # nothing changed: no write (a late progress flush, a repeated set)
                 body = {
                     **(self._written if full or not self.exists else {}),
                     **sent,
-                    "heartbeat": self._clock(),
-                    "agentVersion": __version__,
+                    **status_patch(heartbeat=self._clock(), agent_version=__version__),
                 }
                 self._dirty.clear()
             try:

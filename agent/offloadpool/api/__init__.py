@@ -47,7 +47,7 @@ from .media import (
     is_hugetlbfs,
     page_size,
 )
-from .node import OffloadPoolNode, OffloadPoolNodeSpec, OffloadPoolNodeStatus
+from .node import OffloadPoolNode, OffloadPoolNodeSpec, OffloadPoolNodeStatus, status_patch
 from .pool import OffloadPool
 from .quantity import QuantityError, format_quantity, parse_quantity
 from .spec import (
@@ -123,4 +123,5 @@ __all__ = [
     "pool_name_error",
     "pool_request",
     "split_node_object_name",
+    "status_patch",
 ]

@@ -56,3 +56,18 @@ class OffloadPoolNode(StatusModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: OffloadPoolNodeSpec
     status: OffloadPoolNodeStatus | None = None
+
+
+def status_patch(**fields: Any) -> dict[str, Any]:
+    """``fields``, named as ``OffloadPoolNodeStatus`` names them (snake_case), as the camelCase
+    status the API server stores; the model checks every value.
+
+    The agent writes its status only through this: the API server silently prunes a field its
+    schema lacks, so a misspelt raw key would vanish without an error, where an unknown name
+    here raises TypeError (and a value out of the model's range pydantic's ValidationError).
+    A field given as None stays in the patch as null: a merge patch removes it.
+    """
+    unknown = sorted(set(fields) - set(OffloadPoolNodeStatus.model_fields))
+    if unknown:
+        raise TypeError(f"OffloadPoolNodeStatus has no field {', '.join(unknown)}")
+    return OffloadPoolNodeStatus.model_validate(fields).model_dump(by_alias=True, exclude_unset=True)
