@@ -16,11 +16,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.holders import Holder, describe, exclusive_unused, find_holders
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.locks import pool_dir_lock
-from offloadpool.region import record as records
 from offloadpool.region.teardown import teardown
 
 FORCE_CONSEQUENCES = (
