@@ -6,17 +6,26 @@ contracts that rests on: the Node advertises the suite's huge pages, a pod runs 
 read through the API server, a hugepages-2Mi pod is admitted, gets a hugetlbfs volume whose
 pages it really uses (and what its cgroups charge for them), and a mount a privileged container
 makes under a Bidirectional hostPath appears on the host. docs/real-node.md, "The test node".
+
+The ``test_e2e_chart_*`` tests at the end run the whole product there as a user would (issue 10,
+item 3): helm install of the chart with the locally built image, a HugePages-2Mi and a MemoryTHP
+pool provisioned by admitted agent pods, consumer pods attaching and pinning, agent pods
+replaced without re-populating, and the pools' deletion giving every mount, file and huge page
+back. docs/real-node.md, "The chart on the real node".
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import os
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +33,10 @@ import pytest
 
 from fixtures.node import HUGE_1G, HUGE_2M, TAINT, TOLERATION, RealNode, nr_hugepages
 from fixtures.wait import wait_for
-from offloadpool.api.quantity import parse_quantity
+from offloadpool.api.constants import POOL_NAME_LABEL
+from offloadpool.api.quantity import parse_quantity, parse_quantity_exact
+from offloadpool.region import hugepages
+from offloadpool.region import manifest as manifest_mod
 
 pytestmark = pytest.mark.node
 
@@ -324,7 +336,7 @@ def _mounts_under(root: Path) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def shared_agent_root() -> Iterator[Path]:
     """/var/lib/offloadpool as a shared mount (the agent's Bidirectional hostPath needs one; `/`
     is private here); afterwards every mount below it and the bind itself are gone."""
@@ -360,25 +372,168 @@ def import_offloadpool_image(real_node: RealNode) -> str:
     return ref
 
 
-def test_e2e_chart_operator_and_agent_provision_a_memory_thp_pool_on_the_real_node(
-    real_node: RealNode, crds_installed: Any, shared_agent_root: Path
-) -> None:
-    """helm install with the local image: the operator pod runs on the node; a MemoryTHP pool
-    tolerating the node's taint gets an agent pod that provisions inside its container, and the
-    pool's tmpfs mount appears on the host; deleting the pool releases it."""
+# ---- the chart end to end (issue 10, item 3) ----------------------------------------------------
+# One helm release for the tests below, which run in order and build on each other as a user's
+# session would: two pools provisioned by their agent pods -> consumer pods attach, write and
+# pin -> the agent pods are replaced and reuse the regions -> the pools are deleted and
+# everything is given back. A later test fails (never skips) when an earlier one did.
+
+POOL_BYTES = 64 * MiB
+FSTYPE = {"HugePages-2Mi": "hugetlbfs", "MemoryTHP": "tmpfs"}
+#: What the operator renders for a 64Mi pool with the chart's defaults (agent.cpuRequest 100m,
+#: agent.memoryOverhead 256Mi): huge pages = the pool; tmpfs media's memory = pool + overhead.
+AGENT_RESOURCES = {
+    "HugePages-2Mi": {
+        "requests": {"hugepages-2Mi": "64Mi", "memory": "256Mi", "cpu": "100m"},
+        "limits": {"hugepages-2Mi": "64Mi", "memory": "256Mi"},
+    },
+    "MemoryTHP": {"requests": {"memory": "320Mi", "cpu": "100m"}, "limits": {"memory": "320Mi"}},
+}
+#: The consumer pod's program: what an engine does with the pinning helper, in a few lines.
+CONSUMER = """
+import sys
+from offloadpool.pinning import attach
+pool_dir, token = sys.argv[1], sys.argv[2].encode()
+with attach(pool_dir, rank=0) as region:
+    view = region.memoryview()
+    view[: len(token)] = token
+    view[region.size - len(token) :] = token
+    view.release()
+    stats = region.pin(backend="mlock")
+    vmlck = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmLck:"))
+    print(f"{region.manifest.medium}: wrote {token.decode()} and pinned "
+          f"{stats.bytes_registered} bytes with {stats.backend}, VmLck {vmlck} kB")
+"""
+
+
+def _quantities(resources: dict[str, dict[str, str]]) -> dict[str, dict[str, Fraction]]:
+    """Requests/limits as exact numbers ("100m" == "0.1"), however the API server spells them."""
+    return {
+        kind: {k: parse_quantity_exact(v) for k, v in values.items()} for kind, values in resources.items()
+    }
+
+
+def _pool_mounts(pool_dir: Path) -> dict[str, tuple[str, str, str]]:
+    """Mounts at or below ``pool_dir`` on the host: point -> (mount id, fstype, super options)."""
+    found = {}
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            fields = line.split()
+            point, dash = fields[4], fields.index("-")
+            if point == str(pool_dir) or point.startswith(f"{pool_dir}/"):
+                found[point] = (fields[0], fields[dash + 1], fields[dash + 3])
+    return found
+
+
+def _region_bytes(pool_dir: Path, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of the pool's region 0, read on the host from its segment
+    files through the manifest (by mmap, as an engine reads them; hugetlbfs has no write(2))."""
+    region = manifest_mod.load(pool_dir).regions[0]
+    for seg in region.segments:
+        if seg.offset <= offset and offset + length <= seg.offset + seg.bytes:
+            with open(pool_dir / seg.file, "r+b") as fh, mmap.mmap(fh.fileno(), seg.bytes) as mem:
+                return bytes(mem[offset - seg.offset : offset - seg.offset + length])
+    raise AssertionError(f"no segment of {pool_dir} holds bytes {offset}..{offset + length}")
+
+
+def _hugepages_2m() -> tuple[int, int, int]:
+    """(HugePages_Total, HugePages_Free, HugePages_Rsvd) of the 2 MiB pool."""
+    c = hugepages.counters(HUGE_2M)
+    return c.total, c.free, c.reserved
+
+
+@dataclass
+class ChartE2E:
+    """The release and what the tests learned so far (``seen``), shared along the module."""
+
+    node: RealNode
+    root: Path
+    ns: str
+    consumers_ns: str
+    image: str
+    pools: dict[str, str]  # medium -> pool name
+    hugepages_before: tuple[int, int, int]
+    seen: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cp(self) -> Any:
+        return self.node.control_plane
+
+    def get(self, *args: str) -> dict | None:
+        out = self.cp.kubectl("get", *args, "-o", "json", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def pool_node(self, pool: str) -> dict | None:
+        return self.get("offloadpoolnodes", f"{pool}.{self.node.name}")
+
+    def agent_pods(self, pool: str) -> list[dict]:
+        selector = f"app.kubernetes.io/name=offloadpool-agent,{POOL_NAME_LABEL}={pool}"
+        found = self.get("pods", "-n", self.ns, "-l", selector)
+        return [] if found is None else found["items"]
+
+    def pool_dir(self, pool: str) -> Path:
+        return self.root / pool
+
+    def diagnostics(self) -> str:
+        cp = self.cp
+        agents = "app.kubernetes.io/component=agent"
+        return "\n".join(
+            [
+                cp.kubectl("get", "pods,daemonsets,events", "-n", self.ns, "-o", "wide", check=False).stdout,
+                cp.kubectl("get", "pods,events", "-n", self.consumers_ns, check=False).stdout,
+                cp.kubectl("get", "offloadpools,offloadpoolnodes", "-o", "yaml", check=False).stdout,
+                cp.kubectl("logs", "-n", self.ns, "-l", agents, "--tail=40", check=False).stdout,
+                cp.kubectl("logs", "-n", self.ns, "deploy/op-operator", "--tail=60", check=False).stdout,
+                str(self.node.service_errors()),
+            ]
+        )
+
+    def wait(self, what: str, predicate: Callable[[], Any], timeout: float) -> Any:
+        """wait_for, failing with the cluster's side of the story."""
+        try:
+            return wait_for(what, predicate, timeout, interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnostics()}") from None
+
+    def ready_agent(self, pool: str, not_uid: str | None = None) -> dict | None:
+        """The pool's agent pod once it is Ready (a different one than ``not_uid``)."""
+        for p in self.agent_pods(pool):
+            conditions = {c["type"]: c["status"] for c in p["status"].get("conditions", [])}
+            if p["metadata"]["uid"] != not_uid and conditions.get("Ready") == "True":
+                return p
+        return None
+
+    def pool_node_status(self, pool: str, **expected: str) -> dict | None:
+        """The OffloadPoolNode's status once every field in ``expected`` has that value."""
+        status = (self.pool_node(pool) or {}).get("status") or {}
+        return status if all(status.get(k) == v for k, v in expected.items()) else None
+
+
+@pytest.fixture(scope="module")
+def chart_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -> Iterator[ChartE2E]:
+    """helm install of the chart with the local image; afterwards the pools, the release, the
+    namespaces and (by ``shared_agent_root``) every mount are gone, whatever happened."""
     image = import_offloadpool_image(real_node)
     repository, tag = image.rsplit(":", 1)
-    release, ns = "op", f"offloadpool-e2e-{uuid.uuid4().hex[:6]}"
-    pool = f"e2e-{uuid.uuid4().hex[:6]}"
-    toleration = json.dumps([TOLERATION])
+    suffix = uuid.uuid4().hex[:6]
+    e2e = ChartE2E(
+        node=real_node,
+        root=shared_agent_root,
+        ns=f"offloadpool-e2e-{suffix}",
+        consumers_ns=f"e2e-consumers-{suffix}",
+        image=image,
+        pools={"HugePages-2Mi": f"e2e-hp-{suffix}", "MemoryTHP": f"e2e-thp-{suffix}"},
+        hugepages_before=_hugepages_2m(),
+    )
     cp = real_node.control_plane
     try:
+        cp.kubectl("create", "namespace", e2e.consumers_ns)
         cp.helm(
             "install",
-            release,
+            "op",
             str(CHART),
             "--namespace",
-            ns,
+            e2e.ns,
             "--create-namespace",
             "--take-ownership",
             "--set",
@@ -390,107 +545,251 @@ def test_e2e_chart_operator_and_agent_provision_a_memory_thp_pool_on_the_real_no
             "--set",
             "webhook.enabled=false",
             "--set-json",
-            f"operator.tolerations={toleration}",
+            f"operator.tolerations={json.dumps([TOLERATION])}",
             timeout=120,
         )
-
-        def operator_ready() -> dict | None:
-            pods = json.loads(
+        yield e2e
+    finally:
+        # Consumers first (an attached engine holds a pool's release), then the pools while the
+        # operator and agents still run to release them, then the rest.
+        cp.kubectl("delete", "namespace", e2e.consumers_ns, "--timeout=60s", check=False, timeout=90)
+        pools = list(e2e.pools.values())
+        cp.kubectl(
+            "delete", "offloadpools", *pools, "--ignore-not-found", "--timeout=90s", check=False, timeout=120
+        )
+        for pool in pools:  # a pool stuck on its finalizer would outlive the operator: let go
+            for kind, name in (("offloadpool", pool), ("offloadpoolnode", f"{pool}.{real_node.name}")):
                 cp.kubectl(
-                    "get", "pods", "-n", ns, "-l", "app.kubernetes.io/name=offloadpool-operator", "-o", "json"
-                ).stdout
-            )["items"]
-            ready = [
-                p
-                for p in pods
-                if any(
-                    c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])
+                    "patch", kind, name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False
                 )
-            ]
-            return ready[0] if ready else None
+                cp.kubectl("delete", kind, name, "--ignore-not-found", "--wait=false", check=False)
+        cp.helm("uninstall", "op", "--namespace", e2e.ns, check=False, timeout=120)
+        cp.kubectl("delete", "pods", "--all", "-n", e2e.ns, "--grace-period=1", "--timeout=90s", check=False)
+        cp.kubectl("delete", "namespace", e2e.ns, "--wait=false", check=False)
 
-        try:
-            operator = wait_for("the operator pod Ready", operator_ready, 180)
-        except AssertionError:
-            raise AssertionError(
-                cp.kubectl("get", "pods,events", "-n", ns, "-o", "wide").stdout
-                + cp.kubectl("logs", "-n", ns, "deploy/op-operator", "--tail=50", check=False).stdout
-                + str(real_node.service_errors())
-            ) from None
-        assert operator["spec"]["nodeName"] == real_node.name
-        # Ready comes with the container's start (no readiness probe): it must also stay up.
-        time.sleep(10)
-        status = json.loads(
-            cp.kubectl("get", "pod", "-n", ns, operator["metadata"]["name"], "-o", "json").stdout
-        )
-        restarts = status["status"]["containerStatuses"][0]["restartCount"]
-        assert restarts == 0, (
-            "the operator container restarted:\n"
-            + cp.kubectl(
-                "logs", "-n", ns, operator["metadata"]["name"], "--previous", "--tail=30", check=False
-            ).stdout
-        )
 
+def test_e2e_chart_two_pools_get_admitted_agent_pods_that_provision_them_onto_the_host(
+    chart_e2e: ChartE2E,
+) -> None:
+    """The operator pod runs from the image; a HugePages-2Mi and a MemoryTHP pool each get an
+    agent pod admitted with the pool's huge pages / memory (as the API shows it, and as the
+    kubelet's memory cgroup enforces it) that provisions inside its container: the
+    OffloadPoolNode goes Ready and the pool's mount appears on the host."""
+    e2e, cp, node = chart_e2e, chart_e2e.cp, chart_e2e.node
+
+    def operator_ready() -> dict | None:
+        pods = e2e.get("pods", "-n", e2e.ns, "-l", "app.kubernetes.io/name=offloadpool-operator")
+        for p in (pods or {}).get("items", []):
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])):
+                return p
+        return None
+
+    operator = e2e.wait("the operator pod Ready", operator_ready, 180)
+    assert operator["spec"]["nodeName"] == node.name
+    for medium, pool in e2e.pools.items():
         body = {
             "apiVersion": "offloadpool.io/v1alpha1",
             "kind": "OffloadPool",
             "metadata": {"name": pool},
-            "spec": {"capacity": "64Mi", "medium": "MemoryTHP", "tolerations": [TOLERATION]},
+            "spec": {"capacity": "64Mi", "medium": medium, "tolerations": [TOLERATION]},
         }
         cp.kubectl("apply", "-f", "-", input=json.dumps(body))
 
-        def provisioned() -> list[tuple[str, str]] | None:
-            mounts = [m for m in _mounts_under(shared_agent_root) if m[1] == "tmpfs" and pool in m[0]]
-            return mounts or None
+    for medium, pool in e2e.pools.items():
+        agent = e2e.wait(f"the agent pod of {pool} Ready", lambda pool=pool: e2e.ready_agent(pool), 180)
+        assert agent["spec"]["nodeName"] == node.name
+        container = agent["spec"]["containers"][0]
+        assert _quantities(container["resources"]) == _quantities(AGENT_RESOURCES[medium]), container[
+            "resources"
+        ]
+        assert agent["status"]["containerStatuses"][0]["restartCount"] == 0, agent["status"]
+        # The kubelet gave the pod the memory limit it asked for (v1 memory, enforced here).
+        memory_cgroup = pod_cgroups(agent["metadata"]["uid"]).get("memory")
+        assert memory_cgroup is not None, f"no memory cgroup for agent pod {agent['metadata']['uid']}"
+        limit = parse_quantity(AGENT_RESOURCES[medium]["limits"]["memory"])
+        assert int((memory_cgroup / "memory.limit_in_bytes").read_text()) == limit
 
-        try:
-            mounts = wait_for(
-                f"pool {pool}'s tmpfs mount under {shared_agent_root} on the host", provisioned, 180
-            )
-        except AssertionError:
-            raise AssertionError(
-                cp.kubectl("get", "pods,events", "-n", ns, "-o", "wide").stdout
-                + cp.kubectl("get", "offloadpools,offloadpoolnodes", "-o", "yaml").stdout
-                + cp.kubectl(
-                    "logs", "-n", ns, "-l", "app.kubernetes.io/component=agent", "--tail=50", check=False
-                ).stdout
-                + cp.kubectl(
-                    "logs", "-n", ns, "deploy/op-operator", "--previous", "--tail=60", check=False
-                ).stdout
-                + cp.kubectl("logs", "-n", ns, "deploy/op-operator", "--tail=80", check=False).stdout
-                + cp.kubectl("get", "daemonsets", "-n", ns, "-o", "wide", check=False).stdout
-                + str(real_node.service_errors())
-            ) from None
-        agents = json.loads(
-            cp.kubectl(
-                "get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=agent", "-o", "json"
-            ).stdout
-        )["items"]
-        assert [a["spec"]["nodeName"] for a in agents] == [real_node.name]
-        wait_for(
-            f"OffloadPoolNode {pool}.{real_node.name} Ready",
-            lambda: (
-                json.loads(
-                    cp.kubectl(
-                        "get", "offloadpoolnodes", f"{pool}.{real_node.name}", "-o", "json", check=False
-                    ).stdout
-                    or "{}"
-                )
-                .get("status", {})
-                .get("phase")
-                == "Ready"
-            ),
+        status = e2e.wait(
+            f"OffloadPoolNode {pool}.{node.name} Ready",
+            lambda pool=pool: e2e.pool_node_status(pool, phase="Ready"),
+            60,
+        )
+        assert status["reason"] == "Populated", status
+        assert status["bytesTotal"] == POOL_BYTES and status["bytesPopulated"] == POOL_BYTES, status
+        pool_dir = e2e.pool_dir(pool)
+        mounts = {point: m for point, m in _pool_mounts(pool_dir).items() if m[1] == FSTYPE[medium]}
+        assert len(mounts) == 1, (_pool_mounts(pool_dir), e2e.diagnostics())
+        ((point, (mount_id, _fstype, options)),) = mounts.items()
+        manifest = manifest_mod.load(pool_dir)
+        assert manifest.total_bytes == POOL_BYTES and manifest.medium == medium
+        segment = pool_dir / manifest.regions[0].segments[0].file
+        assert str(segment).startswith(f"{point}/"), (segment, point)
+        if medium == "MemoryTHP":
+            assert "huge=always" in options, options
+        else:
+            assert "pagesize=2M" in options, options
+            # The mount's own pages: all 32 in use by the pool (no cross-talk from other pools).
+            st = os.statvfs(point)
+            assert (st.f_blocks - st.f_bfree) * st.f_frsize == POOL_BYTES, (st, options)
+        e2e.seen[pool] = {
+            "agent": agent["metadata"]["uid"],
+            "mount": point,
+            "mount_id": mount_id,
+            "segment": segment,
+            "inode": segment.stat().st_ino,
+        }
+
+    # The operator stayed up through both pools' rollouts.
+    operator = e2e.get("pod", "-n", e2e.ns, operator["metadata"]["name"])
+    assert operator is not None and operator["status"]["containerStatuses"][0]["restartCount"] == 0, (
+        cp.kubectl("logs", "-n", e2e.ns, "deploy/op-operator", "--previous", "--tail=30", check=False).stdout
+    )
+
+
+def test_e2e_chart_consumer_pods_without_huge_pages_attach_write_and_pin_each_pool(
+    chart_e2e: ChartE2E,
+) -> None:
+    """A consumer pod of the same image, given the pool directory with HostToContainer and
+    requesting no huge pages (memory 64Mi: the pool's pages are not charged to it), attaches
+    with the pinning helper, writes a pattern, pins with mlock and exits 0; the host reads the
+    pattern back from the pool's files."""
+    e2e, node = chart_e2e, chart_e2e.node
+    assert set(e2e.seen) == set(e2e.pools.values()), "the pools were not provisioned (test above)"
+    tokens = {}
+    for medium, pool in e2e.pools.items():
+        tokens[pool] = f"consumer-{medium}-{uuid.uuid4().hex[:8]}"
+        in_pod = f"/offloadpool/{pool}"
+        manifest = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"consumer-{pool}"},
+            "spec": {
+                "restartPolicy": "Never",
+                "automountServiceAccountToken": False,
+                "terminationGracePeriodSeconds": 1,
+                "tolerations": [TOLERATION],
+                "containers": [
+                    {
+                        "name": "engine",
+                        "image": e2e.image,
+                        "imagePullPolicy": "Never",
+                        "command": ["python", "-c", CONSUMER, in_pod, tokens[pool]],
+                        "resources": {"limits": {"memory": "64Mi", "cpu": "100m"}},
+                        # mlock past RLIMIT_MEMLOCK (8 MiB here) needs CAP_IPC_LOCK, as in any pod
+                        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                        "volumeMounts": [
+                            {"name": "pool", "mountPath": in_pod, "mountPropagation": "HostToContainer"}
+                        ],
+                    }
+                ],
+                "volumes": [
+                    {"name": "pool", "hostPath": {"path": str(e2e.pool_dir(pool)), "type": "Directory"}}
+                ],
+            },
+        }
+        e2e.cp.kubectl("apply", "-n", e2e.consumers_ns, "-f", "-", input=json.dumps(manifest))
+
+    for medium, pool in e2e.pools.items():
+        name = f"consumer-{pool}"
+
+        def ended(name: str = name) -> dict | None:
+            obj = e2e.get("pod", name, "-n", e2e.consumers_ns)
+            return obj if obj and obj["status"].get("phase") in ("Succeeded", "Failed") else None
+
+        obj = e2e.wait(f"consumer pod {name} ended", ended, 120)
+        log = e2e.cp.kubectl("logs", name, "-n", e2e.consumers_ns, check=False)
+        assert obj["status"]["phase"] == "Succeeded", (obj["status"], log.stdout, log.stderr)
+        assert obj["spec"]["nodeName"] == node.name
+        resources = _quantities(obj["spec"]["containers"][0]["resources"])
+        assert not [r for kind in resources.values() for r in kind if r.startswith("hugepages-")], resources
+        assert obj["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        assert f"{medium}: wrote {tokens[pool]} and pinned {POOL_BYTES} bytes with mlock" in log.stdout, (
+            log.stdout
+        )
+        if medium == "MemoryTHP":  # hugetlb pages are never counted in VmLck; tmpfs pages are
+            vmlck = int(log.stdout.rsplit("VmLck ", 1)[1].split()[0]) * 1024
+            assert vmlck >= POOL_BYTES, log.stdout
+
+        token = tokens[pool].encode()
+        pool_dir = e2e.pool_dir(pool)
+        assert _region_bytes(pool_dir, 0, len(token)) == token
+        assert _region_bytes(pool_dir, POOL_BYTES - len(token), len(token)) == token
+        e2e.seen[pool]["token"] = token
+
+
+def test_e2e_chart_a_deleted_agent_pod_is_replaced_and_reuses_the_region_with_its_data(
+    chart_e2e: ChartE2E,
+) -> None:
+    """Deleting each agent pod: the DaemonSet controller makes a replacement; the mount, the
+    segment file (same inode) and the consumer's bytes stay; the replacement validates the
+    region and reports it Reused, nothing re-populated."""
+    e2e, cp = chart_e2e, chart_e2e.cp
+    seen = e2e.seen
+    assert all("token" in seen.get(pool, {}) for pool in e2e.pools.values()), "no consumer data (test above)"
+    old = {
+        pool: next(p for p in e2e.agent_pods(pool) if p["metadata"]["uid"] == seen[pool]["agent"])
+        for pool in e2e.pools.values()
+    }
+    names = [p["metadata"]["name"] for p in old.values()]
+    cp.kubectl("delete", "pods", "-n", e2e.ns, *names, "--timeout=90s", timeout=120)
+
+    for medium, pool in e2e.pools.items():
+        new = e2e.wait(
+            f"a replacement agent pod of {pool} Ready",
+            lambda pool=pool: e2e.ready_agent(pool, not_uid=seen[pool]["agent"]),
             120,
         )
-        point = mounts[0][0]
-        with open("/proc/self/mountinfo") as fh:
-            options = next(line for line in fh if line.split()[4] == point)
-        assert "huge=always" in options, options
+        owner = new["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"]) == ("DaemonSet", f"offloadpool-agent-{pool}"), owner
+        assert new["spec"]["nodeName"] == e2e.node.name
+        status = e2e.wait(
+            f"OffloadPoolNode {pool}.{e2e.node.name} Reused",
+            lambda pool=pool: e2e.pool_node_status(pool, phase="Ready", reason="Reused"),
+            60,
+        )
+        assert "validated the existing region" in status["message"], status
+        assert "nothing re-populated" in status["message"], status
+        assert status["bytesTotal"] == POOL_BYTES, status
 
-        cp.kubectl("delete", "offloadpool", pool, "--timeout=120s", timeout=150)
-        wait_for(f"pool {pool}'s mount released", lambda: provisioned() is None, 60)
-    finally:
-        cp.kubectl("delete", "offloadpool", pool, "--ignore-not-found", "--wait=false", check=False)
-        cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
-        cp.kubectl("delete", "pods", "--all", "-n", ns, "--grace-period=1", "--timeout=90s", check=False)
-        cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        # The memory stayed: the same mount (its id), the same file (its inode), the same bytes.
+        point = seen[pool]["mount"]
+        mount = _pool_mounts(e2e.pool_dir(pool)).get(point)
+        assert mount is not None and mount[0] == seen[pool]["mount_id"], (mount, seen[pool])
+        assert seen[pool]["segment"].stat().st_ino == seen[pool]["inode"]
+        token = seen[pool]["token"]
+        pool_dir = e2e.pool_dir(pool)
+        assert _region_bytes(pool_dir, 0, len(token)) == token
+        assert _region_bytes(pool_dir, POOL_BYTES - len(token), len(token)) == token
+        if medium == "HugePages-2Mi":
+            st = os.statvfs(point)
+            assert (st.f_blocks - st.f_bfree) * st.f_frsize == POOL_BYTES, st
+
+
+def test_e2e_chart_deleting_the_pools_gives_everything_back(chart_e2e: ChartE2E) -> None:
+    """kubectl delete of both pools: no mount or file of either is left on the host, the 2 MiB
+    huge pages are back (Total/Free/Rsvd as before the release was installed), and the
+    OffloadPoolNodes and agent DaemonSets are gone."""
+    e2e, cp, node = chart_e2e, chart_e2e.cp, chart_e2e.node
+    pools = list(e2e.pools.values())
+    assert all(e2e.pool_dir(pool).is_dir() for pool in pools), "the pools are not there (tests above)"
+    cp.kubectl("delete", "offloadpools", *pools, "--timeout=120s", timeout=150)
+
+    for pool in pools:
+        e2e.wait(
+            f"no mount of {pool} on the host", lambda pool=pool: not _pool_mounts(e2e.pool_dir(pool)), 60
+        )
+        assert not e2e.pool_dir(pool).exists(), sorted(e2e.pool_dir(pool).rglob("*"))
+        e2e.wait(
+            f"OffloadPoolNode {pool}.{node.name} gone", lambda pool=pool: e2e.pool_node(pool) is None, 60
+        )
+        e2e.wait(
+            f"DaemonSet offloadpool-agent-{pool} gone",
+            lambda pool=pool: e2e.get("daemonset", "-n", e2e.ns, f"offloadpool-agent-{pool}") is None,
+            60,
+        )
+    # The huge pages went back to the kernel's pool (the reservation is as before the chart).
+    e2e.wait(
+        f"2 MiB huge pages (total, free, reserved) back to {e2e.hugepages_before}",
+        lambda: _hugepages_2m() == e2e.hugepages_before,
+        30,
+    )
