@@ -699,6 +699,7 @@ def test_e2e_chart_consumer_pods_without_huge_pages_attach_write_and_pin_each_po
         obj = e2e.wait(f"consumer pod {name} ended", ended, 120)
         log = e2e.cp.kubectl("logs", name, "-n", e2e.consumers_ns, check=False)
         assert obj["status"]["phase"] == "Succeeded", (obj["status"], log.stdout, log.stderr)
+        print(f"consumer pod {name}: {log.stdout.strip()}")
         assert obj["spec"]["nodeName"] == node.name
         resources = _quantities(obj["spec"]["containers"][0]["resources"])
         assert not [r for kind in resources.values() for r in kind if r.startswith("hugepages-")], resources
@@ -749,6 +750,7 @@ def test_e2e_chart_a_deleted_agent_pod_is_replaced_and_reuses_the_region_with_it
         )
         assert "validated the existing region" in status["message"], status
         assert "nothing re-populated" in status["message"], status
+        print(f"replacement agent of {pool}: {status['reason']}: {status['message']}")
         assert status["bytesTotal"] == POOL_BYTES, status
 
         # The memory stayed: the same mount (its id), the same file (its inode), the same bytes.
