@@ -36,9 +36,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.region import hugepages, mounts, vllm_compat, vm
@@ -69,7 +69,7 @@ def _threads(jobs: list[Callable[[], None]]) -> float:
     def wrap(job: Callable[[], None]) -> None:
         try:
             job()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=wrap, args=(j,)) for j in jobs]
@@ -145,13 +145,16 @@ def _populate_files(files: list[tuple[int, int]], ranges: list[tuple[int, int, i
             for f, off, length in ranges:
                 vm.populate_write(addrs[f] + off, length)
         finally:
-            for addr, (_, size) in zip(addrs, files):
+            # strict=False: after a failed mapping, addrs holds only the files mapped so far
+            for addr, (_, size) in zip(addrs, files, strict=False):
                 vm.unmap(addr, size)
 
     return job
 
 
-def vllm_jobs(scratch: Scratch, cap: int, ranks: int) -> tuple[list[tuple[int, int]], list[Callable[[], None]]]:
+def vllm_jobs(
+    scratch: Scratch, cap: int, ranks: int
+) -> tuple[list[tuple[int, int]], list[Callable[[], None]]]:
     """vLLM 0.33.0's start: its file split, every rank its own slots (``iter_worker_slot_ranges``)."""
     row = ranks * VLLM_SLOT
     total = cap - cap % row
@@ -286,8 +289,14 @@ def _workspace() -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def run(cap: int, ranks: int, reps: int, workers: int, media: list[str],
-        log: Callable[[str], None] = lambda s: None) -> dict:
+def run(
+    cap: int,
+    ranks: int,
+    reps: int,
+    workers: int,
+    media: list[str],
+    log: Callable[[str], None] = lambda s: None,
+) -> dict:
     """Run every case, interleaved, and return the JSON-ready result."""
     if reps < 1:
         raise ValueError("reps must be >= 1")
@@ -309,13 +318,15 @@ def run(cap: int, ranks: int, reps: int, workers: int, media: list[str],
             try:  # is the medium available here at this size?
                 if run_wide:
                     held.enter_context(reserved_pages(medium, cap))
-                with (_nothing() if run_wide else reserved_pages(medium, cap)):
+                with _nothing() if run_wide else reserved_pages(medium, cap):
                     offloadpool_case(root, medium, cap, workers)
             except (CapacityError, RegionError, ValueError) as exc:
                 unavailable[name] = str(exc)
                 continue
-            cases[name] = ((lambda m=medium: offloadpool_case(root, m, cap, workers)),
-                           _nothing if run_wide else (lambda m=medium: reserved_pages(m, cap)))
+            cases[name] = (
+                (lambda m=medium: offloadpool_case(root, m, cap, workers)),
+                _nothing if run_wide else (lambda m=medium: reserved_pages(m, cap)),
+            )
         cases["memset_limit"] = ((lambda: memset_case(scratch, cap, workers, ZERO_UNIT)), _nothing)
         cases["memset_bulk"] = ((lambda: memset_case(scratch, cap, workers, None)), _nothing)
         try:
@@ -342,9 +353,12 @@ def run(cap: int, ranks: int, reps: int, workers: int, media: list[str],
         rates = summarize([cap / GiB / s for s in secs])
         t = summarize(secs)
         strategies[name] = {
-            "gib_per_s": round(rates.median, 3), "gib_per_s_min": round(rates.minimum, 3),
-            "gib_per_s_max": round(rates.maximum, 3), "seconds": round(t.median, 4),
-            "spread_percent": round(rates.spread_percent, 1), "samples_s": [round(s, 4) for s in secs],
+            "gib_per_s": round(rates.median, 3),
+            "gib_per_s_min": round(rates.minimum, 3),
+            "gib_per_s_max": round(rates.maximum, 3),
+            "seconds": round(t.median, 4),
+            "spread_percent": round(rates.spread_percent, 1),
+            "samples_s": [round(s, 4) for s in secs],
         }
     ours = {k: v for k, v in strategies.items() if k.startswith("offloadpool_")}
     best = max(ours, key=lambda k: ours[k]["gib_per_s"]) if ours else None
@@ -377,12 +391,17 @@ def markdown(result: dict, command: str) -> str:
     ]
     base = result["strategies"]["engine_baseline"]["gib_per_s"]
     for name, s in sorted(result["strategies"].items(), key=lambda kv: kv[1]["gib_per_s"]):
-        lines.append(f"| {name} | {s['gib_per_s']:.2f} | {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} "
-                     f"| {s['seconds']:.3f} | {s['gib_per_s'] / base:.2f}x |")
-    lines += ["", f"ratio_vs_engine_baseline = **{result['ratio_vs_engine_baseline']}**, "
-                  f"ratio_vs_memset_limit = **{result['ratio_vs_memset_limit']}** "
-                  f"(vs memset_bulk {result['ratio_vs_memset_bulk']}) "
-                  f"(best: {result['best_offloadpool']})"]
+        lines.append(
+            f"| {name} | {s['gib_per_s']:.2f} | {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} "
+            f"| {s['seconds']:.3f} | {s['gib_per_s'] / base:.2f}x |"
+        )
+    lines += [
+        "",
+        f"ratio_vs_engine_baseline = **{result['ratio_vs_engine_baseline']}**, "
+        f"ratio_vs_memset_limit = **{result['ratio_vs_memset_limit']}** "
+        f"(vs memset_bulk {result['ratio_vs_memset_bulk']}) "
+        f"(best: {result['best_offloadpool']})",
+    ]
     for name, why in result["unavailable"].items():
         lines.append(f"\n{name} not measured: {why}")
     return "\n".join(lines) + "\n"
@@ -399,16 +418,20 @@ def chart(result: dict, path: str, command: str) -> None:
     med = [v["gib_per_s"] for _, v in items]
     lo = [v["gib_per_s"] - v["gib_per_s_min"] for _, v in items]
     hi = [v["gib_per_s_max"] - v["gib_per_s"] for _, v in items]
-    colors = ["tab:green" if n.startswith("offloadpool_") else "tab:gray" if n.startswith("memset") else "tab:red"
-              for n in names]
+    colors = [
+        "tab:green" if n.startswith("offloadpool_") else "tab:gray" if n.startswith("memset") else "tab:red"
+        for n in names
+    ]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.8))
     ax.barh(names, med, xerr=[lo, hi], color=colors, capsize=3)
     for y, v in enumerate(med):
         ax.text(v, y, f" {v:.2f}", va="center")
     p = result["params"]
     ax.set_xlabel("GiB/s (median, min-max whiskers)")
-    ax.set_title(f"populate {p['capacity_bytes'] / GiB:g} GiB, {p['ranks']} ranks, {p['reps']} reps\n{command}",
-                 fontsize=9)
+    ax.set_title(
+        f"populate {p['capacity_bytes'] / GiB:g} GiB, {p['ranks']} ranks, {p['reps']} reps\n{command}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -419,11 +442,20 @@ def run_cli(args: argparse.Namespace) -> int:
     cap = parse_size(args.capacity)
     if args.reps < 3:
         print("note: fewer than 3 reps; medians are not meaningful", file=sys.stderr)
-    result = run(cap, args.ranks, args.reps, args.workers, [m for m in args.media.split(",") if m],
-                 log=lambda s: print(s, file=sys.stderr, flush=True))
-    command = (f"offloadpool bench populate --capacity {args.capacity} --ranks {args.ranks} "
-               f"--reps {args.reps}" + (f" --workers {args.workers}" if args.workers else "")
-               + (f" --media {args.media}" if args.media != ",".join(MEDIA) else ""))
+    result = run(
+        cap,
+        args.ranks,
+        args.reps,
+        args.workers,
+        [m for m in args.media.split(",") if m],
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
+    command = (
+        f"offloadpool bench populate --capacity {args.capacity} --ranks {args.ranks} "
+        f"--reps {args.reps}"
+        + (f" --workers {args.workers}" if args.workers else "")
+        + (f" --media {args.media}" if args.media != ",".join(MEDIA) else "")
+    )
     if args.markdown:
         Path(args.markdown).write_text(markdown(result, command))
     if args.png:

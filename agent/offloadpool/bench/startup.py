@@ -30,9 +30,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.pinning import PinStats, attach, get_backend
@@ -55,8 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", default="2Gi", help="region size for every case (default 2Gi)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per case (default 3)")
     p.add_argument("--media", default=",".join(MEDIA), help="media to attach from (comma list)")
-    p.add_argument("--backend", default="auto",
-                   help="pinning backend: auto (cuda if usable, else torch, else mlock), cuda, torch, mlock")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="pinning backend: auto (cuda if usable, else torch, else mlock), cuda, torch, mlock",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     p.add_argument("--markdown", help="also write the markdown table to this file")
 
@@ -115,8 +119,12 @@ def attach_provisioned(pool_dir: Path, backend_name: str) -> dict[str, float]:
     finally:
         region.close()
     assert isinstance(stats, PinStats)
-    return {"seconds": t2 - t0, "attach_s": t1 - t0, "pin_s": t2 - t1,
-            "bytes_registered": float(stats.bytes_registered)}
+    return {
+        "seconds": t2 - t0,
+        "attach_s": t1 - t0,
+        "pin_s": t2 - t1,
+        "bytes_registered": float(stats.bytes_registered),
+    }
 
 
 # -- workspace -----------------------------------------------------------------------------------
@@ -146,8 +154,13 @@ def _cuda_context_held(backend_name: str) -> Iterator[str]:
 
 
 # -- the run -------------------------------------------------------------------------------------
-def run(cap: int, reps: int = 3, media: list[str] | None = None, backend: str = "auto",
-        log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def run(
+    cap: int,
+    reps: int = 3,
+    media: list[str] | None = None,
+    backend: str = "auto",
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
     """Run both cases for every available medium, interleaved; return the JSON-ready result."""
     if reps < 1:
         raise ValueError("reps must be >= 1")
@@ -191,20 +204,27 @@ def run(cap: int, reps: int = 3, media: list[str] | None = None, backend: str = 
                 pages_returned += release(root, name, force=True).hugepages_returned
     # What this run added to the kernel's huge page pool it gave back (counted per pool, not
     # from the global counters, which other processes may change meanwhile).
-    return _summarise(cap, reps, backend_name, samples, blocks, unavailable,
-                      pages_added == pages_returned)
+    return _summarise(cap, reps, backend_name, samples, blocks, unavailable, pages_added == pages_returned)
 
 
-def _summarise(cap: int, reps: int, backend_name: str, samples: dict[str, list[dict[str, float]]],
-               blocks: dict[str, dict[str, list[float]]], unavailable: dict[str, str],
-               restored: bool) -> dict[str, Any]:
+def _summarise(
+    cap: int,
+    reps: int,
+    backend_name: str,
+    samples: dict[str, list[dict[str, float]]],
+    blocks: dict[str, dict[str, list[float]]],
+    unavailable: dict[str, str],
+    restored: bool,
+) -> dict[str, Any]:
     cases: dict[str, Any] = {}
     for case_name, runs in samples.items():
         secs = summarize([r["seconds"] for r in runs])
         pin = summarize([r["pin_s"] for r in runs])
         entry = {
-            "seconds": round(secs.median, 5), "seconds_min": round(secs.minimum, 5),
-            "seconds_max": round(secs.maximum, 5), "spread_percent": round(secs.spread_percent, 1),
+            "seconds": round(secs.median, 5),
+            "seconds_min": round(secs.minimum, 5),
+            "seconds_max": round(secs.maximum, 5),
+            "spread_percent": round(secs.spread_percent, 1),
             "pin_s": round(pin.median, 5),
             "registration_gib_per_s": round(cap / GiB / pin.median, 2) if pin.median else None,
             "samples_s": [round(r["seconds"], 5) for r in runs],
@@ -218,7 +238,8 @@ def _summarise(cap: int, reps: int, backend_name: str, samples: dict[str, list[d
         eng = summarize(block["engine_built"]).median
         att = summarize(block[f"attach_provisioned[{medium}]"]).median
         per_medium[medium] = {
-            "engine_built_s": round(eng, 5), "attach_provisioned_s": round(att, 5),
+            "engine_built_s": round(eng, 5),
+            "attach_provisioned_s": round(att, 5),
             "ratio": round(eng / att, 1),
             "registration_gib_per_s": cases[f"attach_provisioned[{medium}]"]["registration_gib_per_s"],
             "target_ratio": TARGETS.get(medium),
@@ -253,15 +274,22 @@ def markdown(result: dict[str, Any], command: str) -> str:
         lines.append(
             f"| {medium} | {m['engine_built_s']:.3f} | {m['attach_provisioned_s']:.4f} "
             f"[{a['seconds_min']:.4f}-{a['seconds_max']:.4f}] | **{m['ratio']:g}x** "
-            f"| {a['attach_s']:.4f} | {a['pin_s']:.4f} | {m['registration_gib_per_s']} |")
+            f"| {a['attach_s']:.4f} | {a['pin_s']:.4f} | {m['registration_gib_per_s']} |"
+        )
     e = result["cases"].get("engine_built")
     if e:
-        lines += ["", f"engine_built over all blocks: {e['seconds']:.3f} s "
-                      f"[{e['seconds_min']:.3f}-{e['seconds_max']:.3f}], of which pre-fault "
-                      f"{e['populate_s']:.3f} s and pin {e['pin_s']:.3f} s "
-                      f"({e['registration_gib_per_s']} GiB/s registration)."]
-    lines += ["", f"ratio_engine_built_vs_attach = **{result['ratio_engine_built_vs_attach']}** "
-                  f"(best medium: {result['best_medium']})"]
+        lines += [
+            "",
+            f"engine_built over all blocks: {e['seconds']:.3f} s "
+            f"[{e['seconds_min']:.3f}-{e['seconds_max']:.3f}], of which pre-fault "
+            f"{e['populate_s']:.3f} s and pin {e['pin_s']:.3f} s "
+            f"({e['registration_gib_per_s']} GiB/s registration).",
+        ]
+    lines += [
+        "",
+        f"ratio_engine_built_vs_attach = **{result['ratio_engine_built_vs_attach']}** "
+        f"(best medium: {result['best_medium']})",
+    ]
     for medium, why in result["unavailable"].items():
         lines.append(f"\n{medium} not measured: {why}")
     return "\n".join(lines) + "\n"
@@ -274,11 +302,12 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.reps < 3:
         print("note: fewer than 3 reps; medians are not meaningful", file=sys.stderr)
     media = [m for m in args.media.split(",") if m]
-    result = run(cap, args.reps, media, args.backend,
-                 log=lambda s: print(s, file=sys.stderr, flush=True))
-    command = (f"offloadpool bench startup --capacity {args.capacity} --reps {args.reps}"
-               + (f" --media {args.media}" if args.media != ",".join(MEDIA) else "")
-               + (f" --backend {args.backend}" if args.backend != "auto" else ""))
+    result = run(cap, args.reps, media, args.backend, log=lambda s: print(s, file=sys.stderr, flush=True))
+    command = (
+        f"offloadpool bench startup --capacity {args.capacity} --reps {args.reps}"
+        + (f" --media {args.media}" if args.media != ",".join(MEDIA) else "")
+        + (f" --backend {args.backend}" if args.backend != "auto" else "")
+    )
     if args.markdown:
         Path(args.markdown).write_text(markdown(result, command))
     if args.json:

@@ -175,8 +175,7 @@ class Attachment:
     view is gone), so a stale view faults instead of reading foreign memory.
     """
 
-    def __init__(self, pool_dir: Path, rank: int, manifest: Manifest, region: Region,
-                 state: _State) -> None:
+    def __init__(self, pool_dir: Path, rank: int, manifest: Manifest, region: Region, state: _State) -> None:
         self.pool_dir = pool_dir
         self.rank = rank
         self.manifest = manifest
@@ -226,16 +225,18 @@ class Attachment:
             return self.size // unit, unit, 0, unit
         raise AttachError(f"pool {self.manifest.pool!r} ({lay.type}) records no row geometry")
 
-    def plan(self, max_chunk: int = DEFAULT_MAX_CHUNK,
-             max_ranges: int = DEFAULT_MAX_RANGES) -> list[PinRange]:
+    def plan(
+        self, max_chunk: int = DEFAULT_MAX_CHUNK, max_ranges: int = DEFAULT_MAX_RANGES
+    ) -> list[PinRange]:
         """The registration calls ``pin()`` would make: the rank's ranges, split at files."""
         try:
             _rows, row, slot_off, slot = self.row_geometry()
         except AttachError:
             row = slot = self.page_size  # unknown geometry: the whole region in page units
             slot_off = 0
-        ranges = plan_pin_ranges(self.size, row, slot_off, slot, self.page_size,
-                                 max_chunk=max_chunk, max_ranges=max_ranges)
+        ranges = plan_pin_ranges(
+            self.size, row, slot_off, slot, self.page_size, max_chunk=max_chunk, max_ranges=max_ranges
+        )
         starts = [seg.offset for seg in self.region.segments]
         pieces = split_at(ranges, starts[1:])
         out = []
@@ -255,9 +256,15 @@ class Attachment:
     def pin_stats(self) -> PinStats | None:
         return self._pin_stats
 
-    def pin(self, backend: str | PinBackend = "auto", *, background: bool = False,
-            max_chunk: int = DEFAULT_MAX_CHUNK, max_ranges: int = DEFAULT_MAX_RANGES,
-            device: int = 0) -> PinStats | concurrent.futures.Future[PinStats]:
+    def pin(
+        self,
+        backend: str | PinBackend = "auto",
+        *,
+        background: bool = False,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+        max_ranges: int = DEFAULT_MAX_RANGES,
+        device: int = 0,
+    ) -> PinStats | concurrent.futures.Future[PinStats]:
         """Register this rank's ranges with ``backend`` ("cuda", "torch", "mlock" or "auto").
 
         All-or-nothing: on failure everything registered is unregistered in reverse and a
@@ -273,8 +280,9 @@ class Attachment:
             plan = self.plan(max_chunk=max_chunk, max_ranges=max_ranges)
             impl = backend if isinstance(backend, PinBackend) else get_backend(backend, device)
             try:
-                impl.preflight([r.length for r in plan],
-                               accounted=not self.manifest.medium.startswith("HugePages"))
+                impl.preflight(
+                    [r.length for r in plan], accounted=not self.manifest.medium.startswith("HugePages")
+                )
             except BaseException:
                 impl.close()
                 raise
@@ -298,8 +306,9 @@ class Attachment:
         names = [seg.file for seg in self.region.segments]
         first = self.rank % len(names)
         try:
-            done, stats = register_plan(impl, self._state.base, plan, self._state.fds, names,
-                                        first_segment=first, cancel=self._cancel)
+            done, stats = register_plan(
+                impl, self._state.base, plan, self._state.fds, names, first_segment=first, cancel=self._cancel
+            )
         except BaseException:
             impl.close()
             raise
@@ -383,8 +392,10 @@ class Attachment:
             slot_off = self._slot_offset_of(rank)
         itemsize = torch.empty((), dtype=torch.uint8 if dtype is None else dtype).element_size()
         if stride % itemsize or slot_off % itemsize or slot % itemsize:
-            raise ValueError(f"row {stride}, slot offset {slot_off} and slot {slot} bytes must be "
-                             f"multiples of the element size {itemsize}")
+            raise ValueError(
+                f"row {stride}, slot offset {slot_off} and slot {slot} bytes must be "
+                f"multiples of the element size {itemsize}"
+            )
         flat = self._frombuffer(slot_off, (rows - 1) * stride + slot, dtype)
         return torch.as_strided(flat, (rows, slot // itemsize), (stride // itemsize, 1), 0)
 
@@ -406,11 +417,14 @@ class Attachment:
         if self._state.fenced:
             warnings.warn(
                 "offloadpool attachment closed while views into it were still alive; they now "
-                "point at an inaccessible range", ResourceWarning, stacklevel=2)
+                "point at an inaccessible range",
+                ResourceWarning,
+                stacklevel=2,
+            )
         if errors:
             raise PinError("unpinning on close failed for: " + "; ".join(errors))
 
-    def __enter__(self) -> "Attachment":
+    def __enter__(self) -> Attachment:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -418,12 +432,15 @@ class Attachment:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"at 0x{self.address:x}"
-        return (f"<Attachment pool={self.manifest.pool!r} rank={self.rank} "
-                f"{self.manifest.layout.type} {self.size} B {state}>")
+        return (
+            f"<Attachment pool={self.manifest.pool!r} rank={self.rank} "
+            f"{self.manifest.layout.type} {self.size} B {state}>"
+        )
 
 
-def attach(pool_dir: str | os.PathLike[str], rank: int = 0, *,
-           lease_timeout: float | None = DEFAULT_LEASE_TIMEOUT) -> Attachment:
+def attach(
+    pool_dir: str | os.PathLike[str], rank: int = 0, *, lease_timeout: float | None = DEFAULT_LEASE_TIMEOUT
+) -> Attachment:
     """Map this rank's region of the pool at ``pool_dir`` and hold the pool's shared lease.
 
     Replicated: the one region. PerRank: region ``rank``. Interleaved: the one region, in
@@ -442,7 +459,9 @@ def attach(pool_dir: str | os.PathLike[str], rank: int = 0, *,
         alignment = max(manifest.page_size, manifest.alignment)
         base = mapping.reserve(region.bytes, alignment)
         undo.callback(mapping.unmap, base, region.bytes)
-        mapping.map_segments(base, [(s.offset, s.bytes, fd) for s, fd in zip(region.segments, fds)])
+        mapping.map_segments(
+            base, [(s.offset, s.bytes, fd) for s, fd in zip(region.segments, fds, strict=True)]
+        )
         state = _State(base, region.bytes, fds, lease)
         undo.pop_all()
     return Attachment(pool_dir, rank, manifest, region, state)

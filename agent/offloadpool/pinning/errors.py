@@ -28,8 +28,15 @@ class PinError(RuntimeError):
     attachment), ``segment`` names its file, ``backend`` the backend used.
     """
 
-    def __init__(self, message: str, *, offset: int | None = None, length: int | None = None,
-                 segment: str | None = None, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        segment: str | None = None,
+        backend: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.offset = offset
         self.length = length

@@ -28,8 +28,14 @@ PAGE_SIZE = _mmap.PAGESIZE
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 for _name in ("munmap", "mlock", "munlock"):
     getattr(_libc, _name).restype = ctypes.c_int
     getattr(_libc, _name).argtypes = [ctypes.c_void_p, ctypes.c_size_t]

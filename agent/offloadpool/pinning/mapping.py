@@ -39,8 +39,9 @@ def map_segments(base: int, segments: Sequence[tuple[int, int, int]]) -> None:
     file mapping already placed), so nothing is left mapped.
     """
     for offset, length, fd in segments:
-        libc.mmap(base + offset, length, libc.PROT_READ | libc.PROT_WRITE,
-                  libc.MAP_SHARED | libc.MAP_FIXED, fd, 0)
+        libc.mmap(
+            base + offset, length, libc.PROT_READ | libc.PROT_WRITE, libc.MAP_SHARED | libc.MAP_FIXED, fd, 0
+        )
 
 
 def unmap(base: int, size: int) -> None:

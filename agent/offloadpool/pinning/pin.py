@@ -103,9 +103,11 @@ def register_plan(
         if isinstance(exc, PinCancelled):
             raise
         if isinstance(exc, (BackendError, OSError)) and current is None:
-            raise PinError(f"pinning with backend {backend.name!r} failed outside a "
-                           f"registration call: {exc}; rolled back {n_done} registered ranges",
-                           backend=backend.name) from exc
+            raise PinError(
+                f"pinning with backend {backend.name!r} failed outside a "
+                f"registration call: {exc}; rolled back {n_done} registered ranges",
+                backend=backend.name,
+            ) from exc
         if isinstance(exc, (BackendError, OSError)) and current is not None:
             msg = (
                 f"pinning with backend {backend.name!r} failed at chunk offset {current.offset} "
@@ -115,8 +117,13 @@ def register_plan(
             )
             if rollback_errors:
                 msg += "; rollback errors: " + "; ".join(rollback_errors)
-            raise PinError(msg, offset=current.offset, length=current.length,
-                           segment=segment_names[current.segment], backend=backend.name) from exc
+            raise PinError(
+                msg,
+                offset=current.offset,
+                length=current.length,
+                segment=segment_names[current.segment],
+                backend=backend.name,
+            ) from exc
         raise
     finally:
         if active:

@@ -78,8 +78,9 @@ def plan_pin_ranges(
             f"slot [{slot_offset}, {slot_offset + slot_bytes}) does not fit a {row_bytes}-byte row"
         )
     if slot_bytes <= row_bytes - page_size:
-        selective = _slot_ranges(total_bytes, row_bytes, slot_offset, slot_bytes, page_size,
-                                 max_chunk, max_ranges)
+        selective = _slot_ranges(
+            total_bytes, row_bytes, slot_offset, slot_bytes, page_size, max_chunk, max_ranges
+        )
         if selective is not None:
             return selective
     return row_chunks(total_bytes, row_bytes, page_size, max_chunk)

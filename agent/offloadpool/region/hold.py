@@ -95,8 +95,12 @@ def hold(pool_dir: str, ready_file: str | None = None, poll_seconds: float = 1.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("pool_dir", help="the pool directory (holds the lease file), e.g. /offloadpool/<pool>")
-    p.add_argument("--ready-file", help="written once the lease is held, removed on exit (for a startup probe)")
-    p.add_argument("--poll-seconds", type=float, default=1.0, help="how often to look for a missing lease file")
+    p.add_argument(
+        "--ready-file", help="written once the lease is held, removed on exit (for a startup probe)"
+    )
+    p.add_argument(
+        "--poll-seconds", type=float, default=1.0, help="how often to look for a missing lease file"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,10 +16,10 @@ boot vs. free memory).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from offloadpool.region import locks
 
@@ -60,8 +60,13 @@ def counters(page_size: int) -> PoolCounters:
     def read(name: str) -> int:
         return int((d / name).read_text())
 
-    return PoolCounters(page_size, read("nr_hugepages"), read("free_hugepages"),
-                        read("resv_hugepages"), read("surplus_hugepages"))
+    return PoolCounters(
+        page_size,
+        read("nr_hugepages"),
+        read("free_hugepages"),
+        read("resv_hugepages"),
+        read("surplus_hugepages"),
+    )
 
 
 @contextmanager
@@ -103,8 +108,9 @@ def _try_grow(page_size: int, pages: int) -> int:
     except OSError as exc:
         # The kernel never fails a partial allocation (it adds fewer pages); an error means the
         # write itself was refused.
-        raise PoolFixed(exc.errno, f"cannot grow {sysfs_dir(page_size) / 'nr_hugepages'}: "
-                                   f"{exc.strerror}") from exc
+        raise PoolFixed(
+            exc.errno, f"cannot grow {sysfs_dir(page_size) / 'nr_hugepages'}: {exc.strerror}"
+        ) from exc
     return max(0, counters(page_size).total - before)
 
 
@@ -166,16 +172,20 @@ def shortfall_reason(page_size: int, missing: int, avail: int) -> str:
     order = max(0, (page_size // BASE_PAGE).bit_length() - 1)
     fitting = sum(n << (o - order) for o, n in enumerate(blocks) if o >= order)
     largest = max((o for o, n in enumerate(blocks) if n), default=-1)
-    buddy = (f"free blocks by order 0..{len(blocks) - 1} (/proc/buddyinfo): "
-             f"{' '.join(str(n) for n in blocks)}; largest free block "
-             f"{(BASE_PAGE << largest) // 1024 if largest >= 0 else 0} KiB")
+    buddy = (
+        f"free blocks by order 0..{len(blocks) - 1} (/proc/buddyinfo): "
+        f"{' '.join(str(n) for n in blocks)}; largest free block "
+        f"{(BASE_PAGE << largest) // 1024 if largest >= 0 else 0} KiB"
+    )
     if order < len(blocks):
         buddy += f"; {fitting} free blocks of {page_size // 1024} KiB or more"
     if avail >= need:
-        return (f"memory too fragmented, not taken: {avail >> 20} MiB available but no "
-                f"{missing} physically contiguous {page_size >> 20} MiB blocks even after "
-                f"compaction ({buddy}); reserve these pages earlier (at boot) and keep them")
-    return (f"memory taken: {avail >> 20} MiB available, {need >> 20} MiB needed ({buddy})")
+        return (
+            f"memory too fragmented, not taken: {avail >> 20} MiB available but no "
+            f"{missing} physically contiguous {page_size >> 20} MiB blocks even after "
+            f"compaction ({buddy}); reserve these pages earlier (at boot) and keep them"
+        )
+    return f"memory taken: {avail >> 20} MiB available, {need >> 20} MiB needed ({buddy})"
 
 
 def shrink(page_size: int, pages: int) -> None:

@@ -65,12 +65,11 @@ def sync_compat(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
 
     Hard links, not copies or symlinks: the same memory under vLLM's names, visible through a
     hostPath file mount, and the segment names the pinning helper maps stay as they are."""
-    wanted = (compat_names(req.compat_engine_id, len(plan.segments))
-              if req.compat_engine_id else [])
+    wanted = compat_names(req.compat_engine_id, len(plan.segments)) if req.compat_engine_id else []
     for stale in (pool_dir / MOUNT_NAME).glob("vllm_offload_*.mmap*"):
         if stale.relative_to(pool_dir).as_posix() not in wanted:
             stale.unlink()
-    for name, seg in zip(wanted, plan.segments):
+    for name, seg in zip(wanted, plan.segments, strict=False):  # no names without compat
         target = pool_dir / name
         if target.exists() and os.stat(target).st_ino != os.stat(pool_dir / seg.file).st_ino:
             target.unlink()  # a link to another shape's segment
@@ -89,8 +88,11 @@ def check_segments(pool_dir: Path, plan: Plan) -> str | None:
         if size != seg.bytes:
             return f"segment {seg.file} is {size} bytes, planned {seg.bytes}"
     planned = {Path(s.file).name for s in plan.segments}
-    extra = [p.name for p in (pool_dir / MOUNT_NAME).iterdir()
-             if p.name not in planned and not p.name.startswith("vllm_offload_")]
+    extra = [
+        p.name
+        for p in (pool_dir / MOUNT_NAME).iterdir()
+        if p.name not in planned and not p.name.startswith("vllm_offload_")
+    ]
     if extra:
         return f"unexpected files in the pool mount: {sorted(extra)}"
     return None

@@ -159,13 +159,11 @@ class Manifest:
     # -- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["regions"] = [
-            {**asdict(r), "segments": [asdict(s) for s in r.segments]} for r in self.regions
-        ]
+        d["regions"] = [{**asdict(r), "segments": [asdict(s) for s in r.segments]} for r in self.regions]
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
         try:
             if data.get("format") != FORMAT:
                 raise ManifestError(f"not a region manifest: format {data.get('format')!r}")

@@ -69,8 +69,9 @@ def mounts_under(path: str | os.PathLike[str]) -> list[MountInfo]:
 
 def mount(fstype: str, target: str | os.PathLike[str], options: str, source: str = "offloadpool") -> None:
     """mount(2) ``fstype`` at ``target`` with ``options``, then make it a shared peer."""
-    rc = _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), MS_NOSUID | MS_NODEV,
-                     options.encode())
+    rc = _libc.mount(
+        source.encode(), os.fsencode(target), fstype.encode(), MS_NOSUID | MS_NODEV, options.encode()
+    )
     if rc != 0:
         err = ctypes.get_errno()
         raise RegionError(f"mount -t {fstype} -o {options} {target} failed: {os.strerror(err)} (errno {err})")

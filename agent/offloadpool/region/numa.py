@@ -96,8 +96,15 @@ def mbind(addr: int, length: int, mode: int, nodes: tuple[int, ...]) -> None:
     mask = (ctypes.c_ulong * words)()
     for n in nodes:
         mask[n // 64] |= 1 << (n % 64)
-    rc = _libc.syscall(ctypes.c_long(number), ctypes.c_void_p(addr), ctypes.c_ulong(length),
-                       ctypes.c_int(mode), mask, ctypes.c_ulong(words * 64 + 1), ctypes.c_uint(0))
+    rc = _libc.syscall(
+        ctypes.c_long(number),
+        ctypes.c_void_p(addr),
+        ctypes.c_ulong(length),
+        ctypes.c_int(mode),
+        mask,
+        ctypes.c_ulong(words * 64 + 1),
+        ctypes.c_uint(0),
+    )
     if rc != 0:
         err = ctypes.get_errno()
         raise RegionError(f"mbind(mode={mode}, nodes={list(nodes)}) failed: {os.strerror(err)}")

@@ -56,8 +56,9 @@ class Plan:
         return [s for r in self.regions for s in r.segments]
 
 
-def segment_sizes(region_bytes: int, page_size: int, row_bytes: int | None, max_files: int,
-                  min_segment: int) -> list[int]:
+def segment_sizes(
+    region_bytes: int, page_size: int, row_bytes: int | None, max_files: int, min_segment: int
+) -> list[int]:
     """Split ``region_bytes`` into file sizes by the rules in the module docstring."""
     if region_bytes <= 0 or region_bytes % page_size:
         raise RequestError(
@@ -66,8 +67,7 @@ def segment_sizes(region_bytes: int, page_size: int, row_bytes: int | None, max_
         )
     if row_bytes is not None and region_bytes % row_bytes:
         raise RequestError(
-            f"region size {fmt_bytes(region_bytes)} is not a whole number of "
-            f"{fmt_bytes(row_bytes)} rows"
+            f"region size {fmt_bytes(region_bytes)} is not a whole number of {fmt_bytes(row_bytes)} rows"
         )
     granule = math.lcm(page_size, row_bytes) if row_bytes else page_size
     units = region_bytes // granule
@@ -169,8 +169,14 @@ def plan(req: PoolRequest) -> Plan:
         for s, nbytes in enumerate(sizes):
             segs.append(Segment(file=f"{MOUNT_NAME}/r{index}-s{s:03d}", offset=offset, bytes=nbytes))
             offset += nbytes
-        regions.append(Region(index=index, bytes=size, segments=tuple(segs),
-                              rank=index if req.layout_type == "PerRank" else None))
+        regions.append(
+            Region(
+                index=index,
+                bytes=size,
+                segments=tuple(segs),
+                rank=index if req.layout_type == "PerRank" else None,
+            )
+        )
     layout = Layout(
         type=req.layout_type,
         ranks=req.ranks,

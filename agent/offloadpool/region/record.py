@@ -39,7 +39,7 @@ class Record:
     updated: float = 0.0
 
     @classmethod
-    def new(cls, req: PoolRequest) -> "Record":
+    def new(cls, req: PoolRequest) -> Record:
         return cls(request=asdict(req), fingerprint=req.fingerprint())
 
     def pool_request(self) -> PoolRequest:

@@ -12,11 +12,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import mounts
+from offloadpool.region import holders, mounts
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.journal import populated_bytes, units
-from offloadpool.region import holders
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import plan as make_plan
@@ -81,10 +80,13 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
     # every process holding the lease or mapping/opening the files, leased or not, once each
     engines = holders.count(pool_dir)
     common = dict(
-        total_bytes=plan.total_bytes, medium=req.medium,
+        total_bytes=plan.total_bytes,
+        medium=req.medium,
         hugepage_coverage_percent=rec.hugepage_coverage_percent,
-        numa_nodes=tuple(tuple(n) for n in rec.numa_nodes), engines_attached=engines,
-        populate_gib_per_s=float(rec.populate.get("gib_per_s", 0.0)), in_progress=busy,
+        numa_nodes=tuple(tuple(n) for n in rec.numa_nodes),
+        engines_attached=engines,
+        populate_gib_per_s=float(rec.populate.get("gib_per_s", 0.0)),
+        in_progress=busy,
     )
     if rec.phase == "Ready":
         message = ""
@@ -112,6 +114,9 @@ def list_pools(root: str | os.PathLike[str]) -> list[PoolState]:
     root = Path(root)
     if not root.is_dir():
         return []
-    names = sorted(p.name for p in root.iterdir()
-                   if p.is_dir() and ((p / records.RECORD_NAME).exists() or (p / MANIFEST_NAME).exists()))
+    names = sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_dir() and ((p / records.RECORD_NAME).exists() or (p / MANIFEST_NAME).exists())
+    )
     return [pool_state(root, n) for n in names]

@@ -2,7 +2,8 @@
 
 Order matters: the manifest goes first (no new engine attaches to a pool being removed), then
 the mount (which frees every page of every file at once; if some process still has a file open
-or mapped the unmount fails with EBUSY and the manifest is put back: nothing changed), then the huge pages this node added to the kernel pool, then the directory.
+or mapped the unmount fails with EBUSY and the manifest is put back: nothing changed), then the
+huge pages this node added to the kernel pool, then the directory.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import shutil
 from pathlib import Path
 
 from offloadpool.region import hugepages, mounts
+from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
 from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region import record as records
 
 
 def teardown(pool_dir: Path, *, lazy: bool = False, keep_dir: bool = False) -> int:

@@ -16,20 +16,20 @@ class PinBackend(ABC):
 
     name: str = "?"
 
-    def preflight(self, lengths: Sequence[int], accounted: bool) -> None:
+    def preflight(self, lengths: Sequence[int], accounted: bool) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Refuse, before any memory is touched, a plan that cannot succeed (default: accept).
 
         ``accounted`` is False for hugetlbfs memory, which the kernel never counts as locked.
         """
 
-    def activate(self) -> None:
+    def activate(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Prepare the calling thread for a batch of calls (make a CUDA context current).
 
         Paired with ``deactivate``, which restores whatever the thread had before, so pinning
         from the engine's own thread never changes its current context or device.
         """
 
-    def deactivate(self) -> None:
+    def deactivate(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Undo ``activate``."""
 
     @abstractmethod
@@ -38,5 +38,5 @@ class PinBackend(ABC):
     @abstractmethod
     def unregister(self, addr: int, length: int) -> None: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Release what the backend itself holds (a retained CUDA context)."""

@@ -73,8 +73,9 @@ class TorchRuntimeBackend(PinBackend):
             raise BackendError(f"{fn} failed: {text} ({code}){note}")
 
     def register(self, addr: int, length: int) -> None:
-        self._check("cudaHostRegister",
-                    self._cudart.cudaHostRegister(addr, length, CUDA_HOST_REGISTER_PORTABLE))
+        self._check(
+            "cudaHostRegister", self._cudart.cudaHostRegister(addr, length, CUDA_HOST_REGISTER_PORTABLE)
+        )
 
     def unregister(self, addr: int, length: int) -> None:
         self._check("cudaHostUnregister", self._cudart.cudaHostUnregister(addr))
