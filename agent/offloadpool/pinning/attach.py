@@ -15,6 +15,7 @@ The attachment holds the lease until ``close()``; if the engine dies, the kernel
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import contextlib
 import ctypes
@@ -37,6 +38,12 @@ from offloadpool.region.lease import Lease, LeaseHeld
 from offloadpool.region.manifest import LEASE_NAME, Manifest, Region, load
 
 DEFAULT_LEASE_TIMEOUT = 60.0
+
+
+def _close_all(fds: list[int]) -> None:
+    """Close a region's segment fds (undoing _open_segments when attach fails half-way)."""
+    for fd in fds:
+        os.close(fd)
 
 
 def _check_request(manifest: Manifest, pool_dir: Path, rank: int) -> Region:
@@ -345,7 +352,8 @@ class Attachment:
         """A writable byte memoryview of the whole region (format ``B``)."""
         return memoryview(self._export()).cast("B")
 
-    def slot_memoryview(self, row: int, rank: int | None = None) -> memoryview:
+    # builtins.: in the class body, ``memoryview`` names the method above
+    def slot_memoryview(self, row: int, rank: int | None = None) -> builtins.memoryview:
         """The bytes of ``rank``'s slot (default: this rank) in row ``row``."""
         rows, stride, slot_off, slot = self.row_geometry()
         if rank is not None and rank != self.rank:
@@ -455,7 +463,7 @@ def attach(
         manifest = load(pool_dir)  # authoritative: read under the lease
         region = _check_request(manifest, pool_dir, rank)
         fds = _open_segments(pool_dir, region)
-        undo.callback(lambda: [os.close(fd) for fd in fds])
+        undo.callback(_close_all, fds)
         alignment = max(manifest.page_size, manifest.alignment)
         base = mapping.reserve(region.bytes, alignment)
         undo.callback(mapping.unmap, base, region.bytes)

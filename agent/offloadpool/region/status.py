@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,10 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
     busy = _busy(pool_dir)
     # every process holding the lease or mapping/opening the files, leased or not, once each
     engines = holders.count(pool_dir)
-    common = dict(
+    # what every phase reports; each return below fills in its phase and progress
+    common = PoolState(
+        name,
+        rec.phase,
         total_bytes=plan.total_bytes,
         medium=req.medium,
         hugepage_coverage_percent=rec.hugepage_coverage_percent,
@@ -99,14 +102,14 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         if m is None:
             message = "the pool's mount is gone; provision again to rebuild it"
         if message:
-            return PoolState(name, "Failed", populated_bytes=0, manifest=manifest, message=message, **common)
-        return PoolState(name, "Ready", populated_bytes=plan.total_bytes, manifest=manifest, **common)
+            return replace(common, phase="Failed", populated_bytes=0, manifest=manifest, message=message)
+        return replace(common, phase="Ready", populated_bytes=plan.total_bytes, manifest=manifest)
     done = populated_bytes(pool_dir, units(plan.segments, plan.page_size))
     phase = rec.phase if rec.phase in PHASES else "Provisioning"  # Draining shows as in progress
     message = rec.message
     if phase in ("Provisioning", "Populating") and not busy:
         message = message or "interrupted: provision again to finish (populated parts are kept)"
-    return PoolState(name, phase, populated_bytes=done, message=message, **common)
+    return replace(common, phase=phase, populated_bytes=done, message=message)
 
 
 def list_pools(root: str | os.PathLike[str]) -> list[PoolState]:
