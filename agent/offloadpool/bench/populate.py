@@ -29,6 +29,7 @@ min/max. GiB/s is always C / seconds (the region's bytes, not bytes touched).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -37,8 +38,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.region import hugepages, mounts, vllm_compat, vm
@@ -231,7 +233,7 @@ def memset_case(scratch: Scratch, cap: int, workers: int, unit: int | None) -> f
 
     try:
         vm.populate_write(addr, cap)  # already mapped and populated: only the zeroing is timed
-        jobs = [lambda o=o, n=n: job(o, n) for o, n in _shares(cap, workers)]
+        jobs: list[Callable[[], None]] = [functools.partial(job, o, n) for o, n in _shares(cap, workers)]
         _threads(jobs)  # warm
         return _threads(jobs)
     finally:
@@ -307,8 +309,8 @@ def run(
     with _workspace() as base:
         scratch = Scratch(base, cap)
         root = base / "root"
-        cases: dict[str, tuple[Callable[[], float], Callable[[], object]]] = {
-            k: ((lambda k=k: engine_case(k, scratch, cap, ranks)), _nothing)
+        cases: dict[str, tuple[Callable[[], float], Callable[[], AbstractContextManager[Any]]]] = {
+            k: (functools.partial(engine_case, k, scratch, cap, ranks), _nothing)
             for k in ("engine_baseline", "sharded", "segmented", "per_rank", "vllm_0_33")
         }
         held = ExitStack()  # 1 GiB pages: taken once for the whole run (see run_wide)
@@ -324,8 +326,8 @@ def run(
                 unavailable[name] = str(exc)
                 continue
             cases[name] = (
-                (lambda m=medium: offloadpool_case(root, m, cap, workers)),
-                _nothing if run_wide else (lambda m=medium: reserved_pages(m, cap)),
+                functools.partial(offloadpool_case, root, medium, cap, workers),
+                _nothing if run_wide else functools.partial(reserved_pages, medium, cap),
             )
         cases["memset_limit"] = ((lambda: memset_case(scratch, cap, workers, ZERO_UNIT)), _nothing)
         cases["memset_bulk"] = ((lambda: memset_case(scratch, cap, workers, None)), _nothing)
@@ -333,7 +335,7 @@ def run(
             for rep in range(reps):
                 for name, (case, prepared) in list(cases.items()):
                     try:
-                        with prepared():  # type: ignore[attr-defined]
+                        with prepared():
                             case()  # warm, untimed, immediately before the timed run
                             seconds = case()
                     except (CapacityError, RegionError) as exc:
@@ -348,7 +350,7 @@ def run(
             held.close()
             scratch.close()
     after = {p: hugepages.counters(p).total for p in before}
-    strategies = {}
+    strategies: dict[str, dict[str, Any]] = {}
     for name, secs in samples.items():
         rates = summarize([cap / GiB / s for s in secs])
         t = summarize(secs)

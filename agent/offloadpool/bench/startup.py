@@ -24,6 +24,7 @@ is engine_built over attach_provisioned from the same block of runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -189,7 +190,9 @@ def run(
             try:
                 cases: dict[str, Callable[[], dict[str, float]]] = {
                     "engine_built": lambda: engine_built(scratch, cap, backend_name),
-                    f"attach_provisioned[{medium}]": lambda p=pool: attach_provisioned(p, backend_name),
+                    f"attach_provisioned[{medium}]": functools.partial(
+                        attach_provisioned, pool, backend_name
+                    ),
                 }
                 block: dict[str, list[float]] = {}
                 for rep in range(reps):
