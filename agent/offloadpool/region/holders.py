@@ -53,9 +53,15 @@ class Holder:
 
     def describe(self) -> str:
         """``pid 1234 (python3) maps the pool's memory, holds the lease``."""
-        how = [what for what, yes in (("maps the pool's memory", self.mapped),
-                                      ("has a pool file open", self.open),
-                                      ("holds the lease", self.lease)) if yes]
+        how = [
+            what
+            for what, yes in (
+                ("maps the pool's memory", self.mapped),
+                ("has a pool file open", self.open),
+                ("holds the lease", self.lease),
+            )
+            if yes
+        ]
         return f"pid {self.pid} ({self.comm}) {', '.join(how)}"
 
 
@@ -69,8 +75,9 @@ class PoolInUse(LeaseHeld):
     def __init__(self, pool_dir: str | os.PathLike[str], holders: list[Holder]) -> None:
         self.holders = holders
         n = len(holders)
-        super().__init__(f"pool {pool_dir} is held by {n} attached engine{'s' if n != 1 else ''}: "
-                         f"{describe(holders)}")
+        super().__init__(
+            f"pool {pool_dir} is held by {n} attached engine{'s' if n != 1 else ''}: {describe(holders)}"
+        )
 
 
 def describe(holders: list[Holder]) -> str:
@@ -216,15 +223,16 @@ def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> li
             except (FileNotFoundError, ProcessLookupError, PermissionError):
                 continue  # exited during the scan, or not ours to read
             if mapped or opened:
-                found[pid] = Holder(pid, command_name(proc, pid), mapped=mapped, open=opened,
-                                    lease=pid in lockers)
+                found[pid] = Holder(
+                    pid, command_name(proc, pid), mapped=mapped, open=opened, lease=pid in lockers
+                )
     for pid in lockers - set(found) - {me}:
         found[pid] = Holder(pid, command_name(proc, pid), lease=True)
     return [found[pid] for pid in sorted(found)]
 
 
 def count(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> int:
-    """"Engines attached": distinct processes holding the lease or mapping/opening the files."""
+    """ "Engines attached": distinct processes holding the lease or mapping/opening the files."""
     return len(find_holders(pool_dir, proc=proc))
 
 
