@@ -127,7 +127,9 @@ def probe() -> str:
     """Import every module the tests drive with the environment's Python; return its answer."""
     out = subprocess.run(
         [str(python_path()), "-c", PROBE % VLLM_VERSION],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return out.stdout.strip()
 
@@ -143,11 +145,22 @@ def install() -> dict:
     say(f"creating venv {venv_dir()} from {base_python()}")
     subprocess.run([base_python(), "-m", "venv", str(venv_dir())], check=True)
     pins = [ln for ln in REQUIREMENTS.read_text().splitlines() if ln and not ln.startswith("#")]
-    say(f"pip install --no-deps {len(pins)} pinned distributions from {REQUIREMENTS.name} "
-        "(vllm, torch and the CUDA libraries libtorch links: several GB on a cold pip cache)")
+    say(
+        f"pip install --no-deps {len(pins)} pinned distributions from {REQUIREMENTS.name} "
+        "(vllm, torch and the CUDA libraries libtorch links: several GB on a cold pip cache)"
+    )
     subprocess.run(
-        [str(python_path()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         "--no-deps", "--requirement", str(REQUIREMENTS)],
+        [
+            str(python_path()),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--requirement",
+            str(REQUIREMENTS),
+        ],
         check=True,
     )
     seconds = time.monotonic() - t0
@@ -173,13 +186,14 @@ def ensure() -> dict:
             try:
                 probe()
             except subprocess.CalledProcessError as exc:
-                say(f"cached environment no longer imports vLLM ({exc.stderr.strip()[-300:]}); "
-                    "rebuilding")
+                say(f"cached environment no longer imports vLLM ({exc.stderr.strip()[-300:]}); rebuilding")
                 stamp = None
         if stamp is None:
             stamp = install()
-            say(f"installed {stamp['probe']} in {stamp['install_seconds']} s, "
-                f"{stamp['venv_bytes'] / 2**30:.2f} GiB at {venv_dir()}")
+            say(
+                f"installed {stamp['probe']} in {stamp['install_seconds']} s, "
+                f"{stamp['venv_bytes'] / 2**30:.2f} GiB at {venv_dir()}"
+            )
         else:
             say(f"up to date: {stamp['probe']} at {venv_dir()} (stamp {stamp_path()})")
         return stamp
@@ -199,8 +213,18 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(python_path())
         return 0
-    print(json.dumps({"cache": str(cache_root()), "key": key(), "venv": str(venv_dir()),
-                      "python": str(python_path()), "stamp": read_stamp()}, indent=2))
+    print(
+        json.dumps(
+            {
+                "cache": str(cache_root()),
+                "key": key(),
+                "venv": str(venv_dir()),
+                "python": str(python_path()),
+                "stamp": read_stamp(),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

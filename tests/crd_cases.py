@@ -73,9 +73,7 @@ INVALID_POOLS: list[InvalidPool] = [
     InvalidPool("ranks-zero", _perrank(0), "spec.layout.ranks"),
     InvalidPool("ranks-too-many", _perrank(300, capacity="600Mi"), "spec.layout.ranks"),
     InvalidPool("perrank-without-ranks", _perrank(), "spec.layout.ranks"),
-    InvalidPool(
-        "interleaved-without-ranks", _s(layout={"type": "Interleaved"}), "spec.layout.ranks"
-    ),
+    InvalidPool("interleaved-without-ranks", _s(layout={"type": "Interleaved"}), "spec.layout.ranks"),
     InvalidPool(
         "perrank-capacity-not-divisible",
         _perrank(4, capacity="6Mi", medium="HugePages-2Mi"),
@@ -157,7 +155,11 @@ INVALID_POOLS: list[InvalidPool] = [
     ),
     InvalidPool(
         "toleration-seconds-without-noexecute",
-        _s(tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}]),
+        _s(
+            tolerations=[
+                {"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}
+            ]
+        ),
         "spec.tolerations[0].tolerationSeconds",
     ),
     InvalidPool(
@@ -250,7 +252,9 @@ def example_pools() -> list[ExamplePool]:
     for path in sorted(EXAMPLES_DIR.rglob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if isinstance(doc, dict) and doc.get("kind") == POOL_KIND:
-                found.append(ExamplePool(f"{path.relative_to(EXAMPLES_DIR)}:{doc['metadata']['name']}", path, doc))
+                found.append(
+                    ExamplePool(f"{path.relative_to(EXAMPLES_DIR)}:{doc['metadata']['name']}", path, doc)
+                )
     return found
 
 

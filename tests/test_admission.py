@@ -22,21 +22,31 @@ from offloadpool.api.pods import (
 from offloadpool.operator import admission
 from offloadpool.operator.admission import InjectionSettings, Refused
 
-SETTINGS = InjectionSettings(sidecar_image="registry.example/offloadpool:1", excluded_namespaces=("kube-system", "ops"))
+SETTINGS = InjectionSettings(
+    sidecar_image="registry.example/offloadpool:1", excluded_namespaces=("kube-system", "ops")
+)
 
 
 def pool(name: str = "kv", **spec: Any) -> dict[str, Any]:
     body = {"capacity": "4Gi", "medium": "HugePages-2Mi", **spec}
-    return {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": name}, "spec": body}
+    return {
+        "apiVersion": "offloadpool.io/v1alpha1",
+        "kind": "OffloadPool",
+        "metadata": {"name": name},
+        "spec": body,
+    }
 
 
 def pod(pool_name: str | None = "kv", containers: int = 1, **spec: Any) -> dict[str, Any]:
     labels = {"app": "vllm"} | ({POD_POOL_LABEL: pool_name} if pool_name is not None else {})
     return {
-        "apiVersion": "v1", "kind": "Pod",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {"name": "engine", "namespace": "inference", "labels": labels},
-        "spec": {"containers": [{"name": f"c{i}", "image": "vllm/vllm-openai:v0.33.0"} for i in range(containers)],
-                 **spec},
+        "spec": {
+            "containers": [{"name": f"c{i}", "image": "vllm/vllm-openai:v0.33.0"} for i in range(containers)],
+            **spec,
+        },
     }
 
 
@@ -45,19 +55,38 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
 
 
 def test_a_labelled_pod_gets_volume_mounts_env_affinity_resource_and_sidecar() -> None:
-    p = pool(layout={"type": "Interleaved", "ranks": 4, "slotSize": "2Mi"}, consumers={"uid": 1000, "gid": 2000})
+    p = pool(
+        layout={"type": "Interleaved", "ranks": 4, "slotSize": "2Mi"}, consumers={"uid": 1000, "gid": 2000}
+    )
     new = admission.mutate(pod(containers=2), p, SETTINGS)
     spec = new["spec"]
-    assert {"name": pool_volume_name("kv"), "hostPath": {"path": "/var/lib/offloadpool/kv", "type": "Directory"}} in spec["volumes"]
+    assert {
+        "name": pool_volume_name("kv"),
+        "hostPath": {"path": "/var/lib/offloadpool/kv", "type": "Directory"},
+    } in spec["volumes"]
     for c in spec["containers"]:
-        assert {"name": "offloadpool-kv", "mountPath": "/offloadpool/kv", "mountPropagation": "HostToContainer"} in c["volumeMounts"]
+        assert {
+            "name": "offloadpool-kv",
+            "mountPath": "/offloadpool/kv",
+            "mountPropagation": "HostToContainer",
+        } in c["volumeMounts"]
         env = env_of(c)
         assert env[ENV_POOL_DIR] == "/offloadpool/kv"
-        assert (env["OFFLOADPOOL_LAYOUT"], env["OFFLOADPOOL_RANKS"], env["OFFLOADPOOL_SLOT_BYTES"]) == ("Interleaved", "4", str(2 << 20))
-        assert env["OFFLOADPOOL_MEDIUM"] == "HugePages-2Mi" and env["OFFLOADPOOL_CAPACITY_BYTES"] == str(4 << 30)
+        assert (env["OFFLOADPOOL_LAYOUT"], env["OFFLOADPOOL_RANKS"], env["OFFLOADPOOL_SLOT_BYTES"]) == (
+            "Interleaved",
+            "4",
+            str(2 << 20),
+        )
+        assert env["OFFLOADPOOL_MEDIUM"] == "HugePages-2Mi" and env["OFFLOADPOOL_CAPACITY_BYTES"] == str(
+            4 << 30
+        )
         assert "resources" not in c  # the pod's one unit of the pool is on the sidecar
-    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert term == {"matchExpressions": [{"key": pool_label_key("kv"), "operator": "In", "values": ["ready"]}]}
+    (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term == {
+        "matchExpressions": [{"key": pool_label_key("kv"), "operator": "In", "values": ["ready"]}]
+    }
     sidecar = spec["initContainers"][0]
     assert sidecar["name"] == LEASE_SIDECAR_NAME and sidecar["restartPolicy"] == "Always"
     assert sidecar["image"] == "registry.example/offloadpool:1"
@@ -66,7 +95,9 @@ def test_a_labelled_pod_gets_volume_mounts_env_affinity_resource_and_sidecar() -
     assert sidecar["resources"]["requests"][extended_resource_name("kv")] == "1"
     assert (sidecar["securityContext"]["runAsUser"], sidecar["securityContext"]["runAsGroup"]) == (1000, 2000)
     assert sidecar["securityContext"]["runAsNonRoot"] is True
-    assert sidecar["startupProbe"]["exec"]["command"][-1] == sidecar["command"][-1]  # waits for its ready file
+    assert (
+        sidecar["startupProbe"]["exec"]["command"][-1] == sidecar["command"][-1]
+    )  # waits for its ready file
 
 
 def test_mutating_its_own_output_changes_nothing() -> None:
@@ -98,10 +129,20 @@ def test_the_input_is_not_changed() -> None:
 
 def test_existing_affinity_terms_each_get_the_requirement() -> None:
     gpu = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H200"]}
-    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [gpu]}, {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]}}}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [gpu]},
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]},
+                ]
+            }
+        }
+    }
     new = admission.mutate(pod(affinity=affinity), pool(), SETTINGS)
-    terms = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    terms = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
     ready = {"key": pool_label_key("kv"), "operator": "In", "values": ["ready"]}
     assert terms[0]["matchExpressions"] == [gpu, ready]
     assert terms[1]["matchExpressions"] == [ready] and terms[1]["matchFields"]
@@ -109,7 +150,10 @@ def test_existing_affinity_terms_each_get_the_requirement() -> None:
 
 def test_existing_env_is_kept_and_ours_wins() -> None:
     base = pod()
-    base["spec"]["containers"][0]["env"] = [{"name": "HF_HOME", "value": "/cache"}, {"name": ENV_POOL_DIR, "value": "/wrong"}]
+    base["spec"]["containers"][0]["env"] = [
+        {"name": "HF_HOME", "value": "/cache"},
+        {"name": ENV_POOL_DIR, "value": "/wrong"},
+    ]
     env = admission.mutate(base, pool(), SETTINGS)["spec"]["containers"][0]["env"]
     assert env[0] == {"name": "HF_HOME", "value": "/cache"}
     assert env[1] == {"name": ENV_POOL_DIR, "value": pod_pool_dir("kv")}  # same place, the pool's value
@@ -132,11 +176,16 @@ def test_the_sidecar_comes_first_so_the_lease_is_held_before_any_init_container_
 def test_compat_pool_mounts_the_region_file_where_vllm_looks() -> None:
     p = pool(capacity="1Gi", compat={"vllm": {"engineId": "llama-70b"}}, medium="MemoryTHP")
     new = admission.mutate(pod(), p, SETTINGS)
-    assert {"name": compat_volume_name("kv"),
-            "hostPath": {"path": "/var/lib/offloadpool/kv/mnt/vllm_offload_llama-70b.mmap", "type": "File"}} in new["spec"]["volumes"]
+    assert {
+        "name": compat_volume_name("kv"),
+        "hostPath": {"path": "/var/lib/offloadpool/kv/mnt/vllm_offload_llama-70b.mmap", "type": "File"},
+    } in new["spec"]["volumes"]
     mounts = new["spec"]["containers"][0]["volumeMounts"]
-    assert {"name": compat_volume_name("kv"), "mountPath": "/dev/shm/vllm_offload_llama-70b.mmap",
-            "mountPropagation": "HostToContainer"} in mounts
+    assert {
+        "name": compat_volume_name("kv"),
+        "mountPath": "/dev/shm/vllm_offload_llama-70b.mmap",
+        "mountPropagation": "HostToContainer",
+    } in mounts
     assert env_of(new["spec"]["containers"][0])["OFFLOADPOOL_VLLM_ENGINE_ID"] == "llama-70b"
 
 
@@ -165,13 +214,20 @@ def test_a_pod_that_skipped_mutation_is_told_apart() -> None:
     assert "/spec/initContainers" in admission.not_mutated(pod(), pool(), SETTINGS)
 
 
-@pytest.mark.parametrize(("name", "namespace", "the_pool", "expected"), [
-    ("kv", "inference", None, "OffloadPool 'kv' does not exist (pod label offloadpool.io/pool='kv')"),
-    ("Not_A_Pool", "inference", None, "cannot name an OffloadPool"),
-    ("kv", "team-b", pool(consumers={"namespaces": ["team-a", "inference"]}),
-     "namespace 'team-b' may not use OffloadPool 'kv': "
-     "its spec.consumers.namespaces allows only inference, team-a"),
-])
+@pytest.mark.parametrize(
+    ("name", "namespace", "the_pool", "expected"),
+    [
+        ("kv", "inference", None, "OffloadPool 'kv' does not exist (pod label offloadpool.io/pool='kv')"),
+        ("Not_A_Pool", "inference", None, "cannot name an OffloadPool"),
+        (
+            "kv",
+            "team-b",
+            pool(consumers={"namespaces": ["team-a", "inference"]}),
+            "namespace 'team-b' may not use OffloadPool 'kv': "
+            "its spec.consumers.namespaces allows only inference, team-a",
+        ),
+    ],
+)
 def test_refusals_say_why(name: str, namespace: str, the_pool: Any, expected: str) -> None:
     assert expected in (admission.refusal(name, namespace, the_pool) or "")
 

@@ -22,8 +22,9 @@ def get(port: int, path: str) -> tuple[int, str]:
 def test_probes_follow_the_agent_and_metrics_are_prometheus_text() -> None:
     metrics = AgentMetrics("kv", "node-a")
     state = {"ready": False}
-    server = HealthServer(0, metrics.registry, lambda: (True, "ok"),
-                          lambda: (state["ready"], "phase X"), host="127.0.0.1").start()
+    server = HealthServer(
+        0, metrics.registry, lambda: (True, "ok"), lambda: (state["ready"], "phase X"), host="127.0.0.1"
+    ).start()
     try:
         assert get(server.port, "/healthz") == (200, "ok\n")
         assert get(server.port, "/readyz")[0] == 503
@@ -41,7 +42,8 @@ def test_probes_follow_the_agent_and_metrics_are_prometheus_text() -> None:
         assert status == 200
         samples = {
             (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
         }
         base = (("node", "node-a"), ("pool", "kv"))
 

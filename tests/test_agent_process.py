@@ -36,19 +36,29 @@ HOLD = "tests.offloadpool.io/hold"  # our own finalizer: lets the test see the d
 class AgentRun:
     def __init__(self, cp: Any, root: Path, pool: str, node: str, log: Path) -> None:
         self.port = free_port()
-        env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig), "POOL_NAME": pool, "NODE_NAME": node,
-               "POD_NAMESPACE": "default", "OFFLOADPOOL_ROOT": str(root),
-               "OFFLOADPOOL_HTTP_PORT": str(self.port), "OFFLOADPOOL_HEARTBEAT_SECONDS": "1",
-               "OFFLOADPOOL_RETRY_SECONDS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(cp.kubeconfig),
+            "POOL_NAME": pool,
+            "NODE_NAME": node,
+            "POD_NAMESPACE": "default",
+            "OFFLOADPOOL_ROOT": str(root),
+            "OFFLOADPOOL_HTTP_PORT": str(self.port),
+            "OFFLOADPOOL_HEARTBEAT_SECONDS": "1",
+            "OFFLOADPOOL_RETRY_SECONDS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         exe = str(Path(sys.executable).parent / "offloadpool-agent")
         self.log = log
         with open(log, "ab") as fh:
-            self.proc = subprocess.Popen([exe], env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [exe], env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def get(self, path: str) -> int:
         import urllib.error
         import urllib.request
+
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
                 return r.status
@@ -59,6 +69,7 @@ class AgentRun:
 
     def metrics(self) -> str:
         import urllib.request
+
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
             return r.read().decode()
 
@@ -74,8 +85,15 @@ def env(crds_installed: Any) -> Iterator[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="offloadpool-agent-test-"))
     api = cp.api_client()
     custom = client.CustomObjectsApi(api)
-    state: dict[str, Any] = {"cp": cp, "root": work / "root", "work": work, "custom": custom,
-                             "agents": [], "engines": [], "names": []}
+    state: dict[str, Any] = {
+        "cp": cp,
+        "root": work / "root",
+        "work": work,
+        "custom": custom,
+        "agents": [],
+        "engines": [],
+        "names": [],
+    }
     try:
         yield state
     finally:
@@ -87,7 +105,9 @@ def env(crds_installed: Any) -> Iterator[dict[str, Any]]:
                 e.wait(10)
         for plural, name in state["names"]:
             try:
-                custom.patch_cluster_custom_object(GROUP, VERSION, plural, name, {"metadata": {"finalizers": None}})
+                custom.patch_cluster_custom_object(
+                    GROUP, VERSION, plural, name, {"metadata": {"finalizers": None}}
+                )
                 custom.delete_cluster_custom_object(GROUP, VERSION, plural, name)
             except ApiException:
                 pass
@@ -100,13 +120,29 @@ def env(crds_installed: Any) -> Iterator[dict[str, Any]]:
 
 def create(state: dict[str, Any], pool: str, node: str, spec: dict[str, Any]) -> None:
     custom = state["custom"]
-    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpools", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPool",
-        "metadata": {"name": pool, "finalizers": [HOLD]}, "spec": spec})
+    custom.create_cluster_custom_object(
+        GROUP,
+        VERSION,
+        "offloadpools",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "OffloadPool",
+            "metadata": {"name": pool, "finalizers": [HOLD]},
+            "spec": spec,
+        },
+    )
     state["names"].append(("offloadpools", pool))
-    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "OffloadPoolNode",
-        "metadata": {"name": f"{pool}.{node}"}, "spec": {"pool": pool, "nodeName": node}})
+    custom.create_cluster_custom_object(
+        GROUP,
+        VERSION,
+        "offloadpoolnodes",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "OffloadPoolNode",
+            "metadata": {"name": f"{pool}.{node}"},
+            "spec": {"pool": pool, "nodeName": node},
+        },
+    )
     state["names"].append(("offloadpoolnodes", f"{pool}.{node}"))
 
 
@@ -116,16 +152,22 @@ def status(state: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def start_agent(state: dict[str, Any], pool: str, node: str) -> AgentRun:
-    agent = AgentRun(state["cp"], state["root"], pool, node, state["work"] / f"agent-{len(state['agents'])}.log")
+    agent = AgentRun(
+        state["cp"], state["root"], pool, node, state["work"] / f"agent-{len(state['agents'])}.log"
+    )
     state["agents"].append(agent)
     return agent
 
 
 def hold_lease(state: dict[str, Any], pool_dir: Path) -> subprocess.Popen[str]:
     """An 'engine': a separate process holding the pool's lease shared until killed."""
-    code = ("import sys; from offloadpool.region.lease import Lease; "
-            f"l = Lease.shared({str(pool_dir)!r}); print('held', flush=True); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys; from offloadpool.region.lease import Lease; "
+        f"l = Lease.shared({str(pool_dir)!r}); print('held', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     state["engines"].append(proc)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
@@ -133,8 +175,12 @@ def hold_lease(state: dict[str, Any], pool_dir: Path) -> subprocess.Popen[str]:
 
 def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
@@ -153,7 +199,9 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     assert json.loads((pool_dir / "manifest.json").read_text())["total_bytes"] == 64 * MiB
     assert wait_for("/readyz 200", lambda: agent.get("/readyz") == 200, timeout=10)
     assert agent.get("/healthz") == 200
-    assert 'offloadpool_phase{node="node-x",offloadpool_phase="Ready",pool="agent-life"} 1.0' in agent.metrics()
+    assert (
+        'offloadpool_phase{node="node-x",offloadpool_phase="Ready",pool="agent-life"} 1.0' in agent.metrics()
+    )
 
     # liveness is a coordination.k8s.io Lease, renewed every heartbeat (1 s here), owned by the
     # pool; the OffloadPoolNode is not written while nothing in its status changes
@@ -161,16 +209,27 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     first = coordination.read_namespaced_lease(name, "default")
     assert first.metadata.labels == {"offloadpool.io/pool": pool}
     owner = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)["metadata"]["uid"]
-    assert [(o.kind, o.name, o.uid) for o in first.metadata.owner_references] == [("OffloadPool", pool, owner)]
+    assert [(o.kind, o.name, o.uid) for o in first.metadata.owner_references] == [
+        ("OffloadPool", pool, owner)
+    ]
     assert first.spec.holder_identity == name and first.spec.lease_duration_seconds == 4
     obj0 = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
     written = obj0["metadata"]["resourceVersion"]
     renewals = {first.spec.renew_time}
-    wait_for("three Lease renewals", lambda: renewals.add(coordination.read_namespaced_lease(name, "default").spec.renew_time)
-             or len(renewals) >= 3, timeout=30, interval=0.2)
+    wait_for(
+        "three Lease renewals",
+        lambda: (
+            renewals.add(coordination.read_namespaced_lease(name, "default").spec.renew_time)
+            or len(renewals) >= 3
+        ),
+        timeout=30,
+        interval=0.2,
+    )
     obj1 = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
-    assert obj1["metadata"]["resourceVersion"] == written, ("an unchanged status was written again",
-        {k: (obj0["status"].get(k), v) for k, v in obj1["status"].items() if obj0["status"].get(k) != v})
+    assert obj1["metadata"]["resourceVersion"] == written, (
+        "an unchanged status was written again",
+        {k: (obj0["status"].get(k), v) for k, v in obj1["status"].items() if obj0["status"].get(k) != v},
+    )
 
     # an engine attaches: the heartbeat reports it, from the lease alone
     engine = hold_lease(env, pool_dir)
@@ -192,15 +251,21 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     # a new agent validates and keeps the region: nothing re-populated
     beat = status(env, name)["heartbeat"]
     agent2 = start_agent(env, pool, node)
-    st = wait_for("Reused", lambda: (s := status(env, name)).get("reason") == "Reused" and s["heartbeat"] != beat and s,
-                  timeout=60)
+    st = wait_for(
+        "Reused",
+        lambda: (s := status(env, name)).get("reason") == "Reused" and s["heartbeat"] != beat and s,
+        timeout=60,
+    )
     assert st["phase"] == "Ready" and st["enginesAttached"] == 1
     assert "offloadpool_populated_bytes_total" in agent2.metrics()
 
     # deletion while the engine holds the lease: Draining with the reason; memory untouched
     env["custom"].delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
-    st = wait_for("Draining", lambda: (s := status(env, name)).get("phase") == "Draining"
-                  and s.get("reason") == "LeaseHeld" and s, timeout=30)
+    st = wait_for(
+        "Draining",
+        lambda: (s := status(env, name)).get("phase") == "Draining" and s.get("reason") == "LeaseHeld" and s,
+        timeout=30,
+    )
     assert "engine" in st["message"]
     assert mounts_under(pool_dir / "mnt")
 
@@ -214,7 +279,9 @@ def test_too_little_memory_fails_with_the_shortfall_and_builds_nothing(env: dict
     pool, node = "agent-toobig", "node-y"
     create(env, pool, node, {"capacity": "64Ti", "medium": "Memory"})
     start_agent(env, pool, node)
-    st = wait_for("Failed", lambda: (s := status(env, f"{pool}.{node}")).get("phase") == "Failed" and s, timeout=60)
+    st = wait_for(
+        "Failed", lambda: (s := status(env, f"{pool}.{node}")).get("phase") == "Failed" and s, timeout=60
+    )
     assert st["reason"] == "InsufficientMemory"
     assert "short by" in st["message"], st["message"]
     assert not (env["root"] / pool).exists() and not mounts_under(env["root"])
@@ -230,11 +297,14 @@ def test_retain_reports_released_and_keeps_the_memory(env: dict[str, Any]) -> No
     st = wait_for("Released", lambda: (s := status(env, name)).get("phase") == "Released" and s, timeout=30)
     assert st["reason"] == "Retained" and "Retain" in st["message"]
     pool_dir = env["root"] / pool
-    assert mounts_under(pool_dir / "mnt") and (pool_dir / "manifest.json").exists(), "Retain gave the memory back"
+    assert mounts_under(pool_dir / "mnt") and (pool_dir / "manifest.json").exists(), (
+        "Retain gave the memory back"
+    )
 
 
-def test_agent_waits_for_a_lockless_holder_in_another_mount_namespace(env: dict[str, Any], processes,
-                                                                     tmp_path: Path) -> None:
+def test_agent_waits_for_a_lockless_holder_in_another_mount_namespace(
+    env: dict[str, Any], processes, tmp_path: Path
+) -> None:
     """Stock vLLM's way of holding a pool — a mapping through a bind mount in its own mount
     namespace, no lease — keeps the agent from reshaping and from releasing it: the spec change
     stays pending and the deletion waits, both naming the holder; once it exits each proceeds,
@@ -250,19 +320,30 @@ def test_agent_waits_for_a_lockless_holder_in_another_mount_namespace(env: dict[
     segment = sorted((pool_dir / "mnt").iterdir())[0]
     holder = start_holder(processes, tmp_path, segment, "map")
 
-    st = wait_for("enginesAttached 1", lambda: (s := status(env, name)).get("enginesAttached") == 1 and s, timeout=30)
+    st = wait_for(
+        "enginesAttached 1", lambda: (s := status(env, name)).get("enginesAttached") == 1 and s, timeout=30
+    )
     # a reshaping spec change waits, naming the holder
-    env["custom"].patch_cluster_custom_object(GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "128Mi"}})
-    st = wait_for("generation 2 pending", lambda: (s := status(env, name)).get("pendingGeneration") == 2 and s, timeout=30)
+    env["custom"].patch_cluster_custom_object(
+        GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "128Mi"}}
+    )
+    st = wait_for(
+        "generation 2 pending",
+        lambda: (s := status(env, name)).get("pendingGeneration") == 2 and s,
+        timeout=30,
+    )
     assert st["phase"] == "Ready" and st["observedGeneration"] == 1 and st["reason"] == "LeaseHeld", st
     assert f"pid {holder.pid}" in st["message"], st["message"]
-    assert segment.read_bytes()[:len(PATTERN)] == PATTERN
+    assert segment.read_bytes()[: len(PATTERN)] == PATTERN
     assert json.loads((pool_dir / "manifest.json").read_text())["total_bytes"] == 64 * MiB
 
     # the holder exits: the reshape is applied
     stop(holder)
-    st = wait_for("generation 2 applied", lambda: (s := status(env, name)).get("observedGeneration") == 2
-                  and s.get("phase") == "Ready" and s, timeout=60)
+    st = wait_for(
+        "generation 2 applied",
+        lambda: (s := status(env, name)).get("observedGeneration") == 2 and s.get("phase") == "Ready" and s,
+        timeout=60,
+    )
     assert st["bytesTotal"] == 128 * MiB and "pendingGeneration" not in st
     assert json.loads((pool_dir / "manifest.json").read_text())["total_bytes"] == 128 * MiB
 
@@ -272,7 +353,7 @@ def test_agent_waits_for_a_lockless_holder_in_another_mount_namespace(env: dict[
     env["custom"].delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
     st = wait_for("Draining", lambda: (s := status(env, name)).get("phase") == "Draining" and s, timeout=30)
     assert f"pid {holder.pid}" in st["message"], st["message"]
-    assert mounts_under(pool_dir / "mnt") and segment.read_bytes()[:len(PATTERN)] == PATTERN
+    assert mounts_under(pool_dir / "mnt") and segment.read_bytes()[: len(PATTERN)] == PATTERN
 
     stop(holder)
     wait_for("Released", lambda: status(env, name).get("phase") == "Released", timeout=30)

@@ -15,8 +15,8 @@ from pydantic import ValidationError
 from crd_cases import EXAMPLE_POOLS, INVALID_POOLS, ExamplePool, InvalidPool, names_field, without_indices
 from offloadpool.api import (
     GROUP,
-    MEDIA,
     LAYOUTS,
+    MEDIA,
     OffloadPool,
     OffloadPoolNode,
     OffloadPoolNodeSpec,
@@ -32,7 +32,6 @@ from offloadpool.api import (
     pool_label_key,
     split_node_object_name,
 )
-
 
 
 # -- quantities ----------------------------------------------------------------------------
@@ -64,7 +63,8 @@ def test_parse_quantity_reads_kubernetes_quantities(text: str | int, expected: i
 
 
 @pytest.mark.parametrize(
-    "text", ["", "Gi", "64GB", "64 Gi", "lots", "0x10", "1.2.3", "100m", "0.5", "1e30", "1Gi ", True, 1.5, None]
+    "text",
+    ["", "Gi", "64GB", "64 Gi", "lots", "0x10", "1.2.3", "100m", "0.5", "1e30", "1Gi ", True, 1.5, None],
 )
 def test_parse_quantity_rejects_what_is_not_whole_bytes(text: object) -> None:
     with pytest.raises(QuantityError):
@@ -232,8 +232,10 @@ def test_times_are_written_as_kubernetes_writes_them() -> None:
 
 
 def test_node_object_for_pool_and_node() -> None:
-    node = OffloadPoolNode(metadata={"name": node_object_name("kv", "gpu-1")},
-                           spec=OffloadPoolNodeSpec(pool="kv", node_name="gpu-1"))
+    node = OffloadPoolNode(
+        metadata={"name": node_object_name("kv", "gpu-1")},
+        spec=OffloadPoolNodeSpec(pool="kv", node_name="gpu-1"),
+    )
     assert node.model_dump(by_alias=True, exclude_none=True) == {
         "apiVersion": "offloadpool.io/v1alpha1",
         "kind": "OffloadPoolNode",

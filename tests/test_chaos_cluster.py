@@ -43,8 +43,15 @@ HOST_ROOT = "/var/lib/offloadpool"
 CRASH_AT = str(Path(__file__).parent / "fixtures" / "crash_at.py")
 NODES = 3
 OUTAGE_SECONDS = 10.0
-OPERATOR_POINTS = ("operator:rollout-advanced", "operator:status-patched", "operator:pass-rolling-out",
-                   "operator:daemonset-applied", "operator:node-marks-synced", "event", "operator:rollout-advanced")
+OPERATOR_POINTS = (
+    "operator:rollout-advanced",
+    "operator:status-patched",
+    "operator:pass-rolling-out",
+    "operator:daemonset-applied",
+    "operator:node-marks-synced",
+    "event",
+    "operator:rollout-advanced",
+)
 #: Events the operator posts per node or per rollout step: each exactly once per generation
 PER_NODE_REASONS = ("RolloutAdvanced",)
 
@@ -66,40 +73,61 @@ class World:
         return self.kube.pool_nodes(self.pool)
 
     def daemonset_uid(self) -> str:
-        return self.cluster.apps.read_namespaced_daemon_set(f"offloadpool-agent-{self.pool}", NAMESPACE).metadata.uid
+        return self.cluster.apps.read_namespaced_daemon_set(
+            f"offloadpool-agent-{self.pool}", NAMESPACE
+        ).metadata.uid
 
     def mount_dev(self, node: SimNode) -> int:
         return os.stat(node.host_path(HOST_ROOT) / self.pool / "mnt").st_dev
 
     def agents(self) -> dict[str, tuple[int, int]]:
         """Pod uid -> (pid, restarts) of this pool's agents."""
-        return {uid: (a.pid, a.restarts) for uid, a in list(self.cluster.agents.items())
-                if a.env.get("POOL_NAME") == self.pool}
+        return {
+            uid: (a.pid, a.restarts)
+            for uid, a in list(self.cluster.agents.items())
+            if a.env.get("POOL_NAME") == self.pool
+        }
 
     def events(self) -> list[Any]:
         return self.cluster.core.list_namespaced_event(
-            "default", field_selector=f"involvedObject.name={self.pool}").items
+            "default", field_selector=f"involvedObject.name={self.pool}"
+        ).items
 
     def converged(self, generation: int) -> bool:
         st = self.pool_body().get("status") or {}
         ready = {c["type"]: c for c in st.get("conditions") or []}.get("Ready", {})
         nodes = self.node_objects()
-        return (st.get("observedGeneration") == generation and st.get("readyNodes") == NODES
-                and st.get("desiredNodes") == NODES and ready.get("status") == "True" and len(nodes) == NODES
-                and all((o.get("status") or {}).get("phase") == "Ready"
-                        and (o.get("status") or {}).get("observedGeneration") == generation for o in nodes.values()))
+        return (
+            st.get("observedGeneration") == generation
+            and st.get("readyNodes") == NODES
+            and st.get("desiredNodes") == NODES
+            and ready.get("status") == "True"
+            and len(nodes) == NODES
+            and all(
+                (o.get("status") or {}).get("phase") == "Ready"
+                and (o.get("status") or {}).get("observedGeneration") == generation
+                for o in nodes.values()
+            )
+        )
 
     def diagnose(self) -> str:
         out = [f"pool status: {self.pool_body().get('status')}"]
         out += [f"{n}: spec {o.get('spec')} status {o.get('status')}" for n, o in self.node_objects().items()]
-        out += [f"--- agent on {a.node.name} (restarts {a.restarts}):\n{a.log(1500)}" for a in self.cluster.agents.values()]
+        out += [
+            f"--- agent on {a.node.name} (restarts {a.restarts}):\n{a.log(1500)}"
+            for a in self.cluster.agents.values()
+        ]
         out.append(f"--- operator:\n{self.operator.log(4000)}")
         return "\n".join(out)
 
     def wait_converged(self, generation: int, timeout: float = 180) -> None:
         try:
-            wait_for(f"pool {self.pool} Ready {NODES}/{NODES} at generation {generation}",
-                     lambda: self.converged(generation), timeout, interval=0.2)
+            wait_for(
+                f"pool {self.pool} Ready {NODES}/{NODES} at generation {generation}",
+                lambda: self.converged(generation),
+                timeout,
+                interval=0.2,
+            )
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.diagnose()}") from None
 
@@ -107,14 +135,16 @@ class World:
     def bump(self) -> int:
         """A spec change every node applies in place (no new shape): returns the new generation."""
         self.workers = 3 - self.workers
-        body = self.kube.custom.patch_cluster_custom_object(GROUP, VERSION, "offloadpools", self.pool,
-                                                       {"spec": {"prefault": {"workers": self.workers}}})
+        body = self.kube.custom.patch_cluster_custom_object(
+            GROUP, VERSION, "offloadpools", self.pool, {"spec": {"prefault": {"workers": self.workers}}}
+        )
         return int(body["metadata"]["generation"])
 
 
 @pytest.fixture(scope="module")
-def world(control_plane: Any, crds_installed: Any, operator_rbac: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(
+    control_plane: Any, crds_installed: Any, operator_rbac: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[World]:
     workdir = tmp_path_factory.mktemp("chaos-cluster")
     cluster = SimCluster(control_plane, workdir).start()
     tag = uuid.uuid4().hex[:6]
@@ -159,16 +189,25 @@ class Before:
 
 
 def snapshot(w: World) -> Before:
-    return Before(w.daemonset_uid(), {n: o["metadata"]["uid"] for n, o in w.node_objects().items()},
-                  w.agents(), {n.name: w.mount_dev(n) for n in w.nodes}, {e.metadata.uid for e in w.events()})
+    return Before(
+        w.daemonset_uid(),
+        {n: o["metadata"]["uid"] for n, o in w.node_objects().items()},
+        w.agents(),
+        {n.name: w.mount_dev(n) for n in w.nodes},
+        {e.metadata.uid for e in w.events()},
+    )
 
 
 def check_no_duplicate_work(run: Run, w: World, before: Before, generation: int) -> None:
     """The invariants after a converged rollout (see the module docstring)."""
     run.check("DaemonSet not re-created", w.daemonset_uid() == before.daemonset)
     now = {n: o["metadata"]["uid"] for n, o in w.node_objects().items()}
-    run.check("OffloadPoolNodes not re-created", now == before.node_objects, f"{now} != {before.node_objects}")
-    run.check("no agent restarted or replaced", w.agents() == before.agents, f"{w.agents()} != {before.agents}")
+    run.check(
+        "OffloadPoolNodes not re-created", now == before.node_objects, f"{now} != {before.node_objects}"
+    )
+    run.check(
+        "no agent restarted or replaced", w.agents() == before.agents, f"{w.agents()} != {before.agents}"
+    )
     mounts = {n.name: w.mount_dev(n) for n in w.nodes}
     run.check("no region rebuilt (same mount on every node)", mounts == before.mounts)
     for node in w.nodes:
@@ -180,9 +219,15 @@ def check_no_duplicate_work(run: Run, w: World, before: Before, generation: int)
     dupes = {k: n for k, n in counts.items() if n > 1}
     run.check("no duplicate Event (same reason and message twice)", not dupes, str(dupes))
     for node in w.nodes:
-        advanced = [e for e in new if e.reason == "RolloutAdvanced"
-                    and e.message == f"generation {generation} released to node {node.name}"]
-        run.check("RolloutAdvanced at most once per node and generation", len(advanced) <= 1, str(len(advanced)))
+        advanced = [
+            e
+            for e in new
+            if e.reason == "RolloutAdvanced"
+            and e.message == f"generation {generation} released to node {node.name}"
+        ]
+        run.check(
+            "RolloutAdvanced at most once per node and generation", len(advanced) <= 1, str(len(advanced))
+        )
         if not advanced:
             run.observe("RolloutAdvanced of a node not posted (lost with the operator or the API)")
     for reason in ("RollingOut", "Complete"):
@@ -232,8 +277,11 @@ def test_kill9_operator_mid_pass_and_rollout(seed: int, chaos_run: Run, world: W
     point = OPERATOR_POINTS[seed % len(OPERATOR_POINTS)] if seed % 4 != 3 else "delay"
     before = snapshot(w)
     if point not in ("delay", "event"):  # a fresh operator that dies at the point
-        nth = rng.randint(1, NODES) if point in ("operator:rollout-advanced", "operator:pass-rolling-out") else \
-            rng.randint(1, 2)
+        nth = (
+            rng.randint(1, NODES)
+            if point in ("operator:rollout-advanced", "operator:pass-rolling-out")
+            else rng.randint(1, 2)
+        )
         kill9(w.operator)  # idle and converged: a kill here changes nothing (and is quicker than SIGTERM)
         w.operator.launcher = (sys.executable, CRASH_AT, point, str(nth), "offloadpool.operator.main")
         w.operator.start()
@@ -249,8 +297,12 @@ def test_kill9_operator_mid_pass_and_rollout(seed: int, chaos_run: Run, world: W
         time.sleep(rng.uniform(0.0, 6.0))
         alive = w.operator.alive()
         kill9(w.operator)
-        progress = sum((o.get("spec") or {}).get("targetGeneration") == generation for o in w.node_objects().values())
-        run.hit(f"delay: {progress}/{NODES} nodes advanced" if alive else "delay: operator had died by itself")
+        progress = sum(
+            (o.get("spec") or {}).get("targetGeneration") == generation for o in w.node_objects().values()
+        )
+        run.hit(
+            f"delay: {progress}/{NODES} nodes advanced" if alive else "delay: operator had died by itself"
+        )
         run.check("the operator was running until killed", alive, w.operator.log())
     elif point == "event":
         killed = kill_after_events(w, before.events, nth, 60)
@@ -265,7 +317,11 @@ def test_kill9_operator_mid_pass_and_rollout(seed: int, chaos_run: Run, world: W
             died = False
         if died:
             log = w.operator.log()
-            run.check("the operator died at the point it was sent to", f"CRASH-POINT {point} #{nth}" in log, log[-3000:])
+            run.check(
+                "the operator died at the point it was sent to",
+                f"CRASH-POINT {point} #{nth}" in log,
+                log[-3000:],
+            )
             run.hit(f"{point} #{nth}")
         else:
             kill9(w.operator)
@@ -278,7 +334,9 @@ def test_kill9_operator_mid_pass_and_rollout(seed: int, chaos_run: Run, world: W
 
 @pytest.mark.chaos
 @pytest.mark.parametrize("seed", seeds(4, ci_runs=int(os.environ.get("OFFLOADPOOL_CHAOS_OUTAGE_RUNS", 3))))
-def test_apiserver_and_etcd_down_mid_rollout(seed: int, chaos_run: Run, world: World, control_plane: Any) -> None:
+def test_apiserver_and_etcd_down_mid_rollout(
+    seed: int, chaos_run: Run, world: World, control_plane: Any
+) -> None:
     run, w = chaos_run, world  # the seed only names the run: an outage has nothing to draw
     if not w.operator.alive() or w.operator.launcher:
         w.operator.stop()
@@ -292,7 +350,10 @@ def test_apiserver_and_etcd_down_mid_rollout(seed: int, chaos_run: Run, world: W
     wanted = seed % NODES
 
     def advanced() -> int:
-        return sum((o.get("spec") or {}).get("targetGeneration") == generation for o in w.node_objects().values())
+        return sum(
+            (o.get("spec") or {}).get("targetGeneration") == generation for o in w.node_objects().values()
+        )
+
     deadline = time.monotonic() + 60
     while advanced() < wanted and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -301,7 +362,12 @@ def test_apiserver_and_etcd_down_mid_rollout(seed: int, chaos_run: Run, world: W
     down = control_plane.outage(OUTAGE_SECONDS)
     t0 = time.monotonic()
     w.wait_converged(generation)
-    run.say(f"API unreachable for {down:.1f} s; rollout complete {time.monotonic() - t0:.1f} s after it came back")
-    run.check("the operator survived the outage (same process)", w.operator.alive() and w.operator.pid == operator_pid,
-              w.operator.log())
+    run.say(
+        f"API unreachable for {down:.1f} s; rollout complete {time.monotonic() - t0:.1f} s after it came back"
+    )
+    run.check(
+        "the operator survived the outage (same process)",
+        w.operator.alive() and w.operator.pid == operator_pid,
+        w.operator.log(),
+    )
     check_no_duplicate_work(run, w, before, generation)

@@ -46,8 +46,15 @@ CRASH_AT, ENGINE = str(FIXTURES / "crash_at.py"), str(FIXTURES / "chaos_engine.p
 #: between them (a multiple of the pool's page size)
 CHUNK = {"Memory": 256 << 10, "MemoryTHP": 2 * MiB, "HugePages-2Mi": 2 * MiB}
 POOLS = {"Memory": 256 * MiB, "MemoryTHP": 256 * MiB, "HugePages-2Mi": 128 * MiB}
-POINTS = ("engine:lease-taken", "engine:segments-open", "engine:range-reserved", "engine:mapped",
-          "engine:pin-chunk", "engine:pinned", "engine:pin-chunk")  # mid-pin twice as often
+POINTS = (
+    "engine:lease-taken",
+    "engine:segments-open",
+    "engine:range-reserved",
+    "engine:mapped",
+    "engine:pin-chunk",
+    "engine:pinned",
+    "engine:pin-chunk",
+)  # mid-pin twice as often
 REFERENCE_BYTES = 1 * MiB  # written once at the start of each pool; must survive every run
 
 
@@ -66,7 +73,9 @@ class EnginePool:
 
 
 @pytest.fixture(scope="module")
-def engine_pools(tmp_path_factory: pytest.TempPathFactory, hugepage_reservation: dict) -> Iterator[dict[str, EnginePool]]:
+def engine_pools(
+    tmp_path_factory: pytest.TempPathFactory, hugepage_reservation: dict
+) -> Iterator[dict[str, EnginePool]]:
     """One Ready pool per medium for the module; released at the end, leaving nothing."""
     root = tmp_path_factory.mktemp("chaos-engine")
     totals = hugepage_totals()
@@ -90,7 +99,9 @@ def engine_pools(tmp_path_factory: pytest.TempPathFactory, hugepage_reservation:
         for medium, pool in pools.items():
             req = PoolRequest(name=pool.dir.name, capacity=pool.capacity, medium=medium, min_segment=64 * MiB)
             again = provision(req, root, workers=2)
-            assert again.reused and again.populated_bytes == 0, f"{medium}: the pool was re-populated after the runs"
+            assert again.reused and again.populated_bytes == 0, (
+                f"{medium}: the pool was re-populated after the runs"
+            )
     finally:
         for pool in pools.values():
             release(root, pool.dir.name, force=True)
@@ -135,9 +146,16 @@ def test_kill9_engine_mid_pin(seed: int, chaos_run: Run, engine_pools: dict[str,
         nth = rng.randint(1, pool.capacity // chunk) if point == "engine:pin-chunk" else 1
         proc = start_engine([sys.executable, CRASH_AT, point, str(nth), *engine])
         out, err = proc.communicate(timeout=60)
-        run.check("the engine died at the point it was sent to", f"CRASH-POINT {point} #{nth}" in err,
-                  f"rc {proc.returncode}: {err[-1000:]}")
-        label = point if point != "engine:pin-chunk" else f"{point} ({10 * (10 * nth * chunk // pool.capacity)}% of the calls)"
+        run.check(
+            "the engine died at the point it was sent to",
+            f"CRASH-POINT {point} #{nth}" in err,
+            f"rc {proc.returncode}: {err[-1000:]}",
+        )
+        label = (
+            point
+            if point != "engine:pin-chunk"
+            else f"{point} ({10 * (10 * nth * chunk // pool.capacity)}% of the calls)"
+        )
         run.hit(label)
         lines = out.split()
     else:
@@ -160,13 +178,19 @@ def test_kill9_engine_mid_pin(seed: int, chaos_run: Run, engine_pools: dict[str,
         proc.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
         lines += out.split()
-        run.check("the engine was alive until killed", proc.returncode == -signal.SIGKILL, f"rc {proc.returncode}: {err[-1000:]}")
+        run.check(
+            "the engine was alive until killed",
+            proc.returncode == -signal.SIGKILL,
+            f"rc {proc.returncode}: {err[-1000:]}",
+        )
         run.hit(f"{how}: {phase_of(lines, locked, pool)}")
     if "WROTE" in lines:
         pool.writes[offset] = engine_data(seed)
 
     run.check("lease free (no shared flock left)", count_holders(lease_path(pool.dir)) == 0)
-    run.check("no process maps or holds the pool", holders.count(pool.dir) == 0, str(holders.find_holders(pool.dir)))
+    run.check(
+        "no process maps or holds the pool", holders.count(pool.dir) == 0, str(holders.find_holders(pool.dir))
+    )
     state = pool_state(pool.root, pool.dir.name)
     run.check("the pool stays Ready", state.phase == "Ready" and state.engines_attached == 0, state.message)
     run.check("the manifest is unchanged", load_manifest(pool.dir) == manifest_before)
@@ -185,12 +209,19 @@ def test_kill9_engine_mid_pin(seed: int, chaos_run: Run, engine_pools: dict[str,
         pinned = time.monotonic() - t0
         counted = 0 if pool.medium.startswith("HugePages") else pool.capacity
         run.check("the next engine pins the whole region", stats.bytes_registered == pool.capacity)
-        run.check("it locks exactly its own region (nothing of the dead engine counts)",
-                  vm_locked_bytes() - base == counted, f"{vm_locked_bytes() - base} != {counted}")
+        run.check(
+            "it locks exactly its own region (nothing of the dead engine counts)",
+            vm_locked_bytes() - base == counted,
+            f"{vm_locked_bytes() - base} != {counted}",
+        )
         view = region.memoryview()
         run.check("reference data intact", bytes(view[:REFERENCE_BYTES]) == pool.reference)
         for at, data in pool.writes.items():
-            run.check("data every earlier engine wrote is intact", bytes(view[at:at + DATA_BYTES]) == data, f"offset {at}")
+            run.check(
+                "data every earlier engine wrote is intact",
+                bytes(view[at : at + DATA_BYTES]) == data,
+                f"offset {at}",
+            )
         view.release()
     # lease_timeout=0 already fails the attach if anything held the lease; the bound only
     # catches an attach that is slow for another reason (generous: the machine may be loaded)

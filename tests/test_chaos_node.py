@@ -43,12 +43,27 @@ NAME = "chaos"
 MEDIA = ("Memory", "MemoryTHP", "HugePages-2Mi")
 #: what a Ready pool's directory holds, nothing more (no temp file of an interrupted write)
 READY_ENTRIES = {"lease", MANIFEST_NAME, "mnt", JOURNAL_NAME, "state.json"}
-PROVISION_POINTS = ("provision:record-Provisioning", "provision:mid-record-write",
-                    "provision:hugepages-reserved", "provision:mounted-not-shared", "provision:mounted",
-                    "provision:segments-created", "provision:record-Populating", "provision:populate-chunk",
-                    "provision:mid-manifest-write", "provision:manifest-written", "provision:record-Ready")
-RELEASE_POINTS = ("release:lease-taken", "release:manifest-removed", "release:unmounted",
-                  "release:record-Draining", "release:rmtree", "release:mid-rmtree")
+PROVISION_POINTS = (
+    "provision:record-Provisioning",
+    "provision:mid-record-write",
+    "provision:hugepages-reserved",
+    "provision:mounted-not-shared",
+    "provision:mounted",
+    "provision:segments-created",
+    "provision:record-Populating",
+    "provision:populate-chunk",
+    "provision:mid-manifest-write",
+    "provision:manifest-written",
+    "provision:record-Ready",
+)
+RELEASE_POINTS = (
+    "release:lease-taken",
+    "release:manifest-removed",
+    "release:unmounted",
+    "release:record-Draining",
+    "release:rmtree",
+    "release:mid-rmtree",
+)
 ENGINE_BYTES = 64 << 10  # what the "engine" writes into a populated unit
 
 
@@ -68,8 +83,13 @@ class Pool:
         return self.root / NAME
 
     def request(self) -> PoolRequest:
-        return PoolRequest(name=NAME, capacity=self.capacity, medium=self.medium, min_segment=self.min_segment,
-                           workers=self.workers)
+        return PoolRequest(
+            name=NAME,
+            capacity=self.capacity,
+            medium=self.medium,
+            min_segment=self.min_segment,
+            workers=self.workers,
+        )
 
     def plan(self) -> Plan:
         return make_plan(self.request())
@@ -79,9 +99,20 @@ class Pool:
         return units(p.segments, p.page_size)
 
     def flags(self) -> list[str]:
-        return ["--root", str(self.root), "--name", NAME, "--capacity", f"{self.capacity // MiB}Mi",
-                "--medium", self.medium, "--min-size", f"{self.min_segment // MiB}Mi",
-                "--workers", str(self.workers)]
+        return [
+            "--root",
+            str(self.root),
+            "--name",
+            NAME,
+            "--capacity",
+            f"{self.capacity // MiB}Mi",
+            "--medium",
+            self.medium,
+            "--min-size",
+            f"{self.min_segment // MiB}Mi",
+            "--workers",
+            str(self.workers),
+        ]
 
     def journal(self) -> bytes:
         try:
@@ -100,8 +131,8 @@ class Pool:
             m = mmap.mmap(fd, seg.bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             try:
                 if write is not None:
-                    m[unit.offset:unit.offset + len(write)] = write
-                return m[unit.offset:unit.offset + ENGINE_BYTES]
+                    m[unit.offset : unit.offset + len(write)] = write
+                return m[unit.offset : unit.offset + ENGINE_BYTES]
             finally:
                 m.close()
         finally:
@@ -110,7 +141,9 @@ class Pool:
     def write_engine_data(self, rng: random.Random) -> int | None:
         """Write data into a unit the journal says is populated (as an engine would); its index."""
         done = self.journal()
-        candidates = [u for u in self.units() if u.index < len(done) and done[u.index] and u.index not in self.written]
+        candidates = [
+            u for u in self.units() if u.index < len(done) and done[u.index] and u.index not in self.written
+        ]
         if not candidates:
             return None
         unit = rng.choice(candidates)
@@ -137,8 +170,13 @@ def disk_phase(pool: Pool) -> str:
         return "manifest written, record not Ready"
     if state.phase == "Populating":
         done = pool.recorded_bytes() / pool.capacity
-        return "Populating 0%" if done == 0 else "Populating 100%" if done >= 1 else \
-            f"Populating {min(90, int(done * 10) * 10)}-{min(100, int(done * 10) * 10 + 10)}%"
+        return (
+            "Populating 0%"
+            if done == 0
+            else "Populating 100%"
+            if done >= 1
+            else f"Populating {min(90, int(done * 10) * 10)}-{min(100, int(done * 10) * 10 + 10)}%"
+        )
     if state.phase == "Provisioning":
         return "Provisioning, mounted" if mounts.mount_at(pool.dir / "mnt") else "Provisioning, not mounted"
     return f"{state.phase}"
@@ -149,13 +187,24 @@ def kill_provision(run: Run, rng: random.Random, pool: Pool, processes, point: s
     rate = ["--rate-limit", f"{pool.capacity // MiB}Mi"]  # about a second of populate: room to kill in
     how = "point" if point else rng.choice(("point", "point", "progress", "delay"))
     if how == "point":
-        points = [p for p in PROVISION_POINTS if p != "provision:hugepages-reserved" or pool.medium.startswith("Huge")]
+        points = [
+            p
+            for p in PROVISION_POINTS
+            if p != "provision:hugepages-reserved" or pool.medium.startswith("Huge")
+        ]
         point = point or rng.choice(points)
-        nth = {"provision:populate-chunk": rng.randint(1, 7), "provision:mid-record-write": rng.randint(1, 4)}.get(point, 1)
+        nth = {
+            "provision:populate-chunk": rng.randint(1, 7),
+            "provision:mid-record-write": rng.randint(1, 4),
+        }.get(point, 1)
         proc = processes(crash_argv(point, nth, "provision", *pool.flags(), *rate))
         _out, err = proc.communicate(timeout=120)
         if proc.returncode == -signal.SIGKILL:
-            run.check("the process died at the point it was sent to", f"CRASH-POINT {point} #{nth}" in err, err[-500:])
+            run.check(
+                "the process died at the point it was sent to",
+                f"CRASH-POINT {point} #{nth}" in err,
+                err[-500:],
+            )
             run.hit(f"{point}" + (f" #{nth}" if nth > 1 else ""))
         else:
             run.check("a provision that is not killed succeeds", proc.returncode == 0, err[-2000:])
@@ -184,10 +233,15 @@ def kill_provision(run: Run, rng: random.Random, pool: Pool, processes, point: s
 def check_after_kill(run: Run, pool: Pool) -> None:
     """What must hold right after any kill of a provision."""
     state = pool_state(pool.root, NAME)
-    run.check("killed run leaves no lock behind (status not 'in progress')", not state.in_progress, state.message)
+    run.check(
+        "killed run leaves no lock behind (status not 'in progress')", not state.in_progress, state.message
+    )
     own = {str((pool.dir / "mnt").resolve())}
-    run.check("no mount but the pool's own", {m.target for m in mounts.mounts_under(pool.root)} <= own,
-              str(mounts.mounts_under(pool.root)))
+    run.check(
+        "no mount but the pool's own",
+        {m.target for m in mounts.mounts_under(pool.root)} <= own,
+        str(mounts.mounts_under(pool.root)),
+    )
     complete = len(pool.journal()) == len(pool.units()) and all(pool.journal())
     if (pool.dir / MANIFEST_NAME).exists():
         run.check("a manifest (attachable) only over fully populated memory", complete, pool.journal().hex())
@@ -212,33 +266,59 @@ def check_converged(run: Run, pool: Pool, result: dict, recorded: int, was_ready
     if was_ready:
         run.check("a Ready pool is reused, not re-populated", result["reused"] is True, str(result))
     else:
-        run.check("populated + skipped = capacity", result["populated_bytes"] + result["skipped_bytes"] == pool.capacity,
-                  str(result))
-    run.check("nothing recorded as populated before the kill is populated again",
-              result["skipped_bytes"] >= recorded, f"skipped {result['skipped_bytes']} < recorded {recorded}")
+        run.check(
+            "populated + skipped = capacity",
+            result["populated_bytes"] + result["skipped_bytes"] == pool.capacity,
+            str(result),
+        )
+    run.check(
+        "nothing recorded as populated before the kill is populated again",
+        result["skipped_bytes"] >= recorded,
+        f"skipped {result['skipped_bytes']} < recorded {recorded}",
+    )
     if recorded > 0:
         run.check("resume skips work (skipped_bytes > 0 after progress)", result["skipped_bytes"] > 0)
     run.check("journal complete", len(pool.journal()) == len(pool.units()) and all(pool.journal()))
     manifest = load_manifest(pool.dir)
     run.check("manifest as planned", manifest.regions == p.regions)
     files = sorted(f.name for f in (pool.dir / "mnt").iterdir())
-    run.check("exactly the planned segment files", files == sorted(Path(s.file).name for s in p.segments), str(files))
-    run.check("segment sizes as planned", all(os.stat(pool.dir / s.file).st_size == s.bytes for s in p.segments))
+    run.check(
+        "exactly the planned segment files",
+        files == sorted(Path(s.file).name for s in p.segments),
+        str(files),
+    )
+    run.check(
+        "segment sizes as planned", all(os.stat(pool.dir / s.file).st_size == s.bytes for s in p.segments)
+    )
     entries = {e.name for e in pool.dir.iterdir()}
-    run.check("no stray file in the pool directory", entries == READY_ENTRIES, str(sorted(entries - READY_ENTRIES)))
+    run.check(
+        "no stray file in the pool directory", entries == READY_ENTRIES, str(sorted(entries - READY_ENTRIES))
+    )
     own = [m for m in mounts.mounts_under(pool.root)]
-    run.check("exactly one mount, the pool's", [m.target for m in own] == [str((pool.dir / "mnt").resolve())], str(own))
+    run.check(
+        "exactly one mount, the pool's",
+        [m.target for m in own] == [str((pool.dir / "mnt").resolve())],
+        str(own),
+    )
     run.check("the pool's mount is a shared peer", "shared:" in own[0].propagation, own[0].propagation)
     for index, data in pool.written.items():
-        run.check("engine data written before the kill is intact", pool.read_unit(index) == data, f"unit {index}")
+        run.check(
+            "engine data written before the kill is intact", pool.read_unit(index) == data, f"unit {index}"
+        )
     with attach(pool.dir) as region:  # a real engine attaches and sees the same bytes
         view = region.memoryview()
         for index, data in pool.written.items():
             u = pool.units()[index]
-            offset = sum(s.bytes for s in p.segments[:u.segment]) + u.offset
-            run.check("the attached mapping shows the engine's data", bytes(view[offset:offset + len(data)]) == data)
+            offset = sum(s.bytes for s in p.segments[: u.segment]) + u.offset
+            run.check(
+                "the attached mapping shows the engine's data",
+                bytes(view[offset : offset + len(data)]) == data,
+            )
         view.release()
-    run.check("lease free after the engine detached", count_holders(lease_path(pool.dir)) == 0 and holders.count(pool.dir) == 0)
+    run.check(
+        "lease free after the engine detached",
+        count_holders(lease_path(pool.dir)) == 0 and holders.count(pool.dir) == 0,
+    )
 
 
 def kill_release(run: Run, rng: random.Random, pool: Pool, processes, point: str | None = None) -> None:
@@ -249,7 +329,11 @@ def kill_release(run: Run, rng: random.Random, pool: Pool, processes, point: str
         proc = processes(crash_argv(point, nth, "release", NAME, "--root", str(pool.root)))
         _out, err = proc.communicate(timeout=120)
         if proc.returncode == -signal.SIGKILL:
-            run.check("the process died at the point it was sent to", f"CRASH-POINT {point} #{nth}" in err, err[-500:])
+            run.check(
+                "the process died at the point it was sent to",
+                f"CRASH-POINT {point} #{nth}" in err,
+                err[-500:],
+            )
             run.hit(point + (f" #{nth}" if nth > 1 else ""))
         else:
             run.check("a release that is not killed succeeds", proc.returncode == 0, err[-2000:])
@@ -259,15 +343,26 @@ def kill_release(run: Run, rng: random.Random, pool: Pool, processes, point: str
         time.sleep(rng.uniform(0.0, 1.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-        run.hit("release delay: " + ("finished before the kill" if proc.returncode == 0 else
-                                     "nothing removed yet" if (pool.dir / MANIFEST_NAME).exists() else
-                                     "part-way" if pool.dir.exists() else "pool gone"))
+        run.hit(
+            "release delay: "
+            + (
+                "finished before the kill"
+                if proc.returncode == 0
+                else "nothing removed yet"
+                if (pool.dir / MANIFEST_NAME).exists()
+                else "part-way"
+                if pool.dir.exists()
+                else "pool gone"
+            )
+        )
     state = pool_state(pool.root, NAME)
     run.check("killed release leaves no lock behind", not state.in_progress)
     own = {str((pool.dir / "mnt").resolve())}
     run.check("no mount but the pool's own", {m.target for m in mounts.mounts_under(pool.root)} <= own)
     if (pool.dir / MANIFEST_NAME).exists():
-        run.check("while a manifest is there, the memory is there (Ready)", state.phase == "Ready", state.message)
+        run.check(
+            "while a manifest is there, the memory is there (Ready)", state.phase == "Ready", state.message
+        )
     else:
         run.check("a pool being released is not Ready", state.phase != "Ready", state.phase)
 
@@ -275,13 +370,18 @@ def kill_release(run: Run, rng: random.Random, pool: Pool, processes, point: str
 def check_released(run: Run, pool: Pool, baseline: dict[int, int]) -> None:
     run.check("pool directory gone", not pool.dir.exists())
     run.check("no mount left", mounts.mounts_under(pool.root) == [], str(mounts.mounts_under(pool.root)))
-    run.check("huge page pools back at baseline", hugepage_totals() == baseline, f"{hugepage_totals()} != {baseline}")
+    run.check(
+        "huge page pools back at baseline",
+        hugepage_totals() == baseline,
+        f"{hugepage_totals()} != {baseline}",
+    )
 
 
 @pytest.mark.chaos
 @pytest.mark.parametrize("seed", seeds(1))
-def test_kill9_provision_populate_release(seed: int, chaos_run: Run, region_root: Path,
-                                          hugepage_baseline: dict[int, int], processes) -> None:
+def test_kill9_provision_populate_release(
+    seed: int, chaos_run: Run, region_root: Path, hugepage_baseline: dict[int, int], processes
+) -> None:
     run, rng = chaos_run, random.Random(seed)
     # The first kill of each phase goes round the named points, so 20 consecutive seeds reach
     # every one of them; the others are drawn at random.
@@ -289,7 +389,9 @@ def test_kill9_provision_populate_release(seed: int, chaos_run: Run, region_root
     first_release_point = RELEASE_POINTS[seed % len(RELEASE_POINTS)]
     medium = rng.choice(MEDIA) if first_point != "provision:hugepages-reserved" else "HugePages-2Mi"
     capacity = rng.choice((32, 64)) * MiB
-    pool = Pool(region_root, medium, capacity, min_segment=rng.choice((16, 32)) * MiB, workers=rng.choice((1, 2)))
+    pool = Pool(
+        region_root, medium, capacity, min_segment=rng.choice((16, 32)) * MiB, workers=rng.choice((1, 2))
+    )
     run.say(f"{medium}, {capacity // MiB} MiB, {len(pool.plan().segments)} file(s), {pool.workers} worker(s)")
 
     for attempt in range(rng.randint(1, 2)):
@@ -308,8 +410,11 @@ def test_kill9_provision_populate_release(seed: int, chaos_run: Run, region_root
         run.say("an engine attached between the kill and the next provision")
     try:
         out = cli("provision", *pool.flags(), "--json", check=False)
-        run.check("next provision succeeds (also with an engine attached to a complete pool)",
-                  out.returncode == 0, out.stderr[-2000:])
+        run.check(
+            "next provision succeeds (also with an engine attached to a complete pool)",
+            out.returncode == 0,
+            out.stderr[-2000:],
+        )
     finally:
         if engine is not None:
             engine.close()

@@ -28,8 +28,11 @@ DEPLOY = REPO / "deploy"
 CRD_NAMES = ("offloadpools.offloadpool.io", "offloadpoolnodes.offloadpool.io")
 #: Kinds whose CRDs the test cluster does not have (prometheus-operator, cert-manager): left out
 #: of the server-side dry run and checked structurally instead.
-ABSENT_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate"),
-                ("cert-manager.io/v1", "Issuer")}
+ABSENT_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
+}
 
 
 def docs_of(text: str) -> list[dict[str, Any]]:
@@ -41,7 +44,9 @@ def deploy_docs() -> list[dict[str, Any]]:
 
 
 def by_kind_and_app(docs: list[dict[str, Any]], kind: str, app: str) -> dict[str, Any]:
-    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["labels"]["app.kubernetes.io/name"] == app]
+    (doc,) = [
+        d for d in docs if d["kind"] == kind and d["metadata"]["labels"]["app.kubernetes.io/name"] == app
+    ]
     return doc
 
 
@@ -54,14 +59,20 @@ def test_chart_crds_are_the_repository_crds() -> None:
     assert repo and chart == repo
     match, mismatch, errors = filecmp.cmpfiles(REPO / "crds", CHART_CRDS, repo, shallow=False)
     assert not mismatch and not errors, f"chart CRDs differ from crds/: {mismatch + errors}"
-    assert not (CHART / "crds").exists(), "charts/offloadpool/crds/ must not exist: the copies go to files/crds/"
+    assert not (CHART / "crds").exists(), (
+        "charts/offloadpool/crds/ must not exist: the copies go to files/crds/"
+    )
 
 
 def test_chart_crds_and_rbac_are_what_sync_chart_writes() -> None:
     """hack/sync_chart.py is how the chart's CRDs and RBAC templates come to equal crds/ and
     deploy/: its --check fails naming every file that differs from what it would write."""
-    out = subprocess.run([sys.executable, str(REPO / "hack" / "sync_chart.py"), "--check"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "hack" / "sync_chart.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -81,8 +92,15 @@ def test_helm_lint(control_plane: Any, values: Path | None) -> None:
 
 
 @pytest.mark.controlplane
-@pytest.mark.parametrize(("kind", "app"), [("ClusterRole", "offloadpool-operator"), ("Role", "offloadpool-operator"),
-                                           ("ClusterRole", "offloadpool-agent"), ("Role", "offloadpool-agent")])
+@pytest.mark.parametrize(
+    ("kind", "app"),
+    [
+        ("ClusterRole", "offloadpool-operator"),
+        ("Role", "offloadpool-operator"),
+        ("ClusterRole", "offloadpool-agent"),
+        ("Role", "offloadpool-agent"),
+    ],
+)
 def test_chart_rbac_rules_are_the_deploy_rules(rendered: list[dict[str, Any]], kind: str, app: str) -> None:
     assert by_kind_and_app(rendered, kind, app)["rules"] == by_kind_and_app(deploy_docs(), kind, app)["rules"]
 
@@ -96,11 +114,24 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
     assert "--agent-service-account=offloadpool-agent" in c["args"]
     assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
     kinds = sorted({d["kind"] for d in rendered})
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
-                     "MutatingWebhookConfiguration", "Role", "RoleBinding", "Service", "ServiceAccount",
-                     "ValidatingWebhookConfiguration"]
-    peered = docs_of(control_plane.helm("template", "op", str(CHART), "--set", "operator.peering=offloadpool").stdout)
-    args = by_kind_and_app(peered, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "Deployment",
+        "MutatingWebhookConfiguration",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+        "ValidatingWebhookConfiguration",
+    ]
+    peered = docs_of(
+        control_plane.helm("template", "op", str(CHART), "--set", "operator.peering=offloadpool").stdout
+    )
+    args = by_kind_and_app(peered, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
     assert "--peering=offloadpool" in args and "--standalone" not in args
 
 
@@ -111,8 +142,16 @@ def test_helm_install_into_a_fresh_namespace(crds_installed: Any) -> None:
     ns = f"offloadpool-{release}"
     # The CRDs exist already (applied with kubectl by crds_installed, or kept by an earlier
     # release): --take-ownership lets the release adopt them (docs/operator.md).
-    out = cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", "--take-ownership",
-                  timeout=120).stdout
+    out = cp.helm(
+        "install",
+        release,
+        str(CHART),
+        "--namespace",
+        ns,
+        "--create-namespace",
+        "--take-ownership",
+        timeout=120,
+    ).stdout
     try:
         status = cp.helm("status", release, "--namespace", ns).stdout
         assert "STATUS: deployed" in status, status
@@ -143,10 +182,22 @@ def test_chart_webhooks_are_what_the_operator_renders(control_plane: Any) -> Non
     chart must render exactly that (for the release's Service and namespace and the values)."""
     from offloadpool.operator.webhookconfig import Endpoint, excluded_namespaces, render
 
-    docs = docs_of(control_plane.helm("template", "op", str(CHART), "--namespace", "offloadpool-system",
-                                      "--set", "webhook.excludeNamespaces={batch,ops}").stdout)
-    expected = render(Endpoint(service="op-webhook", namespace="offloadpool-system"), None,
-                      excluded_namespaces("offloadpool-system", ["batch", "ops"]))
+    docs = docs_of(
+        control_plane.helm(
+            "template",
+            "op",
+            str(CHART),
+            "--namespace",
+            "offloadpool-system",
+            "--set",
+            "webhook.excludeNamespaces={batch,ops}",
+        ).stdout
+    )
+    expected = render(
+        Endpoint(service="op-webhook", namespace="offloadpool-system"),
+        None,
+        excluded_namespaces("offloadpool-system", ["batch", "ops"]),
+    )
     for want in expected:
         (got,) = [d for d in docs if d["kind"] == want["kind"]]
         assert got["metadata"]["name"] == want["metadata"]["name"] == "offloadpool"
@@ -155,19 +206,36 @@ def test_chart_webhooks_are_what_the_operator_renders(control_plane: Any) -> Non
     assert service["metadata"]["name"] == "op-webhook" and service["spec"]["ports"][0]["port"] == 443
     pod = by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert {"--webhook", "--webhook-service=op-webhook", "--webhook-exclude-namespace=batch",
-            "--webhook-exclude-namespace=ops"} <= set(c["args"])
+    assert {
+        "--webhook",
+        "--webhook-service=op-webhook",
+        "--webhook-exclude-namespace=batch",
+        "--webhook-exclude-namespace=ops",
+    } <= set(c["args"])
     assert {"name": "webhook", "containerPort": 9443} in c["ports"]
     assert service["spec"]["ports"][0]["targetPort"] == "webhook"
     assert pod["volumes"] == [{"name": "webhook-certs", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}]
 
-    given = docs_of(control_plane.helm("template", "op", str(CHART), "--set", "webhook.certSecret=op-webhook-tls").stdout)
-    volumes = by_kind_and_app(given, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["volumes"]
+    given = docs_of(
+        control_plane.helm("template", "op", str(CHART), "--set", "webhook.certSecret=op-webhook-tls").stdout
+    )
+    volumes = by_kind_and_app(given, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"][
+        "volumes"
+    ]
     assert volumes == [{"name": "webhook-certs", "secret": {"secretName": "op-webhook-tls"}}]
 
     off = docs_of(control_plane.helm("template", "op", str(CHART), "--set", "webhook.enabled=false").stdout)
-    assert not [d for d in off if d["kind"] in ("Service", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")]
-    assert "--webhook" not in by_kind_and_app(off, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [
+        d
+        for d in off
+        if d["kind"] in ("Service", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+    ]
+    assert (
+        "--webhook"
+        not in by_kind_and_app(off, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"][
+            "containers"
+        ][0]["args"]
+    )
     rules = by_kind_and_app(off, "ClusterRole", "offloadpool-operator")["rules"]
     assert not [r for r in rules if "admissionregistration.k8s.io" in r["apiGroups"]]
 
@@ -182,20 +250,30 @@ def test_chart_can_have_cert_manager_issue_the_webhook_certificate(control_plane
 
     docs = render("webhook.certManager.enabled=true")
     (cert,) = [d for d in docs if d["kind"] == "Certificate"]
-    assert cert["spec"]["dnsNames"] == service_hostnames("op-webhook", "ns1")  # the names the operator would use
+    assert cert["spec"]["dnsNames"] == service_hostnames(
+        "op-webhook", "ns1"
+    )  # the names the operator would use
     assert cert["spec"]["secretName"] == "op-webhook-tls"
     (issuer,) = [d for d in docs if d["kind"] == "Issuer"]
-    assert issuer["spec"] == {"selfSigned": {}} and cert["spec"]["issuerRef"] == {"kind": "Issuer", "name": issuer["metadata"]["name"]}
+    assert issuer["spec"] == {"selfSigned": {}} and cert["spec"]["issuerRef"] == {
+        "kind": "Issuer",
+        "name": issuer["metadata"]["name"],
+    }
     pod = by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]
     assert pod["volumes"] == [{"name": "webhook-certs", "secret": {"secretName": "op-webhook-tls"}}]
     assert pod["containers"][0]["volumeMounts"][0]["readOnly"] is True
 
-    own = render("webhook.certManager.enabled=true", "webhook.certManager.issuerRef.kind=ClusterIssuer",
-                 "webhook.certManager.issuerRef.name=internal-ca")
+    own = render(
+        "webhook.certManager.enabled=true",
+        "webhook.certManager.issuerRef.kind=ClusterIssuer",
+        "webhook.certManager.issuerRef.name=internal-ca",
+    )
     assert not [d for d in own if d["kind"] == "Issuer"]
     (cert,) = [d for d in own if d["kind"] == "Certificate"]
     assert cert["spec"]["issuerRef"] == {"kind": "ClusterIssuer", "name": "internal-ca"}
-    assert not [d for d in render() if d["kind"] in ("Certificate", "Issuer")]  # default: the operator's own CA
+    assert not [
+        d for d in render() if d["kind"] in ("Certificate", "Issuer")
+    ]  # default: the operator's own CA
 
 
 @pytest.mark.controlplane
@@ -207,7 +285,10 @@ def test_plain_manifests_are_accepted(operator_rbac: Any, control_plane: Any) ->
 
 # --- CRDs, values schema, example values, install / upgrade / uninstall ---------------------------
 
-def helm_template(cp: Any, *args: str, namespace: str = "offloadpool-system", chart: Path = CHART) -> list[dict[str, Any]]:
+
+def helm_template(
+    cp: Any, *args: str, namespace: str = "offloadpool-system", chart: Path = CHART
+) -> list[dict[str, Any]]:
     return docs_of(cp.helm("template", "op", str(chart), "--namespace", namespace, *args).stdout)
 
 
@@ -234,13 +315,23 @@ def test_chart_renders_the_repository_crds_kept_on_uninstall(control_plane: Any)
         assert got == repo[name], f"{name}: the chart's CRD is not crds/'s"
         assert meta["annotations"] == {"helm.sh/resource-policy": "keep"}
         assert meta["name"] == want_meta["name"] and meta["labels"] == {
-            **want_meta["labels"], "app.kubernetes.io/instance": "op", "app.kubernetes.io/managed-by": "Helm",
-            "helm.sh/chart": "offloadpool-0.1.0"}
+            **want_meta["labels"],
+            "app.kubernetes.io/instance": "op",
+            "app.kubernetes.io/managed-by": "Helm",
+            "helm.sh/chart": "offloadpool-0.1.0",
+        }
 
-    unkept = [d for d in helm_template(control_plane, "--set", "crds.keep=false") if d["kind"] == "CustomResourceDefinition"]
+    unkept = [
+        d
+        for d in helm_template(control_plane, "--set", "crds.keep=false")
+        if d["kind"] == "CustomResourceDefinition"
+    ]
     assert len(unkept) == 2 and all("annotations" not in d["metadata"] for d in unkept)
-    assert not [d for d in helm_template(control_plane, "--set", "crds.install=false")
-                if d["kind"] == "CustomResourceDefinition"]
+    assert not [
+        d
+        for d in helm_template(control_plane, "--set", "crds.install=false")
+        if d["kind"] == "CustomResourceDefinition"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -260,36 +351,55 @@ def check_absent_kinds(docs: list[dict[str, Any]], ns: str) -> None:
         from offloadpool.operator.config import OperatorConfig
         from offloadpool.operator.daemonset import render
 
-        (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-agent-metrics")]
+        (svc,) = [
+            d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-agent-metrics")
+        ]
         assert sm["apiVersion"] == "monitoring.coreos.com/v1"
-        assert sm["spec"]["namespaceSelector"] == {"matchNames": [svc["metadata"]["namespace"]]} and svc["metadata"]["namespace"] == ns
+        assert (
+            sm["spec"]["namespaceSelector"] == {"matchNames": [svc["metadata"]["namespace"]]}
+            and svc["metadata"]["namespace"] == ns
+        )
         assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
         ports = {p["name"]: p for p in svc["spec"]["ports"]}
-        assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"] and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+        assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"] and sm["spec"]["endpoints"][0][
+            "path"
+        ] == "/metrics"
         # the Service reaches the agent pods the operator renders, on their metrics port
-        agent = render({"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool",
-                        "metadata": {"name": "p", "uid": "u"}, "spec": {"capacity": "1Gi", "medium": "Memory"}},
-                       OperatorConfig(namespace=ns))
+        agent = render(
+            {
+                "apiVersion": "offloadpool.io/v1alpha1",
+                "kind": "OffloadPool",
+                "metadata": {"name": "p", "uid": "u"},
+                "spec": {"capacity": "1Gi", "medium": "Memory"},
+            },
+            OperatorConfig(namespace=ns),
+        )
         pod = agent["spec"]["template"]
         assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
         (c,) = pod["spec"]["containers"]
         (port,) = [p for p in c["ports"] if p["name"] == ports["metrics"]["targetPort"]]
         assert port["containerPort"] == ports["metrics"]["port"] == 9475
     for cert in [d for d in docs if d["kind"] == "Certificate"]:
-        volumes = by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"]["volumes"]
+        volumes = by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"][
+            "volumes"
+        ]
         assert volumes == [{"name": "webhook-certs", "secret": {"secretName": cert["spec"]["secretName"]}}]
         ref = cert["spec"]["issuerRef"]
         issuers = [d for d in docs if d["kind"] == "Issuer"]
         if issuers:
             (issuer,) = issuers
-            assert ref == {"kind": "Issuer", "name": issuer["metadata"]["name"]} and issuer["spec"] == {"selfSigned": {}}
+            assert ref == {"kind": "Issuer", "name": issuer["metadata"]["name"]} and issuer["spec"] == {
+                "selfSigned": {}
+            }
         else:
             assert ref["kind"] in ("Issuer", "ClusterIssuer") and ref["name"]
 
 
 @pytest.mark.controlplane
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=values_id)
-def test_rendered_chart_is_accepted_by_the_api_server(dry_run_namespace: tuple[Any, str], values: Path | None) -> None:
+def test_rendered_chart_is_accepted_by_the_api_server(
+    dry_run_namespace: tuple[Any, str], values: Path | None
+) -> None:
     """helm template with the defaults and each charts/offloadpool/ci/ file, through the real API
     server's validation (kubectl apply --dry-run=server): CRDs, RBAC, Deployment, webhook
     configurations, Services, the sample pool against the OffloadPool CRD. ServiceMonitor and
@@ -297,14 +407,21 @@ def test_rendered_chart_is_accepted_by_the_api_server(dry_run_namespace: tuple[A
     test asserts that) and checked structurally."""
     cp, ns = dry_run_namespace
     # --api-versions: as `helm install` against this cluster, which serves OffloadPools
-    docs = helm_template(cp, *(["-f", str(values)] if values else []), "--api-versions",
-                         "offloadpool.io/v1alpha1/OffloadPool", namespace=ns)
+    docs = helm_template(
+        cp,
+        *(["-f", str(values)] if values else []),
+        "--api-versions",
+        "offloadpool.io/v1alpha1/OffloadPool",
+        namespace=ns,
+    )
     absent = [d for d in docs if (d["apiVersion"], d["kind"]) in ABSENT_KINDS]
     present = [d for d in docs if (d["apiVersion"], d["kind"]) not in ABSENT_KINDS]
     served = set(cp.kubectl("api-resources", "-o", "name").stdout.split())
     for d in absent:  # left out only because the server cannot know them
         group = d["apiVersion"].split("/")[0]
-        assert not [r for r in served if r.endswith("." + group)], f"{group} is served: dry-run {d['kind']} too"
+        assert not [r for r in served if r.endswith("." + group)], (
+            f"{group} is served: dry-run {d['kind']} too"
+        )
     out = cp.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(present))
     done = {}
     for line in out.stdout.splitlines():
@@ -329,38 +446,58 @@ def test_rendered_chart_is_accepted_by_the_api_server(dry_run_namespace: tuple[A
 
 
 @pytest.mark.controlplane
-@pytest.mark.parametrize(("setting", "message"), [
-    ("image.pullPolicy=Sometimes", "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'"),
-    ("image.tag=1", "at '/image/tag': got number, want string"),
-    ("crds.install=maybe", "at '/crds/install': got string, want boolean"),
-    ("operater.peering=x", "additional properties 'operater' not allowed"),
-    ("operator.livenessPort=80", "at '/operator/livenessPort': minimum: got 80, want 1,024"),
-    ("operator.resyncSeconds=0", "at '/operator/resyncSeconds'"),
-    ("webhook.port=443", "at '/webhook/port': minimum: got 443, want 1,024"),
-    ("webhook.excludeNamespaces={Batch}", "at '/webhook/excludeNamespaces/0'"),
-    ("webhook.certManager.issuerRef.kind=Issuer", "at '/webhook/certManager/issuerRef': missing property 'name'"),
-    ("webhook.certManager.issuerRef.kind=CA", "at '/webhook/certManager/issuerRef/kind': value must be one of 'Issuer', 'ClusterIssuer'"),
-    ("agent.memoryOverhead=lots", "at '/agent/memoryOverhead'"),
-    ("metrics.serviceMonitor.interval=soon", "at '/metrics/serviceMonitor/interval': 'soon' does not match pattern"),
-    ("samplePool.spec.medium=Disk", "at '/samplePool/spec/medium': value must be one of 'HugePages-2Mi'"),
-    ("samplePool.name=Not_A_Pool", "at '/samplePool/name'"),
-])
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (
+            "image.pullPolicy=Sometimes",
+            "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'",
+        ),
+        ("image.tag=1", "at '/image/tag': got number, want string"),
+        ("crds.install=maybe", "at '/crds/install': got string, want boolean"),
+        ("operater.peering=x", "additional properties 'operater' not allowed"),
+        ("operator.livenessPort=80", "at '/operator/livenessPort': minimum: got 80, want 1,024"),
+        ("operator.resyncSeconds=0", "at '/operator/resyncSeconds'"),
+        ("webhook.port=443", "at '/webhook/port': minimum: got 443, want 1,024"),
+        ("webhook.excludeNamespaces={Batch}", "at '/webhook/excludeNamespaces/0'"),
+        (
+            "webhook.certManager.issuerRef.kind=Issuer",
+            "at '/webhook/certManager/issuerRef': missing property 'name'",
+        ),
+        (
+            "webhook.certManager.issuerRef.kind=CA",
+            "at '/webhook/certManager/issuerRef/kind': value must be one of 'Issuer', 'ClusterIssuer'",
+        ),
+        ("agent.memoryOverhead=lots", "at '/agent/memoryOverhead'"),
+        (
+            "metrics.serviceMonitor.interval=soon",
+            "at '/metrics/serviceMonitor/interval': 'soon' does not match pattern",
+        ),
+        ("samplePool.spec.medium=Disk", "at '/samplePool/spec/medium': value must be one of 'HugePages-2Mi'"),
+        ("samplePool.name=Not_A_Pool", "at '/samplePool/name'"),
+    ],
+)
 def test_invalid_values_are_refused_naming_the_field(control_plane: Any, setting: str, message: str) -> None:
     out = control_plane.helm("template", "op", str(CHART), "--set", setting, check=False)
-    assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr, out.stderr
+    assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr, (
+        out.stderr
+    )
     assert message in out.stderr, out.stderr
 
 
 @pytest.mark.controlplane
 def test_helm_install_refuses_invalid_values_and_clashing_ports(control_plane: Any) -> None:
     release = f"bad{secrets.token_hex(3)}"
-    out = control_plane.helm("install", release, str(CHART), "--namespace", "default", "--set", "webhook.port=80",
-                             check=False)
+    out = control_plane.helm(
+        "install", release, str(CHART), "--namespace", "default", "--set", "webhook.port=80", check=False
+    )
     assert out.returncode != 0 and "at '/webhook/port': minimum: got 80, want 1,024" in out.stderr, out.stderr
     listed = control_plane.helm("list", "--all", "--namespace", "default", "-o", "json").stdout
     assert release not in listed  # nothing was installed
     out = control_plane.helm("template", "op", str(CHART), "--set", "operator.livenessPort=9443", check=False)
-    assert out.returncode != 0 and "webhook.port and operator.livenessPort are both 9443" in out.stderr, out.stderr
+    assert out.returncode != 0 and "webhook.port and operator.livenessPort are both 9443" in out.stderr, (
+        out.stderr
+    )
 
 
 def kubectl_json(cp: Any, *args: str) -> dict[str, Any]:
@@ -378,14 +515,22 @@ def restore_crds(cp: Any) -> None:
     for name in CRD_NAMES:
         live = cp.kubectl("get", "crd", name, "-o", "json", check=False)
         if live.returncode != 0:
-            cp.kubectl("apply", "--server-side", "--field-manager=offloadpool-tests", "--force-conflicts",
-                       "-f", str(REPO / "crds"))
+            cp.kubectl(
+                "apply",
+                "--server-side",
+                "--field-manager=offloadpool-tests",
+                "--force-conflicts",
+                "-f",
+                str(REPO / "crds"),
+            )
             continue
         crd = json.loads(live.stdout)
         if crd["spec"]["versions"] != repo[name]["spec"]["versions"]:
             crd["spec"] = repo[name]["spec"]
             cp.kubectl("replace", "-f", "-", input=json.dumps(crd))
-    cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in CRD_NAMES], timeout=90)
+    cp.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in CRD_NAMES], timeout=90
+    )
 
 
 def assert_uninstalled_but_kept(cp: Any, release: str, ns: str, pools: list[str]) -> None:
@@ -414,13 +559,31 @@ def test_helm_install_creates_the_crds_and_the_sample_pool_on_a_fresh_cluster(cr
     cp.kubectl("delete", "crd", *CRD_NAMES, "--wait=true", timeout=120)
     installed = False
     try:
-        out = cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace",
-                      "--set", "webhook.enabled=false", "--set", "samplePool.enabled=true",
-                      "--set", f"samplePool.name={sample}", timeout=180)
+        out = cp.helm(
+            "install",
+            release,
+            str(CHART),
+            "--namespace",
+            ns,
+            "--create-namespace",
+            "--set",
+            "webhook.enabled=false",
+            "--set",
+            "samplePool.enabled=true",
+            "--set",
+            f"samplePool.name={sample}",
+            timeout=180,
+        )
         installed = True
         assert "STATUS: deployed" in out.stdout, out.stdout
         assert f"helm upgrade {release} <this chart> -n {ns} --reuse-values" in out.stdout, out.stdout
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in CRD_NAMES], timeout=90)
+        cp.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            *[f"crd/{n}" for n in CRD_NAMES],
+            timeout=90,
+        )
         repo = repo_crds()
         for name in CRD_NAMES:
             crd = kubectl_json(cp, "get", "crd", name)
@@ -457,7 +620,10 @@ def chart_with_a_new_pool_field(tmp_path: Path) -> Path:
     crd = yaml.safe_load(path.read_text())
     for version in crd["spec"]["versions"]:
         version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["note"] = {
-            "type": "string", "maxLength": 64, "description": "Free text (added in chart 0.1.1)."}
+            "type": "string",
+            "maxLength": 64,
+            "description": "Free text (added in chart 0.1.1).",
+        }
     path.write_text(yaml.safe_dump(crd, sort_keys=False))
     return chart
 
@@ -480,18 +646,55 @@ def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: An
     new_chart = chart_with_a_new_pool_field(tmp_path)
     installed = True
     try:
-        cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", "--take-ownership",
-                *settings, timeout=180)
-        body = {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": pool},
-                "spec": {"capacity": "64Mi", "medium": "Memory"}}
+        cp.helm(
+            "install",
+            release,
+            str(CHART),
+            "--namespace",
+            ns,
+            "--create-namespace",
+            "--take-ownership",
+            *settings,
+            timeout=180,
+        )
+        body = {
+            "apiVersion": "offloadpool.io/v1alpha1",
+            "kind": "OffloadPool",
+            "metadata": {"name": pool},
+            "spec": {"capacity": "64Mi", "medium": "Memory"},
+        }
         cp.kubectl("create", "-f", "-", input=json.dumps(body))
-        cp.kubectl("create", "-f", "-", input=json.dumps({
-            "apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPoolNode", "metadata": {"name": node},
-            "spec": {"pool": pool, "nodeName": "node-a"}}))
-        cp.kubectl("patch", "offloadpool", pool, "--subresource=status", "--type=merge",
-                   "-p", json.dumps({"status": POOL_STATUS}))
-        cp.kubectl("patch", "offloadpoolnode", node, "--subresource=status", "--type=merge",
-                   "-p", json.dumps({"status": NODE_STATUS}))
+        cp.kubectl(
+            "create",
+            "-f",
+            "-",
+            input=json.dumps(
+                {
+                    "apiVersion": "offloadpool.io/v1alpha1",
+                    "kind": "OffloadPoolNode",
+                    "metadata": {"name": node},
+                    "spec": {"pool": pool, "nodeName": "node-a"},
+                }
+            ),
+        )
+        cp.kubectl(
+            "patch",
+            "offloadpool",
+            pool,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": POOL_STATUS}),
+        )
+        cp.kubectl(
+            "patch",
+            "offloadpoolnode",
+            node,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": NODE_STATUS}),
+        )
         before = kubectl_json(cp, "get", "offloadpool", pool)
         noted = {**body, "spec": {**body["spec"], "note": "kv cache for team a"}}
         refused = cp.kubectl("apply", "--validate=strict", "-f", "-", input=json.dumps(noted), check=False)
@@ -499,7 +702,10 @@ def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: An
 
         cp.helm("upgrade", release, str(new_chart), "--namespace", ns, *settings, timeout=180)
         crd = kubectl_json(cp, "get", "crd", CRD_NAMES[0])
-        assert "note" in crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        assert (
+            "note"
+            in crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        )
         after = kubectl_json(cp, "get", "offloadpool", pool)
         assert after["metadata"]["uid"] == before["metadata"]["uid"]
         assert after["spec"] == before["spec"] and after["status"] == before["status"]
@@ -530,25 +736,53 @@ def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: An
 
 
 @pytest.mark.controlplane
-def test_existing_crds_are_refused_without_take_ownership_and_left_alone_with_crds_install_false(crds_installed: Any) -> None:
+def test_existing_crds_are_refused_without_take_ownership_and_left_alone_with_crds_install_false(
+    crds_installed: Any,
+) -> None:
     """CRDs this release does not own (applied with kubectl, or kept by another release): a plain
     install refuses to adopt them and says so; with crds.install=false the chart leaves them alone."""
     cp = crds_installed
     release = f"op{secrets.token_hex(3)}"
     ns = f"offloadpool-{release}"
     try:
-        refused = cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace",
-                          "--set", "webhook.enabled=false", check=False, timeout=120)
+        refused = cp.helm(
+            "install",
+            release,
+            str(CHART),
+            "--namespace",
+            ns,
+            "--create-namespace",
+            "--set",
+            "webhook.enabled=false",
+            check=False,
+            timeout=120,
+        )
         assert refused.returncode != 0, refused.stdout
-        assert "CustomResourceDefinition" in refused.stderr and "cannot be imported into the current release" in refused.stderr, refused.stderr
+        assert (
+            "CustomResourceDefinition" in refused.stderr
+            and "cannot be imported into the current release" in refused.stderr
+        ), refused.stderr
         cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
         before = {n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES}
-        out = cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace",
-                      "--set", "webhook.enabled=false", "--set", "crds.install=false", timeout=120).stdout
+        out = cp.helm(
+            "install",
+            release,
+            str(CHART),
+            "--namespace",
+            ns,
+            "--create-namespace",
+            "--set",
+            "webhook.enabled=false",
+            "--set",
+            "crds.install=false",
+            timeout=120,
+        ).stdout
         assert "STATUS: deployed" in out and "not in this release: crds.install=false" in out, out
         manifest = cp.helm("get", "manifest", release, "--namespace", ns).stdout
         assert "kind: CustomResourceDefinition" not in manifest
-        assert {n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES} == before
+        assert {
+            n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES
+        } == before
         cp.kubectl("get", "deployment", f"{release}-operator", "-n", ns)
     finally:
         cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)

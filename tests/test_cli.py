@@ -17,8 +17,18 @@ MiB = 1 << 20
 def test_provision_from_file_with_overrides_status_release(region_root, hugepage_baseline):
     root = str(region_root)
     # 80Mi: a whole number of the example's 5Mi vLLM rows, below 2 GiB so vLLM keeps one file
-    out = cli("provision", "-f", str(REPO / "examples" / "vllm-compat.yaml"), "--capacity", "80Mi",
-              "--root", root, "--node", "node-a", "--json")
+    out = cli(
+        "provision",
+        "-f",
+        str(REPO / "examples" / "vllm-compat.yaml"),
+        "--capacity",
+        "80Mi",
+        "--root",
+        root,
+        "--node",
+        "node-a",
+        "--json",
+    )
     result = json.loads(out.stdout)
     pool_dir = Path(result["pool_dir"])
     assert pool_dir == region_root / "vllm-stock"
@@ -31,12 +41,24 @@ def test_provision_from_file_with_overrides_status_release(region_root, hugepage
     assert os.stat(compat).st_size == 80 * MiB
 
     status = json.loads(cli("status", "--root", root, "--json").stdout)
-    assert [(p["name"], p["phase"], p["populated_bytes"]) for p in status["pools"]] == [("vllm-stock", "Ready", 80 * MiB)]
+    assert [(p["name"], p["phase"], p["populated_bytes"]) for p in status["pools"]] == [
+        ("vllm-stock", "Ready", 80 * MiB)
+    ]
     table = cli("status", "--root", root).stdout
     assert "vllm-stock" in table and "Ready" in table
 
-    again = json.loads(cli("provision", "-f", str(REPO / "examples" / "vllm-compat.yaml"), "--capacity", "80Mi",
-                           "--root", root, "--json").stdout)
+    again = json.loads(
+        cli(
+            "provision",
+            "-f",
+            str(REPO / "examples" / "vllm-compat.yaml"),
+            "--capacity",
+            "80Mi",
+            "--root",
+            root,
+            "--json",
+        ).stdout
+    )
     assert again["reused"] is True
 
     out = cli("release", "vllm-stock", "--root", root)
@@ -47,9 +69,29 @@ def test_provision_from_file_with_overrides_status_release(region_root, hugepage
 
 
 def test_provision_flags_only_prints_summary(region_root, hugepage_baseline):
-    out = cli("provision", "--root", str(region_root), "--name", "flags", "--capacity", "128Mi",
-              "--medium", "HugePages-2Mi", "--layout", "PerRank", "--ranks", "2", "--min-size", "32Mi",
-              "--uid", "1000", "--gid", "1000", "--mode", "0600")
+    out = cli(
+        "provision",
+        "--root",
+        str(region_root),
+        "--name",
+        "flags",
+        "--capacity",
+        "128Mi",
+        "--medium",
+        "HugePages-2Mi",
+        "--layout",
+        "PerRank",
+        "--ranks",
+        "2",
+        "--min-size",
+        "32Mi",
+        "--uid",
+        "1000",
+        "--gid",
+        "1000",
+        "--mode",
+        "0600",
+    )
     assert "pool flags" in out.stdout and "Ready" in out.stdout and "4 (2, 2 per region)" in out.stdout
     st = os.stat(region_root / "flags" / "mnt" / "r1-s001")
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1000, 1000, 0o600)
@@ -59,14 +101,26 @@ def test_provision_flags_only_prints_summary(region_root, hugepage_baseline):
 
 def test_bad_input_names_the_field_and_creates_nothing(region_root, tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("apiVersion: offloadpool.io/v1alpha1\nkind: OffloadPool\nmetadata: {name: bad}\n"
-                   "spec: {capacity: 3Mi, medium: HugePages-2Mi}\n")
+    bad.write_text(
+        "apiVersion: offloadpool.io/v1alpha1\nkind: OffloadPool\nmetadata: {name: bad}\n"
+        "spec: {capacity: 3Mi, medium: HugePages-2Mi}\n"
+    )
     out = cli("provision", "-f", str(bad), "--root", str(region_root), check=False)
     assert out.returncode == 2 and "spec.capacity" in out.stderr
     out = cli("provision", "--root", str(region_root), "--capacity", "1Gi", check=False)
     assert out.returncode == 2 and "needs a name" in out.stderr
-    out = cli("provision", "--root", str(region_root), "--name", "x", "--capacity", "64Mi", "--layout", "PerRank",
-              check=False)
+    out = cli(
+        "provision",
+        "--root",
+        str(region_root),
+        "--name",
+        "x",
+        "--capacity",
+        "64Mi",
+        "--layout",
+        "PerRank",
+        check=False,
+    )
     assert out.returncode == 2 and "spec.layout.ranks" in out.stderr
     assert list(region_root.iterdir()) == []
 
@@ -75,9 +129,15 @@ def test_release_of_held_pool_exits_3(region_root, processes):
     import sys
 
     cli("provision", "--root", str(region_root), "--name", "held", "--capacity", "64Mi", "--medium", "Memory")
-    holder = processes([sys.executable, "-c", "import sys,time\nfrom offloadpool.region.lease import Lease\n"
-                        "l=Lease.shared(sys.argv[1]); print('held', flush=True); time.sleep(3600)",
-                        str(region_root / "held")])
+    holder = processes(
+        [
+            sys.executable,
+            "-c",
+            "import sys,time\nfrom offloadpool.region.lease import Lease\n"
+            "l=Lease.shared(sys.argv[1]); print('held', flush=True); time.sleep(3600)",
+            str(region_root / "held"),
+        ]
+    )
     assert holder.stdout.readline().strip() == "held"
     out = cli("release", "held", "--root", str(region_root), check=False)
     assert out.returncode == 3 and "in use" in out.stderr
@@ -107,10 +167,21 @@ def test_demo_keep_leaves_a_ready_pool(region_root):
 @pytest.mark.root  # the benchmark mounts its own scratch pools
 def test_bench_populate_json_schema():
     """Shape of the benchmark's output only (speed belongs in the benchmark, not in tests)."""
-    out = cli("bench", "populate", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi", "--json")
+    out = cli(
+        "bench", "populate", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi", "--json"
+    )
     result = json.loads(out.stdout)
-    for name in ("engine_baseline", "sharded", "segmented", "per_rank", "vllm_0_33", "offloadpool_Memory",
-                 "offloadpool_HugePages-2Mi", "memset_limit", "memset_bulk"):
+    for name in (
+        "engine_baseline",
+        "sharded",
+        "segmented",
+        "per_rank",
+        "vllm_0_33",
+        "offloadpool_Memory",
+        "offloadpool_HugePages-2Mi",
+        "memset_limit",
+        "memset_bulk",
+    ):
         s = result["strategies"][name]
         assert s["gib_per_s"] > 0 and s["seconds"] > 0 and len(s["samples_s"]) == 1
     assert result["best_offloadpool"] in ("offloadpool_Memory", "offloadpool_HugePages-2Mi")

@@ -58,7 +58,9 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.integers(0, 5)) == 0:
         vllm: dict[str, Any] = {"engineId": "e1"}
         if draw(st.integers(0, 2)):
-            vllm["rowSize"] = draw(st.one_of(quantities(counts=(0, 4)), st.sampled_from([12288, 3 * 4096 * 8, 1000])))
+            vllm["rowSize"] = draw(
+                st.one_of(quantities(counts=(0, 4)), st.sampled_from([12288, 3 * 4096 * 8, 1000]))
+            )
         if draw(st.booleans()):
             vllm["numSegments"] = draw(st.sampled_from([1, 2, 32]))
         spec["compat"] = {"vllm": vllm}

@@ -77,7 +77,9 @@ def test_each_default_is_the_same_in_crd_and_model(path: str, prop: dict[str, An
         # An object defaulted (often to {}) so that its members' defaults apply: as the API
         # server does, its members' defaults are applied to it before it is stored.
         crd_default = _apply_openapi_defaults(crd_default, prop)
-    assert crd_default == model_default, f"{path}: CRD default {crd_default!r}, model default {model_default!r}"
+    assert crd_default == model_default, (
+        f"{path}: CRD default {crd_default!r}, model default {model_default!r}"
+    )
 
 
 def test_every_required_field_has_no_default() -> None:

@@ -24,12 +24,20 @@ def test_offloadpool_columns(cr_objects: CustomObjects) -> None:
             "apiVersion": "offloadpool.io/v1alpha1",
             "kind": "OffloadPool",
             "metadata": {"name": "printed"},
-            "spec": {"capacity": "64Gi", "medium": "HugePages-1Gi", "layout": {"type": "PerRank", "ranks": 4},
-                     "reclaimPolicy": "Retain"},
+            "spec": {
+                "capacity": "64Gi",
+                "medium": "HugePages-1Gi",
+                "layout": {"type": "PerRank", "ranks": 4},
+                "reclaimPolicy": "Retain",
+            },
         },
     )
-    status = OffloadPoolStatus(desired_nodes=3, ready_nodes=2, failed_nodes=1, pending_nodes=0, phase="Degraded")
-    cr_objects.patch_status(POOL_PLURAL, "printed", {"status": status.model_dump(by_alias=True, exclude_none=True)})
+    status = OffloadPoolStatus(
+        desired_nodes=3, ready_nodes=2, failed_nodes=1, pending_nodes=0, phase="Degraded"
+    )
+    cr_objects.patch_status(
+        POOL_PLURAL, "printed", {"status": status.model_dump(by_alias=True, exclude_none=True)}
+    )
     kubectl = cr_objects.control_plane.kubectl
 
     for resource in ("offloadpools", "op", "opool"):
@@ -53,16 +61,31 @@ def test_offloadpoolnode_columns(cr_objects: CustomObjects) -> None:
         },
     )
     status = OffloadPoolNodeStatus(
-        phase="Populating", progress=42, populate_gib_per_second=7.5, engines_attached=0,
-        reason="Populating", huge_page_coverage=100, heartbeat=now(),
+        phase="Populating",
+        progress=42,
+        populate_gib_per_second=7.5,
+        engines_attached=0,
+        reason="Populating",
+        huge_page_coverage=100,
+        heartbeat=now(),
     )
-    cr_objects.patch_status(NODE_PLURAL, "printed.gpu-7", {"status": status.model_dump(by_alias=True, exclude_none=True)})
+    cr_objects.patch_status(
+        NODE_PLURAL, "printed.gpu-7", {"status": status.model_dump(by_alias=True, exclude_none=True)}
+    )
     kubectl = cr_objects.control_plane.kubectl
 
     for resource in ("offloadpoolnodes", "opn"):
         header, rows = _table(kubectl("get", resource, "printed.gpu-7").stdout)
         assert header == ["NAME", "POOL", "NODE", "PHASE", "PROGRESS", "GIB/S", "ENGINES", "AGE"], header
-        assert rows["printed.gpu-7"][:7] == ["printed.gpu-7", "printed", "gpu-7", "Populating", "42", "7.5", "0"]
+        assert rows["printed.gpu-7"][:7] == [
+            "printed.gpu-7",
+            "printed",
+            "gpu-7",
+            "Populating",
+            "42",
+            "7.5",
+            "0",
+        ]
 
     header, rows = _table(kubectl("get", "opn", "printed.gpu-7", "-o", "wide").stdout)
     assert header[-3:] == ["REASON", "HUGEPAGES%", "HEARTBEAT"], header

@@ -30,7 +30,6 @@ from offloadpool.api import (
 pytestmark = pytest.mark.controlplane
 
 
-
 @pytest.mark.parametrize("example", EXAMPLE_POOLS, ids=[p.id for p in EXAMPLE_POOLS])
 def test_example_round_trips_through_the_api_server(example: ExamplePool, cr_objects: CustomObjects) -> None:
     source = example.doc
@@ -44,7 +43,10 @@ def test_example_round_trips_through_the_api_server(example: ExamplePool, cr_obj
     pool = OffloadPool.model_validate(served)
     assert pool.model_dump(by_alias=True, exclude_none=True) == served
     # The models default the example exactly as the API server did.
-    assert OffloadPoolSpec.model_validate(source["spec"]).model_dump(by_alias=True, exclude_none=True) == served["spec"]
+    assert (
+        OffloadPoolSpec.model_validate(source["spec"]).model_dump(by_alias=True, exclude_none=True)
+        == served["spec"]
+    )
     # And what the models write back is accepted unchanged: no new generation.
     replaced = cr_objects.replace(POOL_PLURAL, name, pool.model_dump(by_alias=True, exclude_none=True))
     assert replaced["metadata"]["generation"] == served["metadata"]["generation"]
@@ -54,21 +56,35 @@ def test_example_round_trips_through_the_api_server(example: ExamplePool, cr_obj
 def test_pool_status_written_from_the_models_round_trips(cr_objects: CustomObjects) -> None:
     cr_objects.create(
         POOL_PLURAL,
-        {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": "rt-status"},
-         "spec": {"capacity": "64Mi", "medium": "Memory"}},
+        {
+            "apiVersion": "offloadpool.io/v1alpha1",
+            "kind": "OffloadPool",
+            "metadata": {"name": "rt-status"},
+            "spec": {"capacity": "64Mi", "medium": "Memory"},
+        },
     )
     status = OffloadPoolStatus(
-        observed_generation=1, phase="Degraded", desired_nodes=3, ready_nodes=2, failed_nodes=1,
-        pending_nodes=0, total_bytes=2 * 64 * 2**20,
-        failing_nodes=[FailingNode(node="gpu-3", reason="InsufficientHugePages",
-                                   message="needs 32 free 2Mi pages, has 10")],
+        observed_generation=1,
+        phase="Degraded",
+        desired_nodes=3,
+        ready_nodes=2,
+        failed_nodes=1,
+        pending_nodes=0,
+        total_bytes=2 * 64 * 2**20,
+        failing_nodes=[
+            FailingNode(
+                node="gpu-3", reason="InsufficientHugePages", message="needs 32 free 2Mi pages, has 10"
+            )
+        ],
     )
     status.set_condition("Ready", "False", "NodesFailed", "2/3 nodes ready", 1)
     status.set_condition("Degraded", "True", "NodesFailed", "gpu-3: InsufficientHugePages", 1)
     assert status.conditions is not None
     status.conditions[0].last_transition_time = now().replace(microsecond=0)
     status.conditions[1].last_transition_time = now().replace(microsecond=123000)
-    cr_objects.patch_status(POOL_PLURAL, "rt-status", {"status": status.model_dump(by_alias=True, exclude_none=True)})
+    cr_objects.patch_status(
+        POOL_PLURAL, "rt-status", {"status": status.model_dump(by_alias=True, exclude_none=True)}
+    )
 
     served = cr_objects.get(POOL_PLURAL, "rt-status")
     assert served["status"] == status.model_dump(by_alias=True, exclude_none=True)
@@ -82,12 +98,24 @@ def test_node_status_written_from_the_models_round_trips(cr_objects: CustomObjec
     )
     cr_objects.create(NODE_PLURAL, node.model_dump(by_alias=True, exclude_none=True))
     status = OffloadPoolNodeStatus(
-        phase="Ready", progress=100, bytes_total=2**30, bytes_populated=2**30, populate_gib_per_second=7.8,
-        huge_page_coverage=100.0, numa_nodes=[0, 1], engines_attached=2, agent_version="0.1.0",
-        heartbeat=now(), observed_generation=3, pending_generation=4, reason="InUse",
+        phase="Ready",
+        progress=100,
+        bytes_total=2**30,
+        bytes_populated=2**30,
+        populate_gib_per_second=7.8,
+        huge_page_coverage=100.0,
+        numa_nodes=[0, 1],
+        engines_attached=2,
+        agent_version="0.1.0",
+        heartbeat=now(),
+        observed_generation=3,
+        pending_generation=4,
+        reason="InUse",
         message="generation 4 waits for 2 attached engines",
     )
-    cr_objects.patch_status(NODE_PLURAL, "rt.gpu-9", {"status": status.model_dump(by_alias=True, exclude_none=True)})
+    cr_objects.patch_status(
+        NODE_PLURAL, "rt.gpu-9", {"status": status.model_dump(by_alias=True, exclude_none=True)}
+    )
     served = cr_objects.get(NODE_PLURAL, "rt.gpu-9")
     assert served["status"] == status.model_dump(by_alias=True, exclude_none=True)
     back = OffloadPoolNode.model_validate(served)

@@ -100,8 +100,12 @@ def _quantity_props() -> list[tuple[str, dict[str, Any]]]:
 
 def test_quantity_fields_are_int_or_string_with_a_pattern() -> None:
     props = _quantity_props()
-    assert [p for p, _ in props] == [".spec.capacity", ".spec.layout.slotSize", ".spec.segments.minSize",
-                                     ".spec.compat.vllm.rowSize"]
+    assert [p for p, _ in props] == [
+        ".spec.capacity",
+        ".spec.layout.slotSize",
+        ".spec.segments.minSize",
+        ".spec.compat.vllm.rowSize",
+    ]
     for _, prop in props:
         assert prop["anyOf"] == [{"type": "integer"}, {"type": "string"}]
         assert prop["pattern"] and prop["x-kubernetes-validations"]
@@ -109,8 +113,26 @@ def test_quantity_fields_are_int_or_string_with_a_pattern() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["64Gi", "1", "1.5Ki", ".5Mi", "5.", "2e9", "1E3", "1E", "+2Mi", "100m", "64GB", "Gi", "-1Gi",
-     "64 Gi", "1e-3", "0x10", "1.2.3", "1Ki1"],
+    [
+        "64Gi",
+        "1",
+        "1.5Ki",
+        ".5Mi",
+        "5.",
+        "2e9",
+        "1E3",
+        "1E",
+        "+2Mi",
+        "100m",
+        "64GB",
+        "Gi",
+        "-1Gi",
+        "64 Gi",
+        "1e-3",
+        "0x10",
+        "1.2.3",
+        "1Ki1",
+    ],
 )
 def test_crd_pattern_and_parser_agree_on_non_negative_quantities(text: str) -> None:
     """Whatever the pattern lets through, parse_quantity reads (or calls not whole bytes)."""

@@ -62,7 +62,9 @@ def test_status_only_through_the_subresource(
     assert cr_objects.get(plural, name)["status"] == status
     # ...without bumping the generation, and the spec cannot be changed that way.
     assert written["metadata"]["generation"] == generation
-    spec_change = {"spec": {"capacity": "128Mi"}} if plural == POOL_PLURAL else {"spec": {"nodeName": "node-b"}}
+    spec_change = (
+        {"spec": {"capacity": "128Mi"}} if plural == POOL_PLURAL else {"spec": {"nodeName": "node-b"}}
+    )
     after = cr_objects.patch_status(plural, name, spec_change)
     assert after["spec"] == created["spec"]
     assert cr_objects.get(plural, name)["spec"] == created["spec"]

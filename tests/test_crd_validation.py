@@ -22,7 +22,6 @@ from offloadpool.api import NODE_PLURAL, POOL_PLURAL, OffloadPoolSpec
 pytestmark = pytest.mark.controlplane
 
 
-
 def test_crds_are_served_with_short_names_and_category(crds_installed: Any) -> None:
     out = crds_installed.kubectl("api-resources", "--api-group=offloadpool.io", "-o", "wide").stdout
     lines = {line.split()[0]: line for line in out.splitlines()[1:] if line.strip()}
@@ -42,8 +41,17 @@ def test_examples_cover_the_documented_cases() -> None:
     assert top_level == set(EXAMPLES_DIR.glob("*.yaml"))
     assert len(EXAMPLE_POOLS) >= 6
     specs = [p.doc["spec"] for p in EXAMPLE_POOLS]
-    assert {s.get("layout", {}).get("type", "Replicated") for s in specs} == {"Replicated", "PerRank", "Interleaved"}
-    assert {s.get("medium", "HugePages-2Mi") for s in specs} == {"HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"}
+    assert {s.get("layout", {}).get("type", "Replicated") for s in specs} == {
+        "Replicated",
+        "PerRank",
+        "Interleaved",
+    }
+    assert {s.get("medium", "HugePages-2Mi") for s in specs} == {
+        "HugePages-2Mi",
+        "HugePages-1Gi",
+        "Memory",
+        "MemoryTHP",
+    }
     assert any(s.get("reclaimPolicy") == "Retain" for s in specs)
     assert any("compat" in s for s in specs)
 
@@ -52,11 +60,18 @@ def test_examples_cover_the_documented_cases() -> None:
 def test_example_is_accepted(example: ExamplePool, cr_objects: CustomObjects) -> None:
     cr_objects.track(POOL_PLURAL, example.name)
     out = cr_objects.control_plane.kubectl(
-        "apply", "--server-side", "--field-manager=examples", "--validate=strict", "-f", "-",
+        "apply",
+        "--server-side",
+        "--field-manager=examples",
+        "--validate=strict",
+        "-f",
+        "-",
         input=yaml.safe_dump(example.doc),
     )
     assert "serverside-applied" in out.stdout, out.stdout
-    stored = json.loads(cr_objects.control_plane.kubectl("get", "offloadpool", example.name, "-o", "json").stdout)
+    stored = json.loads(
+        cr_objects.control_plane.kubectl("get", "offloadpool", example.name, "-o", "json").stdout
+    )
     assert stored["spec"]["capacity"] == example.doc["spec"]["capacity"]
 
 
@@ -91,7 +106,12 @@ def test_enough_distinct_invalid_pools() -> None:
 def test_defaults_are_applied_by_the_api_server(spec: dict[str, Any], cr_objects: CustomObjects) -> None:
     created = cr_objects.create(
         POOL_PLURAL,
-        {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": "defaults"}, "spec": spec},
+        {
+            "apiVersion": "offloadpool.io/v1alpha1",
+            "kind": "OffloadPool",
+            "metadata": {"name": "defaults"},
+            "spec": spec,
+        },
     )
     stored = cr_objects.get(POOL_PLURAL, "defaults")
     expected = OffloadPoolSpec.model_validate(spec).model_dump(by_alias=True, exclude_none=True)
@@ -111,26 +131,39 @@ def test_valid_edge_values_are_accepted(cr_objects: CustomObjects) -> None:
         "edge-ids": {"capacity": "2Mi", "consumers": {"uid": 2**31 - 1, "gid": 2**31 - 1, "mode": "0777"}},
         "edge-workers": {"capacity": "2Mi", "prefault": {"workers": 256}},
         "edge-row-is-capacity": {
-            "capacity": "4Mi", "layout": {"type": "Interleaved", "ranks": 2, "slotSize": "2Mi"}},
+            "capacity": "4Mi",
+            "layout": {"type": "Interleaved", "ranks": 2, "slotSize": "2Mi"},
+        },
         "edge-odd-slot": {
-            "capacity": 3 * 2**21, "medium": "HugePages-2Mi",
-            "layout": {"type": "Interleaved", "ranks": 3, "slotSize": 1048576}},
+            "capacity": 3 * 2**21,
+            "medium": "HugePages-2Mi",
+            "layout": {"type": "Interleaved", "ranks": 3, "slotSize": 1048576},
+        },
         "p" * 40: {"capacity": "2Mi"},
         "edge-tolerations": {
             "capacity": "2Mi",
-            "tolerations": [{"operator": "Exists"}, {"key": "k", "value": "v", "effect": "NoExecute",
-                                                     "tolerationSeconds": 30}],
+            "tolerations": [
+                {"operator": "Exists"},
+                {"key": "k", "value": "v", "effect": "NoExecute", "tolerationSeconds": 30},
+            ],
         },
         "edge-compat-interleaved": {
-            "capacity": "8Mi", "layout": {"type": "Interleaved", "ranks": 2},
-            "segments": {"maxFiles": 1}, "compat": {"vllm": {"engineId": "a.B_c-1"}},
+            "capacity": "8Mi",
+            "layout": {"type": "Interleaved", "ranks": 2},
+            "segments": {"maxFiles": 1},
+            "compat": {"vllm": {"engineId": "a.B_c-1"}},
         },
     }
     for name, spec in cases.items():
         OffloadPoolSpec.model_validate(spec)  # the models agree
         cr_objects.create(
             POOL_PLURAL,
-            {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": name}, "spec": spec},
+            {
+                "apiVersion": "offloadpool.io/v1alpha1",
+                "kind": "OffloadPool",
+                "metadata": {"name": name},
+                "spec": spec,
+            },
         )
 
 
@@ -152,7 +185,10 @@ def test_node_object_name_must_be_pool_dot_node(cr_objects: CustomObjects) -> No
 
 def test_node_object_spec_is_immutable(cr_objects: CustomObjects) -> None:
     cr_objects.create(NODE_PLURAL, _node_body("kv.gpu-2", node="gpu-2"))
-    for patch, field in (({"spec": {"nodeName": "gpu-3"}}, "spec.nodeName"), ({"spec": {"pool": "other"}}, "spec.pool")):
+    for patch, field in (
+        ({"spec": {"nodeName": "gpu-3"}}, "spec.nodeName"),
+        ({"spec": {"pool": "other"}}, "spec.pool"),
+    ):
         with pytest.raises(ApiException) as info:
             cr_objects.patch(NODE_PLURAL, "kv.gpu-2", patch)
         message = api_error(info.value)[1]
@@ -206,8 +242,12 @@ def test_kubectl_explain_shows_the_descriptions(crds_installed: Any) -> None:
 def test_plain_kubectl_apply_rejects_a_typo_naming_it(cr_objects: CustomObjects) -> None:
     """What a user sees by default: kubectl's default validation is the server's Strict."""
     doc = yaml.safe_dump(
-        {"apiVersion": "offloadpool.io/v1alpha1", "kind": "OffloadPool", "metadata": {"name": "typo"},
-         "spec": {"capacity": "64Mi", "medium": "Memory", "segments": {"maxfiles": 4}}}
+        {
+            "apiVersion": "offloadpool.io/v1alpha1",
+            "kind": "OffloadPool",
+            "metadata": {"name": "typo"},
+            "spec": {"capacity": "64Mi", "medium": "Memory", "segments": {"maxfiles": 4}},
+        }
     )
     cr_objects.track(POOL_PLURAL, "typo")
     out = cr_objects.control_plane.kubectl("apply", "-f", "-", input=doc, check=False)

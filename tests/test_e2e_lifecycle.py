@@ -59,26 +59,36 @@ class E2E(ClusterClient):
         return dict(self.node_selector)
 
     def daemonsets(self, pool: str) -> list[Any]:
-        return [d for d in self.apps.list_daemon_set_for_all_namespaces().items
-                if d.metadata.name.endswith(pool) or (d.metadata.labels or {}).get("offloadpool.io/pool") == pool]
+        return [
+            d
+            for d in self.apps.list_daemon_set_for_all_namespaces().items
+            if d.metadata.name.endswith(pool) or (d.metadata.labels or {}).get("offloadpool.io/pool") == pool
+        ]
 
     def wait_pool_ready(self, pool: str, nodes: int, timeout: float = 180) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:
             st = self.pool_status(pool)
-            ok = (st.get("readyNodes") == nodes and st.get("desiredNodes") == nodes
-                  and self.condition(pool, "Ready").get("status") == "True")
+            ok = (
+                st.get("readyNodes") == nodes
+                and st.get("desiredNodes") == nodes
+                and self.condition(pool, "Ready").get("status") == "True"
+            )
             return st if ok else None
+
         try:
             return wait_for(f"pool {pool} Ready {nodes}/{nodes}", ready, timeout)
         except AssertionError:
             raise AssertionError(self.diagnose(pool)) from None
 
-    def wait_node_phase(self, pool: str, node: str, phase: str, timeout: float = 120, **fields: Any) -> dict[str, Any]:
+    def wait_node_phase(
+        self, pool: str, node: str, phase: str, timeout: float = 120, **fields: Any
+    ) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
             st = self.node_status(pool, node)
             if st.get("phase") == phase and all(st.get(k) == v for k, v in fields.items()):
                 return st
             return None
+
         try:
             return wait_for(f"{pool}.{node} {phase} {fields}", check, timeout)
         except AssertionError:
@@ -109,13 +119,19 @@ class E2E(ClusterClient):
         """An engine on ``node``: a separate process that attaches the pool with the pinning
         helper (maps it, holds the shared lease), writes into it and pins it with mlock, until
         it exits."""
-        code = ("import sys; from offloadpool.pinning import attach; "
-                f"r = attach({str(self.pool_dir(node, pool))!r}, rank=0); "
-                "r.memoryview()[:6] = b'engine'; r.pin(backend='mlock'); "
-                "print('held', flush=True); sys.stdin.read()")
-        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        code = (
+            "import sys; from offloadpool.pinning import attach; "
+            f"r = attach({str(self.pool_dir(node, pool))!r}, rank=0); "
+            "r.memoryview()[:6] = b'engine'; r.pin(backend='mlock'); "
+            "print('held', flush=True); sys.stdin.read()"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.engines.append(proc)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "held", "the engine could not attach"
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held", (
+            "the engine could not attach"
+        )
         return proc
 
     def add_pool_node_label(self, node: SimNode, labels: dict[str, str]) -> None:
@@ -141,7 +157,9 @@ def e2e(sim_cluster: SimCluster, offloadpool_operator: OperatorProcess) -> Itera
 
 
 def hugetlb_mount(path: Path) -> bool:
-    return any(line.split()[4] == str(path) and " hugetlbfs " in line for line in open("/proc/self/mountinfo"))
+    return any(
+        line.split()[4] == str(path) and " hugetlbfs " in line for line in open("/proc/self/mountinfo")
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,27 +167,47 @@ def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
     label = {f"e2e.offloadpool.io/gpu-{e2e.tag}": "true"}
     gpu = e2e.add_nodes(3, label)
     other = e2e.add_nodes(1)[0]
-    pool = e2e.create_pool("three", {"capacity": "64Mi", "medium": "HugePages-2Mi", "nodeSelector": label,
-                                     "segments": {"minSize": "16Mi"}})
+    pool = e2e.create_pool(
+        "three",
+        {
+            "capacity": "64Mi",
+            "medium": "HugePages-2Mi",
+            "nodeSelector": label,
+            "segments": {"minSize": "16Mi"},
+        },
+    )
     st = e2e.wait_pool_ready(pool, 3)
     assert st["totalBytes"] == 3 * 64 * MiB and st.get("failedNodes", 0) == 0
 
     nodes = e2e.pool_nodes(pool)
-    assert sorted(nodes) == sorted(n.name for n in gpu), "one OffloadPoolNode per selected node, none for the 4th"
+    assert sorted(nodes) == sorted(n.name for n in gpu), (
+        "one OffloadPoolNode per selected node, none for the 4th"
+    )
     for n in gpu:
         s = nodes[n.name]["status"]
         assert (s["phase"], s["bytesTotal"], s["hugePageCoverage"]) == ("Ready", 64 * MiB, 100.0)
         pool_dir = e2e.pool_dir(n, pool)
         assert hugetlb_mount(pool_dir / "mnt"), f"no hugetlbfs mount on {n.name}'s host root"
         manifest = json.loads((pool_dir / "manifest.json").read_text())
-        assert (manifest["pool"], manifest["total_bytes"], manifest["medium"]) == (pool, 64 * MiB, "HugePages-2Mi")
+        assert (manifest["pool"], manifest["total_bytes"], manifest["medium"]) == (
+            pool,
+            64 * MiB,
+            "HugePages-2Mi",
+        )
         agent = e2e.cluster.agent(n.name)
         assert agent.argv[1:] == ["--pool", pool] and agent.env["NODE_NAME"] == n.name
         assert agent.get("/readyz")[0] == 200
     assert not e2e.pool_dir(other, pool).exists() and not e2e.cluster.agents_on(other.name)
     # the pods' readiness probes (/readyz on the agents' port) make the DaemonSet tell the same story
-    wait_for("DaemonSet 3/3 ready", lambda: (ds := e2e.daemonsets(pool)) and ds[0].status.desired_number_scheduled == 3
-             and ds[0].status.number_ready == 3, 60)
+    wait_for(
+        "DaemonSet 3/3 ready",
+        lambda: (
+            (ds := e2e.daemonsets(pool))
+            and ds[0].status.desired_number_scheduled == 3
+            and ds[0].status.number_ready == 3
+        ),
+        60,
+    )
 
     def labelled() -> bool:
         for n in gpu:
@@ -179,6 +217,7 @@ def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
             if (node.status.capacity or {}).get(f"offloadpool.io/{pool}") != "1":
                 return False
         return True
+
     wait_for("ready nodes labelled and advertising the resource", labelled, 60)
     node4 = e2e.core.read_node(other.name)
     assert f"pool.offloadpool.io/{pool}" not in (node4.metadata.labels or {})
@@ -191,22 +230,37 @@ def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
             if e["involvedObject"].get("name", "").startswith(pool):
                 out.setdefault(e["involvedObject"]["kind"], set()).add(e["reason"])
         return out
-    events = wait_for("events from the operator (pool) and the agents (OffloadPoolNodes)",
-                      lambda: (ev := events_by_kind()).get("OffloadPool") and ev.get("OffloadPoolNode") and ev, 30)
+
+    events = wait_for(
+        "events from the operator (pool) and the agents (OffloadPoolNodes)",
+        lambda: (ev := events_by_kind()).get("OffloadPool") and ev.get("OffloadPoolNode") and ev,
+        30,
+    )
     assert "Ready" in events["OffloadPoolNode"], events
 
     table = e2e.cp.kubectl("get", "offloadpools,offloadpoolnodes").stdout
-    assert pool in table and sum(f"{pool}." in line and "Ready" in line for line in table.splitlines()) == 3, table
+    assert (
+        pool in table and sum(f"{pool}." in line and "Ready" in line for line in table.splitlines()) == 3
+    ), table
 
     # deleting the pool gives every node's memory back and removes everything it owned
     e2e.custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
     wait_for("pool gone", lambda: e2e.pool(pool) is None, 120)
-    wait_for("OffloadPoolNodes and DaemonSet garbage-collected",
-             lambda: not e2e.pool_nodes(pool) and not e2e.daemonsets(pool), 60)
+    wait_for(
+        "OffloadPoolNodes and DaemonSet garbage-collected",
+        lambda: not e2e.pool_nodes(pool) and not e2e.daemonsets(pool),
+        60,
+    )
     for n in gpu:
         assert not e2e.pool_dir(n, pool).exists() and not mounts_under(n.root)
-    wait_for("labels removed", lambda: all(f"pool.offloadpool.io/{pool}" not in (e2e.core.read_node(n.name).metadata.labels or {})
-                                           for n in gpu), 60)
+    wait_for(
+        "labels removed",
+        lambda: all(
+            f"pool.offloadpool.io/{pool}" not in (e2e.core.read_node(n.name).metadata.labels or {})
+            for n in gpu
+        ),
+        60,
+    )
 
 
 def test_agent_killed_mid_populate_is_finished_by_its_replacement(e2e: E2E) -> None:
@@ -220,6 +274,7 @@ def test_agent_killed_mid_populate_is_finished_by_its_replacement(e2e: E2E) -> N
             return 0
         st = os.statvfs(mnt)
         return (st.f_blocks - st.f_bfree) * st.f_frsize
+
     agent = e2e.cluster.agent(node.name, timeout=120)
     # a quarter in: the engine's journal has recorded finished parts by then
     wait_for("populate a quarter done", lambda: populating() >= capacity // 4, 120, interval=0.005)
@@ -227,7 +282,9 @@ def test_agent_killed_mid_populate_is_finished_by_its_replacement(e2e: E2E) -> N
     used = populating()
     assert 0 < used < capacity, f"populate was not caught mid-way ({used} of {capacity} bytes)"
     st = e2e.node_status(pool, node.name)
-    assert st.get("phase") == "Populating" and st.get("progress", 0) < 100, f"status does not show the populate: {st}"
+    assert st.get("phase") == "Populating" and st.get("progress", 0) < 100, (
+        f"status does not show the populate: {st}"
+    )
     segment = sorted(p for p in mnt.iterdir() if p.is_file())[0]
     sentinel = b"engine data that must survive " + e2e.tag.encode()
     with open(segment, "r+b") as fh:  # data written into the region before the replacement runs
@@ -262,23 +319,36 @@ def test_deletion_waits_for_an_attached_engine(e2e: E2E) -> None:
     e2e.wait_node_phase(pool, b.name, "Released")
     time.sleep(3)  # the finalizer must keep holding while the engine is attached
     obj = e2e.pool(pool)
-    assert obj is not None and obj["metadata"].get("deletionTimestamp"), "pool went away under an attached engine"
+    assert obj is not None and obj["metadata"].get("deletionTimestamp"), (
+        "pool went away under an attached engine"
+    )
 
     def says_why() -> str | None:
         why = json.dumps(e2e.pool_status(pool))
         return why if a.name in why and "LeaseHeld" in why and b.name not in why else None
+
     try:
         wait_for("the pool saying which node waits and why", says_why, 30)
     except AssertionError:
-        raise AssertionError(f"the pool does not say why it waits: {json.dumps(e2e.pool_status(pool))}") from None
+        raise AssertionError(
+            f"the pool does not say why it waits: {json.dumps(e2e.pool_status(pool))}"
+        ) from None
     assert mounts_under(e2e.pool_dir(a, pool) / "mnt"), "memory released under an attached engine"
     assert not e2e.pool_dir(b, pool).exists(), "the free node was not released"
 
     engine.kill()
     engine.wait(10)
     wait_for("pool gone (finalizer removed)", lambda: e2e.pool(pool) is None, 120)
-    wait_for("DaemonSet and OffloadPoolNodes gone", lambda: not e2e.pool_nodes(pool) and not e2e.daemonsets(pool), 60)
-    wait_for("agents stopped", lambda: not any(ag.alive() for n in (a, b) for ag in e2e.cluster.agents_on(n.name)), 60)
+    wait_for(
+        "DaemonSet and OffloadPoolNodes gone",
+        lambda: not e2e.pool_nodes(pool) and not e2e.daemonsets(pool),
+        60,
+    )
+    wait_for(
+        "agents stopped",
+        lambda: not any(ag.alive() for n in (a, b) for ag in e2e.cluster.agents_on(n.name)),
+        60,
+    )
     for n in (a, b):
         assert not e2e.pool_dir(n, pool).exists() and not mounts_under(n.root), f"memory left on {n.name}"
 
@@ -286,8 +356,15 @@ def test_deletion_waits_for_an_attached_engine(e2e: E2E) -> None:
 def test_node_without_huge_pages_fails_and_a_deleted_node_leaves(e2e: E2E) -> None:
     label = {f"e2e.offloadpool.io/hp-{e2e.tag}": "true"}
     a, b = e2e.add_nodes(2, label)
-    pool = e2e.create_pool("hp", {"capacity": "64Mi", "medium": "HugePages-2Mi", "nodeSelector": label,
-                                  "segments": {"minSize": "16Mi"}})
+    pool = e2e.create_pool(
+        "hp",
+        {
+            "capacity": "64Mi",
+            "medium": "HugePages-2Mi",
+            "nodeSelector": label,
+            "segments": {"minSize": "16Mi"},
+        },
+    )
     e2e.wait_pool_ready(pool, 2)
 
     # a node whose huge page pool is fixed at boot and whose free pages other tenants hold
@@ -299,25 +376,48 @@ def test_node_without_huge_pages_fails_and_a_deleted_node_leaves(e2e: E2E) -> No
     assert "short by" in st["message"] and "32" in st["message"], st["message"]
     assert not mounts_under(c.root / "var"), "half-built pool left mounted on the failed node"
     # the agent retries every few seconds (memory may free up); between tries nothing is there
-    wait_for("nothing half-built on the failed node", lambda: not e2e.pool_dir(c, pool).exists(), 15, interval=0.05)
-    pst = wait_for("pool counts 2 ready + 1 failed", lambda: (s := e2e.pool_status(pool)).get("failedNodes") == 1
-                   and s.get("readyNodes") == 2 and s.get("desiredNodes") == 3 and s, 60)
-    assert any(f["node"] == c.name and "short by" in f.get("message", "") for f in pst.get("failingNodes", [])), pst
+    wait_for(
+        "nothing half-built on the failed node", lambda: not e2e.pool_dir(c, pool).exists(), 15, interval=0.05
+    )
+    pst = wait_for(
+        "pool counts 2 ready + 1 failed",
+        lambda: (
+            (s := e2e.pool_status(pool)).get("failedNodes") == 1
+            and s.get("readyNodes") == 2
+            and s.get("desiredNodes") == 3
+            and s
+        ),
+        60,
+    )
+    assert any(
+        f["node"] == c.name and "short by" in f.get("message", "") for f in pst.get("failingNodes", [])
+    ), pst
     for n in (a, b):
         assert e2e.node_status(pool, n.name)["phase"] == "Ready"
 
     # node b leaves the cluster: its OffloadPoolNode goes, counts follow
     e2e.cluster.delete_node(b.name)
     wait_for("OffloadPoolNode of the deleted node gone", lambda: b.name not in e2e.pool_nodes(pool), 60)
-    wait_for("counts adjusted", lambda: (s := e2e.pool_status(pool)).get("desiredNodes") == 2
-             and s.get("readyNodes") == 1 and s.get("failedNodes") == 1, 60)
+    wait_for(
+        "counts adjusted",
+        lambda: (
+            (s := e2e.pool_status(pool)).get("desiredNodes") == 2
+            and s.get("readyNodes") == 1
+            and s.get("failedNodes") == 1
+        ),
+        60,
+    )
 
 
 def test_operator_killed_mid_rollout_converges_without_duplicate_work(e2e: E2E) -> None:
     nodes = e2e.add_nodes(3)
     pool = e2e.create_pool("opkill", {"capacity": "256Mi", "medium": "Memory", "prefault": {"workers": 1}})
-    wait_for("rollout under way", lambda: len(e2e.pool_nodes(pool)) == 3 and e2e.daemonsets(pool)
-             and len(e2e.cluster.agents) >= 1, 120, interval=0.05)
+    wait_for(
+        "rollout under way",
+        lambda: len(e2e.pool_nodes(pool)) == 3 and e2e.daemonsets(pool) and len(e2e.cluster.agents) >= 1,
+        120,
+        interval=0.05,
+    )
     e2e.operator.kill9()
     before_ds = [d.metadata.uid for d in e2e.daemonsets(pool)]
     before_nodes = {n: o["metadata"]["uid"] for n, o in e2e.pool_nodes(pool).items()}
@@ -331,8 +431,11 @@ def test_operator_killed_mid_rollout_converges_without_duplicate_work(e2e: E2E) 
         assert len(agents) == 1 and agents[0].restarts == 0, "an agent was restarted or duplicated"
         st = e2e.node_status(pool, n.name)
         assert st["reason"] == "Populated" and st["observedGeneration"] == 1, st
-    pods = [p for p in e2e.core.list_namespaced_pod(e2e.operator.namespace).items
-            if any(o.uid in before_ds for o in p.metadata.owner_references or [])]
+    pods = [
+        p
+        for p in e2e.core.list_namespaced_pod(e2e.operator.namespace).items
+        if any(o.uid in before_ds for o in p.metadata.owner_references or [])
+    ]
     assert len(pods) == 3
 
 
@@ -343,7 +446,9 @@ def test_spec_change_applies_where_free_and_waits_under_an_engine(e2e: E2E) -> N
     engine = e2e.hold_lease(a, pool)
     e2e.wait_node_phase(pool, a.name, "Ready", enginesAttached=1, timeout=60)
 
-    e2e.custom.patch_cluster_custom_object(GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "128Mi"}})
+    e2e.custom.patch_cluster_custom_object(
+        GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "128Mi"}}
+    )
     for n in (b, c):
         e2e.wait_node_phase(pool, n.name, "Ready", observedGeneration=2, bytesTotal=128 * MiB, timeout=180)
     st = e2e.wait_node_phase(pool, a.name, "Ready", pendingGeneration=2, reason="LeaseHeld", timeout=120)

@@ -81,7 +81,7 @@ def round_trip(view: Any) -> None:
 
     rows = view.shape[0]
     half = rows // 2
-    src, dst = view[:half], view[half:2 * half]
+    src, dst = view[:half], view[half : 2 * half]
     src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8))
     dst.zero_()
     stream = torch.cuda.Stream()
@@ -98,8 +98,7 @@ def test_round_trip_from_pinned_slot_views(make_pool: PoolFactory, backend: str)
     """Interleaved TP2 pool, rank 1: its strided slot view is pinned and copies byte-exact."""
     import torch
 
-    pool = make_pool("kv", capacity=128 * MiB, layout_type="Interleaved", ranks=2,
-                     slot_bytes=1 * MiB)
+    pool = make_pool("kv", capacity=128 * MiB, layout_type="Interleaved", ranks=2, slot_bytes=1 * MiB)
     with attach(pool, rank=1) as region:
         stats = region.pin(backend)
         assert stats.bytes_registered == 64 * MiB  # slot-selective: its own half

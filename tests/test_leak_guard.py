@@ -28,8 +28,9 @@ def test_guard_names_each_leak_and_is_quiet_once_cleaned(tmp_path: Path) -> None
     child = subprocess.Popen(["sleep", "600"])
     try:
         found = leaks(before, snapshot())
-        assert any(line.startswith(f"mount left behind: tmpfs leakguard-check on {mnt} ")
-                   for line in found), found
+        assert any(
+            line.startswith(f"mount left behind: tmpfs leakguard-check on {mnt} ") for line in found
+        ), found
         assert f"process still running: pid {child.pid}: sleep 600" in found, found
         assert f"temp entry left behind: {leaked_dir}" in found, found
         assert len(found) == 3, found
@@ -48,8 +49,15 @@ def test_guard_tells_pages_kept_from_reservation_given_away() -> None:
     size = next(iter(before.hugepages))
     more = replace(before, hugepages={**before.hugepages, size: before.hugepages[size] + 3})
     fewer = replace(before, hugepages={**before.hugepages, size: before.hugepages[size] - 1})
-    assert leaks(before, more) == [f"huge pages not given back: /sys/kernel/mm/hugepages/{size}/nr_hugepages "
-                                   f"is {before.hugepages[size] + 3}, was {before.hugepages[size]} at session start"]
+    assert leaks(before, more) == [
+        f"huge pages not given back: /sys/kernel/mm/hugepages/{size}/nr_hugepages "
+        f"is {before.hugepages[size] + 3}, was {before.hugepages[size]} at session start"
+    ]
     (line,) = leaks(before, fewer)
-    assert line.startswith(f"huge pages given away: /sys/kernel/mm/hugepages/{size}/nr_hugepages is "
-                           f"{before.hugepages[size] - 1}, was {before.hugepages[size]}") and "hack/hugepages.py" in line
+    assert (
+        line.startswith(
+            f"huge pages given away: /sys/kernel/mm/hugepages/{size}/nr_hugepages is "
+            f"{before.hugepages[size] - 1}, was {before.hugepages[size]}"
+        )
+        and "hack/hugepages.py" in line
+    )

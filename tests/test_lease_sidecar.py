@@ -19,8 +19,12 @@ EXE = str(Path(sys.executable).parent / "offloadpool")
 
 
 def start(pool_dir: Path, ready: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([EXE, "hold-lease", str(pool_dir), "--ready-file", str(ready), "--poll-seconds", "0.05"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [EXE, "hold-lease", str(pool_dir), "--ready-file", str(ready), "--poll-seconds", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:

@@ -17,7 +17,15 @@ GiB = 1 << 30
 
 
 def ready(node: str, gen: int = 1, **kw) -> NodeView:
-    return NodeView(node=node, phase="Ready", observed_generation=gen, target_generation=gen, bytes_total=GiB, heartbeat=NOW, **kw)
+    return NodeView(
+        node=node,
+        phase="Ready",
+        observed_generation=gen,
+        target_generation=gen,
+        bytes_total=GiB,
+        heartbeat=NOW,
+        **kw,
+    )
 
 
 def conds(status: dict) -> dict[str, dict]:
@@ -28,16 +36,34 @@ def test_all_ready_is_ready():
     views = {n: ready(n) for n in ("a", "b", "c")}
     agg = aggregate(generation=1, selected=views, views=views, now=NOW)
     s = agg.status
-    assert (s["phase"], s["desiredNodes"], s["readyNodes"], s["failedNodes"], s["pendingNodes"]) == ("Ready", 3, 3, 0, 0)
+    assert (s["phase"], s["desiredNodes"], s["readyNodes"], s["failedNodes"], s["pendingNodes"]) == (
+        "Ready",
+        3,
+        3,
+        0,
+        0,
+    )
     assert s["totalBytes"] == 3 * GiB and s["failingNodes"] == []
     c = conds(s)
-    assert c["Ready"]["status"] == "True" and c["Progressing"]["reason"] == "Complete" and c["Degraded"]["status"] == "False"
+    assert (
+        c["Ready"]["status"] == "True"
+        and c["Progressing"]["reason"] == "Complete"
+        and c["Degraded"]["status"] == "False"
+    )
     assert agg.ready_nodes == {"a", "b", "c"}
 
 
 def test_failed_node_degrades_and_names_the_shortfall():
-    views = {"a": ready("a"), "b": NodeView(node="b", phase="Failed", reason="InsufficientHugePages",
-                                              message="needs 512 pages of 2Mi, 100 free", observed_generation=1)}
+    views = {
+        "a": ready("a"),
+        "b": NodeView(
+            node="b",
+            phase="Failed",
+            reason="InsufficientHugePages",
+            message="needs 512 pages of 2Mi, 100 free",
+            observed_generation=1,
+        ),
+    }
     views["c"] = NodeView(node="c", phase="Populating", progress=40, heartbeat=NOW)
     s = aggregate(generation=1, selected=["a", "b", "c", "d"], views=views, now=NOW).status
     assert (s["phase"], s["readyNodes"], s["failedNodes"], s["pendingNodes"]) == ("Degraded", 1, 1, 2)
@@ -52,7 +78,10 @@ def test_failed_node_degrades_and_names_the_shortfall():
 
 
 def test_stale_heartbeat_is_not_ready():
-    views = {"a": ready("a"), "b": NodeView(node="b", phase="Ready", observed_generation=1, heartbeat=NOW - timedelta(hours=1))}
+    views = {
+        "a": ready("a"),
+        "b": NodeView(node="b", phase="Ready", observed_generation=1, heartbeat=NOW - timedelta(hours=1)),
+    }
     agg = aggregate(generation=1, selected=views, views=views, now=NOW, heartbeat_timeout=60)
     assert agg.ready_nodes == {"a"} and agg.status["phase"] == "Degraded"
     assert conds(agg.status)["Degraded"]["reason"] == "AgentsUnresponsive"
@@ -71,15 +100,25 @@ def test_held_node_is_ready_but_pending():
 def test_transition_time_kept_when_status_unchanged():
     views = {"a": ready("a")}
     first = aggregate(generation=1, selected=views, views=views, now=NOW).status
-    later = aggregate(generation=1, selected=views, views=views, now=NOW + timedelta(minutes=5),
-                      previous_conditions=first["conditions"]).status
+    later = aggregate(
+        generation=1,
+        selected=views,
+        views=views,
+        now=NOW + timedelta(minutes=5),
+        previous_conditions=first["conditions"],
+    ).status
     assert later == first
 
 
 def test_deleting_waits_for_unreleased_existing_nodes():
-    views = {"a": NodeView(node="a", phase="Released"), "b": NodeView(node="b", phase="Draining", reason="LeaseHeld", engines_attached=1),
-             "gone": NodeView(node="gone", phase="Ready")}
-    agg = aggregate(generation=1, selected=["a", "b"], views=views, now=NOW, deleting=True, existing_nodes=["a", "b"])
+    views = {
+        "a": NodeView(node="a", phase="Released"),
+        "b": NodeView(node="b", phase="Draining", reason="LeaseHeld", engines_attached=1),
+        "gone": NodeView(node="gone", phase="Ready"),
+    }
+    agg = aggregate(
+        generation=1, selected=["a", "b"], views=views, now=NOW, deleting=True, existing_nodes=["a", "b"]
+    )
     assert agg.unreleased_nodes == ("b",) and agg.ready_nodes == frozenset()
     assert agg.status["phase"] == "Deleting"
     assert "b (Draining: LeaseHeld, 1 engine(s) attached)" in conds(agg.status)["Ready"]["message"]
@@ -92,7 +131,9 @@ def test_events_on_transitions_only():
     first = transitions(None, s1)
     assert {e.reason for e in first} == {"NodesNotReady", "Provisioning"}
     views["b"] = ready("b")
-    s2 = aggregate(generation=1, selected=views, views=views, now=NOW, previous_conditions=s1["conditions"]).status
+    s2 = aggregate(
+        generation=1, selected=views, views=views, now=NOW, previous_conditions=s1["conditions"]
+    ).status
     reasons = {(e.type, e.reason) for e in transitions(s1, s2)}
     assert ("Normal", "AllNodesReady") in reasons and ("Normal", "Complete") in reasons
     assert transitions(s2, s2) == []
@@ -108,7 +149,9 @@ def test_rollout_one_serving_node_at_a_time():
     step = plan(2, views, views, now=NOW)
     assert [(a.node, a.serving) for a in step.advance] == [("d", False), ("a", True)]
     # a in flight (annotated, not yet Ready at 2): nothing more
-    views["a"] = NodeView(node="a", phase="Provisioning", target_generation=2, rollout_generation=2, observed_generation=1)
+    views["a"] = NodeView(
+        node="a", phase="Provisioning", target_generation=2, rollout_generation=2, observed_generation=1
+    )
     views["d"] = NodeView(node="d", phase="Provisioning", target_generation=2)
     assert plan(2, views, views, now=NOW).advance == () and plan(2, views, views, now=NOW).in_flight == ("a",)
     # a held by an engine: skipped, b goes
@@ -121,15 +164,21 @@ def test_rollout_one_serving_node_at_a_time():
 
 
 def test_rollout_halts_on_failure_of_a_node_that_was_serving():
-    views = {"a": NodeView(node="a", phase="Failed", target_generation=2, rollout_generation=2, observed_generation=2),
-             "b": ready("b", 1)}
+    views = {
+        "a": NodeView(
+            node="a", phase="Failed", target_generation=2, rollout_generation=2, observed_generation=2
+        ),
+        "b": ready("b", 1),
+    }
     step = plan(2, views, views, now=NOW)
     assert step.advance == () and step.halted == ("a",)
     s = aggregate(generation=2, selected=views, views=views, now=NOW).status
     assert conds(s)["Progressing"]["reason"] == "RolloutHalted"
 
 
-phases = st.sampled_from([None, "Pending", "Provisioning", "Populating", "Ready", "Draining", "Released", "Failed"])
+phases = st.sampled_from(
+    [None, "Pending", "Provisioning", "Populating", "Ready", "Draining", "Released", "Failed"]
+)
 
 
 @st.composite
@@ -139,12 +188,17 @@ def pools(draw):
     views = {}
     for n in names:
         if draw(st.booleans()):
-            views[n] = NodeView(node=n, phase=draw(phases), observed_generation=draw(st.integers(1, gen)),
-                                target_generation=draw(st.integers(1, gen)), bytes_total=draw(st.integers(0, 4 * GiB)),
-                                heartbeat=NOW - timedelta(seconds=draw(st.integers(0, 600))),
-                                pending_generation=draw(st.one_of(st.none(), st.just(gen))),
-                                reason=draw(st.sampled_from([None, "LeaseHeld", "RolloutPending"])),
-                                rollout_generation=draw(st.one_of(st.none(), st.just(gen))))
+            views[n] = NodeView(
+                node=n,
+                phase=draw(phases),
+                observed_generation=draw(st.integers(1, gen)),
+                target_generation=draw(st.integers(1, gen)),
+                bytes_total=draw(st.integers(0, 4 * GiB)),
+                heartbeat=NOW - timedelta(seconds=draw(st.integers(0, 600))),
+                pending_generation=draw(st.one_of(st.none(), st.just(gen))),
+                reason=draw(st.sampled_from([None, "LeaseHeld", "RolloutPending"])),
+                rollout_generation=draw(st.one_of(st.none(), st.just(gen))),
+            )
     selected = [n for n in names if draw(st.booleans()) or n in views]
     return gen, selected, views
 
@@ -160,7 +214,9 @@ def test_counts_are_consistent(pool, timeout):
     assert s["readyNodes"] <= s["desiredNodes"] - s["failedNodes"]
     assert s["pendingNodes"] <= s["desiredNodes"] - s["failedNodes"]
     assert len(s["failingNodes"]) == min(MAX_FAILING_NODES, s["desiredNodes"] - s["readyNodes"])
-    assert (s["phase"] == "Ready") == (s["desiredNodes"] > 0 and s["readyNodes"] == s["desiredNodes"] and s["failedNodes"] == 0)
+    assert (s["phase"] == "Ready") == (
+        s["desiredNodes"] > 0 and s["readyNodes"] == s["desiredNodes"] and s["failedNodes"] == 0
+    )
     assert {c["type"] for c in s["conditions"]} == {"Ready", "Progressing", "Degraded"}
     assert agg.ready_nodes <= set(selected)
     step = plan(gen, views, selected, now=NOW, heartbeat_timeout=timeout)
@@ -174,23 +230,33 @@ def test_node_marks_follow_readiness() -> None:
     from offloadpool.operator.selection import NodeInfo
 
     def node(labels=None, capacity=None, allocatable=None) -> NodeInfo:
-        return NodeInfo.from_body({"metadata": {"name": "n", "labels": labels or {}},
-                                   "status": {"capacity": capacity or {}, "allocatable": allocatable or {}}}, "offloadpool.io/")
+        return NodeInfo.from_body(
+            {
+                "metadata": {"name": "n", "labels": labels or {}},
+                "status": {"capacity": capacity or {}, "allocatable": allocatable or {}},
+            },
+            "offloadpool.io/",
+        )
 
     bare = node()
     assert label_patch("p", bare, True) == {"metadata": {"labels": {"pool.offloadpool.io/p": "ready"}}}
-    assert resource_patch("p", bare, True) == {"status": {"capacity": {"offloadpool.io/p": "1"}, "allocatable": {"offloadpool.io/p": "1"}}}
+    assert resource_patch("p", bare, True) == {
+        "status": {"capacity": {"offloadpool.io/p": "1"}, "allocatable": {"offloadpool.io/p": "1"}}
+    }
     assert label_patch("p", bare, False) is None and resource_patch("p", bare, False) is None
     marked = node({"pool.offloadpool.io/p": "ready"}, {"offloadpool.io/p": "1"}, {"offloadpool.io/p": "1"})
     assert label_patch("p", marked, True) is None and resource_patch("p", marked, True) is None
-    assert resource_patch("p", marked, False) == {"status": {"capacity": {"offloadpool.io/p": None}, "allocatable": {"offloadpool.io/p": None}}}
+    assert resource_patch("p", marked, False) == {
+        "status": {"capacity": {"offloadpool.io/p": None}, "allocatable": {"offloadpool.io/p": None}}
+    }
     # a kubelet that re-registered the node zeroed the resource: advertise it again
     zeroed = node({"pool.offloadpool.io/p": "ready"}, {"offloadpool.io/p": "0"}, {"offloadpool.io/p": "0"})
     assert resource_patch("p", zeroed, True) is not None
     # both marks in one status patch, or none
-    assert marks_patch("p", bare, True) == {"metadata": {"labels": {"pool.offloadpool.io/p": "ready"}},
-                                            "status": {"capacity": {"offloadpool.io/p": "1"},
-                                                       "allocatable": {"offloadpool.io/p": "1"}}}
+    assert marks_patch("p", bare, True) == {
+        "metadata": {"labels": {"pool.offloadpool.io/p": "ready"}},
+        "status": {"capacity": {"offloadpool.io/p": "1"}, "allocatable": {"offloadpool.io/p": "1"}},
+    }
     assert marks_patch("p", marked, True) is None and marks_patch("p", bare, False) is None
     assert marks_patch("p", zeroed, True) == resource_patch("p", zeroed, True)
 
@@ -198,13 +264,24 @@ def test_node_marks_follow_readiness() -> None:
 def test_selection_follows_the_daemonset_controller() -> None:
     from offloadpool.operator.selection import NodeInfo, selects
 
-    gpu = NodeInfo("g", {"gpu": "h100"}, ({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
-                                          {"key": "node.kubernetes.io/not-ready", "effect": "NoExecute"},
-                                          {"key": "soft", "effect": "PreferNoSchedule"}))
+    gpu = NodeInfo(
+        "g",
+        {"gpu": "h100"},
+        (
+            {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/not-ready", "effect": "NoExecute"},
+            {"key": "soft", "effect": "PreferNoSchedule"},
+        ),
+    )
     assert not selects({"nodeSelector": {"gpu": "h100"}}, gpu)  # taint not tolerated
-    assert selects({"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}, gpu)
+    assert selects(
+        {"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+        gpu,
+    )
     assert selects({"tolerations": [{"key": "nvidia.com/gpu", "value": "present"}]}, gpu)
     assert not selects({"tolerations": [{"key": "nvidia.com/gpu", "value": "other"}]}, gpu)
-    assert not selects({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}]}, gpu)
+    assert not selects(
+        {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}]}, gpu
+    )
     assert selects({"tolerations": [{"operator": "Exists"}]}, gpu)
     assert not selects({"nodeSelector": {"gpu": "a100"}, "tolerations": [{"operator": "Exists"}]}, gpu)

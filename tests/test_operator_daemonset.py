@@ -12,23 +12,43 @@ from fixtures.wait import wait_for
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.daemonset import HASH_ANNOTATION, render
 
-POOL = {"metadata": {"name": "kv", "uid": "0b5e5f8e-0000-4000-8000-000000000001"},
-        "spec": {"capacity": "4Gi", "nodeSelector": {"gpu": "h100"},
-                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}}
-CONFIG = OperatorConfig(namespace=NAMESPACE, agent_image="example.org/offloadpool:test",
-                        agent_memory_overhead="256Mi", agent_cpu_request="100m")
+POOL = {
+    "metadata": {"name": "kv", "uid": "0b5e5f8e-0000-4000-8000-000000000001"},
+    "spec": {
+        "capacity": "4Gi",
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+}
+CONFIG = OperatorConfig(
+    namespace=NAMESPACE,
+    agent_image="example.org/offloadpool:test",
+    agent_memory_overhead="256Mi",
+    agent_cpu_request="100m",
+)
 
 
 def with_medium(medium: str) -> dict:
     return {**POOL, "spec": {**POOL["spec"], "medium": medium}}
 
 
-@pytest.mark.parametrize(("medium", "requests", "limits"), [
-    ("HugePages-2Mi", {"hugepages-2Mi": "4Gi", "memory": "256Mi", "cpu": "100m"}, {"hugepages-2Mi": "4Gi", "memory": "256Mi"}),
-    ("HugePages-1Gi", {"hugepages-1Gi": "4Gi", "memory": "256Mi", "cpu": "100m"}, {"hugepages-1Gi": "4Gi", "memory": "256Mi"}),
-    ("Memory", {"memory": "4352Mi", "cpu": "100m"}, {"memory": "4352Mi"}),
-    ("MemoryTHP", {"memory": "4352Mi", "cpu": "100m"}, {"memory": "4352Mi"}),
-])
+@pytest.mark.parametrize(
+    ("medium", "requests", "limits"),
+    [
+        (
+            "HugePages-2Mi",
+            {"hugepages-2Mi": "4Gi", "memory": "256Mi", "cpu": "100m"},
+            {"hugepages-2Mi": "4Gi", "memory": "256Mi"},
+        ),
+        (
+            "HugePages-1Gi",
+            {"hugepages-1Gi": "4Gi", "memory": "256Mi", "cpu": "100m"},
+            {"hugepages-1Gi": "4Gi", "memory": "256Mi"},
+        ),
+        ("Memory", {"memory": "4352Mi", "cpu": "100m"}, {"memory": "4352Mi"}),
+        ("MemoryTHP", {"memory": "4352Mi", "cpu": "100m"}, {"memory": "4352Mi"}),
+    ],
+)
 def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
     ds = render(with_medium(medium), CONFIG)
     pod = ds["spec"]["template"]["spec"]
@@ -38,10 +58,17 @@ def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
     env = {e["name"]: e for e in agent["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
-    assert (env["POOL_NAME"]["value"], env["OFFLOADPOOL_ROOT"]["value"], env["OFFLOADPOOL_HTTP_PORT"]["value"]) == (
-        "kv", "/var/lib/offloadpool", "9475")
-    assert agent["volumeMounts"] == [{"name": "host-root", "mountPath": "/var/lib/offloadpool", "mountPropagation": "Bidirectional"}]
-    assert pod["volumes"] == [{"name": "host-root", "hostPath": {"path": "/var/lib/offloadpool", "type": "DirectoryOrCreate"}}]
+    assert (
+        env["POOL_NAME"]["value"],
+        env["OFFLOADPOOL_ROOT"]["value"],
+        env["OFFLOADPOOL_HTTP_PORT"]["value"],
+    ) == ("kv", "/var/lib/offloadpool", "9475")
+    assert agent["volumeMounts"] == [
+        {"name": "host-root", "mountPath": "/var/lib/offloadpool", "mountPropagation": "Bidirectional"}
+    ]
+    assert pod["volumes"] == [
+        {"name": "host-root", "hostPath": {"path": "/var/lib/offloadpool", "type": "DirectoryOrCreate"}}
+    ]
     assert agent["securityContext"]["privileged"] is True
     assert pod["hostPID"] is True  # to see the pool's holders in every pod (region.holders)
     assert not any(pod.get(k) for k in ("hostNetwork", "hostIPC"))
@@ -52,7 +79,12 @@ def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
     assert pod["serviceAccountName"] == "offloadpool-agent"
     assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
     owner = ds["metadata"]["ownerReferences"][0]
-    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("OffloadPool", "kv", POOL["metadata"]["uid"], True)
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+        "OffloadPool",
+        "kv",
+        POOL["metadata"]["uid"],
+        True,
+    )
     assert ds["metadata"]["name"] == "offloadpool-agent-kv" and ds["metadata"]["namespace"] == NAMESPACE
 
 
@@ -75,15 +107,22 @@ def test_api_server_accepts_rendered_daemonset(operator_rbac, control_plane, med
 
 @pytest.mark.controlplane
 @pytest.mark.operator_args(*QUICK_PASSES)
-def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World,
-                                                                offloadpool_operator: OperatorProcess) -> None:
+def test_daemonset_controller_runs_agents_on_selected_nodes_only(
+    world: World, offloadpool_operator: OperatorProcess
+) -> None:
     w = world
     group = w.name("g")
     selected = {w.add_node(f"d{i}", {"offloadpool-test/group": group}) for i in range(2)}
     w.add_node("d9", {"offloadpool-test/group": "other"})
-    pool = w.create_pool("ds", {"capacity": "64Mi", "medium": "HugePages-2Mi",
-                                "nodeSelector": {"offloadpool-test/group": group},
-                                "tolerations": [{"operator": "Exists"}]})
+    pool = w.create_pool(
+        "ds",
+        {
+            "capacity": "64Mi",
+            "medium": "HugePages-2Mi",
+            "nodeSelector": {"offloadpool-test/group": group},
+            "tolerations": [{"operator": "Exists"}],
+        },
+    )
 
     def pod_nodes() -> set[str]:
         pods = w.core.list_namespaced_pod(NAMESPACE, label_selector=f"offloadpool.io/pool={pool}").items
@@ -106,20 +145,43 @@ def test_daemonset_controller_runs_agents_on_selected_nodes_only(world: World,
     # node where an engine is attached is left alone (OnDelete: never restarted under an engine).
     engaged, free = sorted(selected)
     w.report_ready(pool, engaged, enginesAttached=1)
-    before = {n: p for p in pods for n in [p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
-                                           .node_selector_terms[0].match_fields[0].values[0]]}
-    w.custom.patch_cluster_custom_object("offloadpool.io", "v1alpha1", "offloadpools", pool, {"spec": {"capacity": "128Mi"}},
-                                         _content_type=MERGE)
+    before = {
+        n: p
+        for p in pods
+        for n in [
+            p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms[
+                0
+            ]
+            .match_fields[0]
+            .values[0]
+        ]
+    }
+    w.custom.patch_cluster_custom_object(
+        "offloadpool.io",
+        "v1alpha1",
+        "offloadpools",
+        pool,
+        {"spec": {"capacity": "128Mi"}},
+        _content_type=MERGE,
+    )
 
     def pod_on(node: str):
         for p in w.core.list_namespaced_pod(NAMESPACE, label_selector=f"offloadpool.io/pool={pool}").items:
             required = p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
-            if required.node_selector_terms[0].match_fields[0].values[0] == node and p.metadata.deletion_timestamp is None:
+            if (
+                required.node_selector_terms[0].match_fields[0].values[0] == node
+                and p.metadata.deletion_timestamp is None
+            ):
                 return p
         return None
 
-    new = wait_for("a new agent pod with the new limits on the free node", lambda: (lambda p: p if p and
-                   p.spec.containers[0].resources.limits["hugepages-2Mi"] == "128Mi" else None)(pod_on(free)), timeout=90)
+    new = wait_for(
+        "a new agent pod with the new limits on the free node",
+        lambda: (
+            lambda p: p if p and p.spec.containers[0].resources.limits["hugepages-2Mi"] == "128Mi" else None
+        )(pod_on(free)),
+        timeout=90,
+    )
     assert new.metadata.uid != before[free].metadata.uid
     # The operator records the event after its delete call returns, and the DaemonSet
     # controller may create the new pod before that: wait for the event, don't race it.

@@ -31,8 +31,9 @@ def test_pool_lifecycle(world: World, offloadpool_operator: OperatorProcess) -> 
     group = w.name("g")
     nodes = [w.add_node(f"n{i}", {"offloadpool-test/group": group}) for i in range(3)]
     outsider = w.add_node("n3", {"offloadpool-test/group": "other"})
-    pool = w.create_pool("life", {"capacity": "64Mi", "medium": "Memory",
-                                  "nodeSelector": {"offloadpool-test/group": group}})
+    pool = w.create_pool(
+        "life", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"offloadpool-test/group": group}}
+    )
 
     # One OffloadPoolNode per selected Node (3 of 4), owned by the pool, at generation 1.
     objs = wait_for("3 OffloadPoolNodes", lambda: (lambda o: o if len(o) == 3 else None)(w.pool_nodes(pool)))
@@ -42,24 +43,34 @@ def test_pool_lifecycle(world: World, offloadpool_operator: OperatorProcess) -> 
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
         assert obj["spec"].get("targetGeneration") == 1, (
             "spec.targetGeneration did not survive: the OffloadPoolNode CRD must declare it "
-            "(integer, optional) or the API server prunes it and node-by-node rollout cannot work", obj["spec"])
+            "(integer, optional) or the API server prunes it and node-by-node rollout cannot work",
+            obj["spec"],
+        )
     assert FINALIZER in w.pool(pool)["metadata"]["finalizers"]
     ds = w.apps.read_namespaced_daemon_set(f"offloadpool-agent-{pool}", NAMESPACE)
     assert ds.metadata.owner_references[0].uid == uid
 
     # Nothing reported yet: Progressing, 0/3, every node listed as not reporting.
-    st = wait_for("status 0/3", lambda: (lambda s: s if s.get("desiredNodes") == 3 else None)(status(w, pool)))
+    st = wait_for(
+        "status 0/3", lambda: (lambda s: s if s.get("desiredNodes") == 3 else None)(status(w, pool))
+    )
     assert (st["phase"], st["readyNodes"]) == ("Progressing", 0)
     assert {f["reason"] for f in st["failingNodes"]} == {"AgentNotReporting"}
 
     # Agents report Ready -> Ready 3/3, nodes labelled and advertising the resource.
     for n in nodes:
         w.report_ready(pool, n)
-    st = wait_for("pool Ready 3/3", lambda: (lambda s: s if s.get("phase") == "Ready" else None)(status(w, pool)))
+    st = wait_for(
+        "pool Ready 3/3", lambda: (lambda s: s if s.get("phase") == "Ready" else None)(status(w, pool))
+    )
     assert (st["desiredNodes"], st["readyNodes"], st["failedNodes"], st["pendingNodes"]) == (3, 3, 0, 0)
     assert st["totalBytes"] == 3 * 64 * MiB and st["observedGeneration"] == 1
     c = conds(w.pool(pool))
-    assert (c["Ready"]["status"], c["Progressing"]["reason"], c["Degraded"]["status"]) == ("True", "Complete", "False")
+    assert (c["Ready"]["status"], c["Progressing"]["reason"], c["Degraded"]["status"]) == (
+        "True",
+        "Complete",
+        "False",
+    )
     for n in nodes:
         wait_for(f"{n} labelled and advertising", lambda n=n: w.marked(pool, n) == (True, True))
         assert w.node(n).status.allocatable[f"offloadpool.io/{pool}"] == "1"
@@ -71,30 +82,60 @@ def test_pool_lifecycle(world: World, offloadpool_operator: OperatorProcess) -> 
     assert all(f"{pool}.{n}" in out for n in nodes), out
 
     # One node fails: Degraded, the reason names the shortfall, label and resource withdrawn.
-    w.report(pool, nodes[1], phase="Failed", reason="InsufficientHugePages",
-             message="needs 32 pages of 2Mi, node has 0 free")
-    st = wait_for("Degraded", lambda: (lambda s: s if s.get("phase") == "Degraded" else None)(status(w, pool)))
+    w.report(
+        pool,
+        nodes[1],
+        phase="Failed",
+        reason="InsufficientHugePages",
+        message="needs 32 pages of 2Mi, node has 0 free",
+    )
+    st = wait_for(
+        "Degraded", lambda: (lambda s: s if s.get("phase") == "Degraded" else None)(status(w, pool))
+    )
     assert (st["readyNodes"], st["failedNodes"]) == (2, 1)
-    assert st["failingNodes"] == [{"node": nodes[1], "reason": "InsufficientHugePages",
-                                   "message": "needs 32 pages of 2Mi, node has 0 free"}]
+    assert st["failingNodes"] == [
+        {
+            "node": nodes[1],
+            "reason": "InsufficientHugePages",
+            "message": "needs 32 pages of 2Mi, node has 0 free",
+        }
+    ]
     wait_for("failed node unmarked", lambda: w.marked(pool, nodes[1]) == (False, False))
     wait_for("NodeFailed event", lambda: "NodeFailed" in w.event_reasons(pool))
 
     # A Node is deleted: its OffloadPoolNode goes, counts adjust.
     w.core.delete_node(nodes[2])
-    wait_for("OffloadPoolNode of the deleted node gone", lambda: set(w.pool_nodes(pool)) == {nodes[0], nodes[1]})
+    wait_for(
+        "OffloadPoolNode of the deleted node gone", lambda: set(w.pool_nodes(pool)) == {nodes[0], nodes[1]}
+    )
     wait_for("desired 2", lambda: status(w, pool).get("desiredNodes") == 2)
 
     # Deletion waits while a node has not released, and says why.
     w.report(pool, nodes[1], phase="Released", reason="Released", message="memory freed")
-    w.report(pool, nodes[0], phase="Draining", reason="LeaseHeld", message="1 engine holds the lease", enginesAttached=1)
+    w.report(
+        pool,
+        nodes[0],
+        phase="Draining",
+        reason="LeaseHeld",
+        message="1 engine holds the lease",
+        enginesAttached=1,
+    )
     w.custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
-    st = wait_for("Deleting status", lambda: (lambda s: s if s.get("phase") == "Deleting" else None)(status(w, pool)))
+    st = wait_for(
+        "Deleting status", lambda: (lambda s: s if s.get("phase") == "Deleting" else None)(status(w, pool))
+    )
     ready_c = conds(w.pool(pool))["Ready"]
-    assert ready_c["reason"] == "Deleting" and nodes[0] in ready_c["message"] and "LeaseHeld" in ready_c["message"], ready_c
+    assert (
+        ready_c["reason"] == "Deleting"
+        and nodes[0] in ready_c["message"]
+        and "LeaseHeld" in ready_c["message"]
+    ), ready_c
     assert [f["node"] for f in st["failingNodes"]] == [nodes[0]]
     wait_for("node unmarked while deleting", lambda: w.marked(pool, nodes[0]) == (False, False))
-    wait_for("an Event saying why", lambda: any(nodes[0] in (e.message or "") and e.type == "Warning" for e in w.events(pool)))
+    wait_for(
+        "an Event saying why",
+        lambda: any(nodes[0] in (e.message or "") and e.type == "Warning" for e in w.events(pool)),
+    )
     assert w.pool(pool) is not None  # still held by the finalizer
 
     # The engine lets go: Released -> finalizer removed, pool gone, GC removes the rest.
@@ -120,13 +161,19 @@ def test_unresponsive_agent_and_reselection(world: World, offloadpool_operator: 
     group = w.name("g")
     a = w.add_node("a", {"offloadpool-test/group": group})
     b = w.add_node("b", {"offloadpool-test/group": "not-yet"})
-    tainted = w.add_node("t", {"offloadpool-test/group": group},
-                         taints=[{"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}])
-    pool = w.create_pool("stale", {"capacity": "64Mi", "medium": "Memory",
-                                   "nodeSelector": {"offloadpool-test/group": group}})
+    tainted = w.add_node(
+        "t",
+        {"offloadpool-test/group": group},
+        taints=[{"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}],
+    )
+    pool = w.create_pool(
+        "stale", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"offloadpool-test/group": group}}
+    )
     wait_for("a selected (tainted node is not: no toleration)", lambda: set(w.pool_nodes(pool)) == {a})
     w.report_ready(pool, a, heartbeat="2020-01-01T00:00:00Z")
-    st = wait_for("unresponsive", lambda: (lambda s: s if s.get("phase") == "Degraded" else None)(status(w, pool)))
+    st = wait_for(
+        "unresponsive", lambda: (lambda s: s if s.get("phase") == "Degraded" else None)(status(w, pool))
+    )
     assert st["readyNodes"] == 0 and st["failingNodes"][0]["reason"] == "AgentUnresponsive"
     assert conds(w.pool(pool))["Degraded"]["reason"] == "AgentsUnresponsive"
     # the agent's heartbeat Lease alone (no status write, nothing that wakes a pass) makes the
@@ -138,14 +185,30 @@ def test_unresponsive_agent_and_reselection(world: World, offloadpool_operator: 
     wait_for("Ready again", lambda: status(w, pool).get("phase") == "Ready")
     w.core.patch_node(b, {"metadata": {"labels": {"offloadpool-test/group": group}}}, _content_type=MERGE)
     wait_for("b joins", lambda: set(w.pool_nodes(pool)) == {a, b})
-    w.custom.patch_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool, {"spec": {"tolerations": [
-        {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]}}, _content_type=MERGE)
+    w.custom.patch_cluster_custom_object(
+        GROUP,
+        VERSION,
+        POOL_PLURAL,
+        pool,
+        {
+            "spec": {
+                "tolerations": [
+                    {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}
+                ]
+            }
+        },
+        _content_type=MERGE,
+    )
     wait_for("tolerated node joins", lambda: set(w.pool_nodes(pool)) == {a, b, tainted})
-    st = wait_for("2 of 3 not ready", lambda: (lambda s: s if s.get("desiredNodes") == 3 else None)(status(w, pool)))
+    st = wait_for(
+        "2 of 3 not ready", lambda: (lambda s: s if s.get("desiredNodes") == 3 else None)(status(w, pool))
+    )
     assert st["readyNodes"] == 1
     # A Ready node that stops matching: its object goes, its marks go, and an Event says so.
     wait_for("a marked", lambda: w.marked(pool, a) == (True, True))
-    w.core.patch_node(a, {"metadata": {"labels": {"offloadpool-test/group": "elsewhere"}}}, _content_type=MERGE)
+    w.core.patch_node(
+        a, {"metadata": {"labels": {"offloadpool-test/group": "elsewhere"}}}, _content_type=MERGE
+    )
     wait_for("a leaves", lambda: set(w.pool_nodes(pool)) == {b, tainted})
     wait_for("a unmarked", lambda: w.marked(pool, a) == (False, False))
     wait_for("NodeDeselected event", lambda: "NodeDeselected" in w.event_reasons(pool))
@@ -159,15 +222,17 @@ def test_rollout_node_by_node_survives_kill9(world: World, offloadpool_operator:
     group = w.name("g")
     nodes = sorted(w.add_node(f"r{i}", {"offloadpool-test/group": group}) for i in range(3))
     a, b, c = nodes
-    pool = w.create_pool("roll", {"capacity": "64Mi", "medium": "Memory",
-                                  "nodeSelector": {"offloadpool-test/group": group}})
+    pool = w.create_pool(
+        "roll", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"offloadpool-test/group": group}}
+    )
     wait_for("3 objects", lambda: len(w.pool_nodes(pool)) == 3)
     for n in nodes:
         w.report_ready(pool, n)
     wait_for("Ready", lambda: status(w, pool).get("phase") == "Ready")
 
-    w.custom.patch_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool, {"spec": {"capacity": "128Mi"}},
-                                         _content_type=MERGE)
+    w.custom.patch_cluster_custom_object(
+        GROUP, VERSION, POOL_PLURAL, pool, {"spec": {"capacity": "128Mi"}}, _content_type=MERGE
+    )
 
     def targets() -> dict[str, int]:
         return {n: o["spec"].get("targetGeneration") for n, o in w.pool_nodes(pool).items()}
@@ -176,23 +241,44 @@ def test_rollout_node_by_node_survives_kill9(world: World, offloadpool_operator:
     obj = w.pool_nodes(pool)[a]
     assert obj["metadata"]["annotations"]["offloadpool.io/rollout-generation"] == "2"
     ds_name = f"offloadpool-agent-{pool}"
-    wait_for("DaemonSet requests the new capacity", lambda: w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE)
-             .spec.template.spec.containers[0].resources.limits["memory"] == "384Mi")
+    wait_for(
+        "DaemonSet requests the new capacity",
+        lambda: (
+            w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE)
+            .spec.template.spec.containers[0]
+            .resources.limits["memory"]
+            == "384Mi"
+        ),
+    )
     uids = {n: o["metadata"]["uid"] for n, o in w.pool_nodes(pool).items()}
     ds_generation = w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE).metadata.generation
 
     # kill -9 while a is in flight; nothing advances without an operator.
     offloadpool_operator.kill9()
     # a's engine holds the lease: it stays at generation 1 and says so.
-    w.report_ready(pool, a, 1, pendingGeneration=2, reason="LeaseHeld", message="an engine holds the lease", enginesAttached=1)
+    w.report_ready(
+        pool,
+        a,
+        1,
+        pendingGeneration=2,
+        reason="LeaseHeld",
+        message="an engine holds the lease",
+        enginesAttached=1,
+    )
     offloadpool_operator.start()
     wait_for("b advanced by the new operator (a is held: skipped)", lambda: targets() == {a: 2, b: 2, c: 1})
     w.report(pool, b, phase="Provisioning", observedGeneration=1)
     w.report_ready(pool, b, 2)
     wait_for("c advanced after b is Ready at 2", lambda: targets() == {a: 2, b: 2, c: 2})
     w.report_ready(pool, c, 2)
-    st = wait_for("rollout pending only on the held node", lambda: (lambda p: p["status"] if conds(p).get(
-        "Progressing", {}).get("reason") == "RolloutPending" else None)(w.pool(pool)))  # one read: status and conditions agree
+    st = wait_for(
+        "rollout pending only on the held node",
+        lambda: (
+            lambda p: (
+                p["status"] if conds(p).get("Progressing", {}).get("reason") == "RolloutPending" else None
+            )
+        )(w.pool(pool)),
+    )  # one read: status and conditions agree
     assert (st["phase"], st["readyNodes"], st["pendingNodes"], st["observedGeneration"]) == ("Ready", 3, 1, 2)
     assert a in conds(w.pool(pool))["Progressing"]["message"]
     # No duplicate work: same objects, the DaemonSet untouched by the second operator.

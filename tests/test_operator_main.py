@@ -29,10 +29,27 @@ def test_needs_standalone_or_peering() -> None:
 
 
 def test_flags_reach_the_config() -> None:
-    cfg = config_from_args(parse_args(["--standalone", "--namespace", "ops", "--agent-image", "img:1",
-                                       "--heartbeat-timeout", "0", "--agent-memory-overhead", "1Gi"]))
+    cfg = config_from_args(
+        parse_args(
+            [
+                "--standalone",
+                "--namespace",
+                "ops",
+                "--agent-image",
+                "img:1",
+                "--heartbeat-timeout",
+                "0",
+                "--agent-memory-overhead",
+                "1Gi",
+            ]
+        )
+    )
     assert (cfg.namespace, cfg.agent_image, cfg.heartbeat_timeout_seconds, cfg.agent_memory_overhead) == (
-        "ops", "img:1", 0.0, "1Gi")
+        "ops",
+        "img:1",
+        0.0,
+        "1Gi",
+    )
 
 
 @pytest.mark.controlplane
@@ -41,9 +58,11 @@ def test_liveness_endpoint(crds_installed: Any, operator_rbac: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     workdir = Path(tempfile.mkdtemp(prefix="offloadpool-operator-"))
-    op = OperatorProcess(crds_installed, operator_rbac, workdir,
-                         extra_args=("--liveness", f"http://127.0.0.1:{port}/healthz")).start()
+    op = OperatorProcess(
+        crds_installed, operator_rbac, workdir, extra_args=("--liveness", f"http://127.0.0.1:{port}/healthz")
+    ).start()
     try:
+
         def healthy() -> bool:
             assert op.alive(), op.log()
             try:

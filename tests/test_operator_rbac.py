@@ -16,24 +16,46 @@ AGENT = f"system:serviceaccount:{NAMESPACE}:offloadpool-agent"
 OPERATOR = f"system:serviceaccount:{NAMESPACE}:offloadpool-operator"
 
 ALLOWED = [
-    (AGENT, "get offloadpools"), (AGENT, "watch offloadpools"), (AGENT, "list offloadpoolnodes"),
-    (AGENT, "patch offloadpoolnodes --subresource=status"), (AGENT, "update offloadpoolnodes --subresource=status"),
-    (AGENT, "create events -n default"), (AGENT, f"create leases -n {NAMESPACE}"), (AGENT, f"patch leases -n {NAMESPACE}"),
+    (AGENT, "get offloadpools"),
+    (AGENT, "watch offloadpools"),
+    (AGENT, "list offloadpoolnodes"),
+    (AGENT, "patch offloadpoolnodes --subresource=status"),
+    (AGENT, "update offloadpoolnodes --subresource=status"),
+    (AGENT, "create events -n default"),
+    (AGENT, f"create leases -n {NAMESPACE}"),
+    (AGENT, f"patch leases -n {NAMESPACE}"),
     (OPERATOR, f"list leases -n {NAMESPACE}"),
-    (OPERATOR, "patch nodes"), (OPERATOR, "patch nodes --subresource=status"), (OPERATOR, "watch nodes"),
-    (OPERATOR, "create offloadpoolnodes"), (OPERATOR, "delete offloadpoolnodes"),
-    (OPERATOR, "patch offloadpools"), (OPERATOR, "patch offloadpools --subresource=status"),
-    (OPERATOR, f"create daemonsets -n {NAMESPACE}"), (OPERATOR, f"update daemonsets -n {NAMESPACE}"),
-    (OPERATOR, "create events -n default"), (OPERATOR, f"delete pods -n {NAMESPACE}"),
+    (OPERATOR, "patch nodes"),
+    (OPERATOR, "patch nodes --subresource=status"),
+    (OPERATOR, "watch nodes"),
+    (OPERATOR, "create offloadpoolnodes"),
+    (OPERATOR, "delete offloadpoolnodes"),
+    (OPERATOR, "patch offloadpools"),
+    (OPERATOR, "patch offloadpools --subresource=status"),
+    (OPERATOR, f"create daemonsets -n {NAMESPACE}"),
+    (OPERATOR, f"update daemonsets -n {NAMESPACE}"),
+    (OPERATOR, "create events -n default"),
+    (OPERATOR, f"delete pods -n {NAMESPACE}"),
 ]
 DENIED = [
-    (AGENT, "patch nodes"), (AGENT, "patch nodes --subresource=status"), (AGENT, "update offloadpools"),
-    (AGENT, "patch offloadpools --subresource=status"), (AGENT, "patch offloadpoolnodes"),
-    (AGENT, "create offloadpoolnodes"), (AGENT, "delete offloadpoolnodes"), (AGENT, "get secrets -n default"),
-    (AGENT, "create leases -n default"), (AGENT, f"delete leases -n {NAMESPACE}"), (OPERATOR, f"patch leases -n {NAMESPACE}"),
-    (OPERATOR, "patch offloadpoolnodes --subresource=status"), (OPERATOR, "create daemonsets -n default"),
-    (OPERATOR, "delete nodes"), (OPERATOR, "get secrets -n default"), (OPERATOR, "create pods -n default"),
-    (OPERATOR, "delete pods -n default"), (OPERATOR, f"create pods -n {NAMESPACE}"),
+    (AGENT, "patch nodes"),
+    (AGENT, "patch nodes --subresource=status"),
+    (AGENT, "update offloadpools"),
+    (AGENT, "patch offloadpools --subresource=status"),
+    (AGENT, "patch offloadpoolnodes"),
+    (AGENT, "create offloadpoolnodes"),
+    (AGENT, "delete offloadpoolnodes"),
+    (AGENT, "get secrets -n default"),
+    (AGENT, "create leases -n default"),
+    (AGENT, f"delete leases -n {NAMESPACE}"),
+    (OPERATOR, f"patch leases -n {NAMESPACE}"),
+    (OPERATOR, "patch offloadpoolnodes --subresource=status"),
+    (OPERATOR, "create daemonsets -n default"),
+    (OPERATOR, "delete nodes"),
+    (OPERATOR, "get secrets -n default"),
+    (OPERATOR, "create pods -n default"),
+    (OPERATOR, "delete pods -n default"),
+    (OPERATOR, f"create pods -n {NAMESPACE}"),
 ]
 
 
@@ -53,12 +75,19 @@ def test_denied(operator_rbac: Any, control_plane: Any, who: str, what: str) -> 
 
 #: The admission webhook: the operator fills in the two configurations the installer created,
 #: and can neither create webhook configurations nor touch any other.
-WEBHOOK_ALLOWED = [(OPERATOR, "get mutatingwebhookconfigurations/offloadpool"),
-                   (OPERATOR, "patch mutatingwebhookconfigurations/offloadpool"),
-                   (OPERATOR, "patch validatingwebhookconfigurations/offloadpool")]
-WEBHOOK_DENIED = [(OPERATOR, "create mutatingwebhookconfigurations"), (OPERATOR, "create validatingwebhookconfigurations"),
-                  (OPERATOR, "patch mutatingwebhookconfigurations/other"), (OPERATOR, "list validatingwebhookconfigurations"),
-                  (OPERATOR, "delete mutatingwebhookconfigurations/offloadpool"), (AGENT, "get mutatingwebhookconfigurations/offloadpool")]
+WEBHOOK_ALLOWED = [
+    (OPERATOR, "get mutatingwebhookconfigurations/offloadpool"),
+    (OPERATOR, "patch mutatingwebhookconfigurations/offloadpool"),
+    (OPERATOR, "patch validatingwebhookconfigurations/offloadpool"),
+]
+WEBHOOK_DENIED = [
+    (OPERATOR, "create mutatingwebhookconfigurations"),
+    (OPERATOR, "create validatingwebhookconfigurations"),
+    (OPERATOR, "patch mutatingwebhookconfigurations/other"),
+    (OPERATOR, "list validatingwebhookconfigurations"),
+    (OPERATOR, "delete mutatingwebhookconfigurations/offloadpool"),
+    (AGENT, "get mutatingwebhookconfigurations/offloadpool"),
+]
 
 
 @pytest.mark.parametrize(("who", "what"), WEBHOOK_ALLOWED)

@@ -15,8 +15,14 @@ PREFIX = "offloadpool.io/"
 
 def info(labels=None, taints=(), capacity=None) -> NodeInfo:
     cap = capacity or {}
-    return NodeInfo.from_body({"metadata": {"name": "n", "labels": labels or {}}, "spec": {"taints": list(taints)},
-                               "status": {"capacity": cap, "allocatable": cap}}, PREFIX)
+    return NodeInfo.from_body(
+        {
+            "metadata": {"name": "n", "labels": labels or {}},
+            "spec": {"taints": list(taints)},
+            "status": {"capacity": cap, "allocatable": cap},
+        },
+        PREFIX,
+    )
 
 
 def test_node_changes_that_wake_passes() -> None:
@@ -27,23 +33,44 @@ def test_node_changes_that_wake_passes() -> None:
     marked = info({"gpu": "a", "pool.offloadpool.io/p": "ready"}, capacity={"offloadpool.io/p": "1"})
     assert not rt.node_changed(marked, "n")
     # a label that pools select on, a taint: news
-    assert rt.node_changed(info({"gpu": "b", "pool.offloadpool.io/p": "ready"}, capacity={"offloadpool.io/p": "1"}), "n")
-    assert rt.node_changed(info({"gpu": "b", "pool.offloadpool.io/p": "ready"}, capacity={"offloadpool.io/p": "1"},
-                                taints=[{"key": "k", "effect": "NoSchedule"}]), "n")
+    assert rt.node_changed(
+        info({"gpu": "b", "pool.offloadpool.io/p": "ready"}, capacity={"offloadpool.io/p": "1"}), "n"
+    )
+    assert rt.node_changed(
+        info(
+            {"gpu": "b", "pool.offloadpool.io/p": "ready"},
+            capacity={"offloadpool.io/p": "1"},
+            taints=[{"key": "k", "effect": "NoSchedule"}],
+        ),
+        "n",
+    )
     # a kubelet re-registering zeroes the resource: a mark lost, news
-    assert rt.node_changed(info({"gpu": "b", "pool.offloadpool.io/p": "ready"}, capacity={"offloadpool.io/p": "0"},
-                                taints=[{"key": "k", "effect": "NoSchedule"}]), "n")
+    assert rt.node_changed(
+        info(
+            {"gpu": "b", "pool.offloadpool.io/p": "ready"},
+            capacity={"offloadpool.io/p": "0"},
+            taints=[{"key": "k", "effect": "NoSchedule"}],
+        ),
+        "n",
+    )
     assert rt.node_changed(None, "n") and not rt.node_changed(None, "n")  # gone, once
 
 
 def test_pool_changes_that_wake_passes() -> None:
     rt = Runtime(OperatorConfig())
-    body = {"metadata": {"name": "p", "generation": 1, "finalizers": ["offloadpool.io/release"]},
-            "status": {"readyNodes": 0}}
+    body = {
+        "metadata": {"name": "p", "generation": 1, "finalizers": ["offloadpool.io/release"]},
+        "status": {"readyNodes": 0},
+    }
     assert rt.pool_changed("p", body)
     assert not rt.pool_changed("p", {**body, "status": {"readyNodes": 5}})  # its own status write
     assert rt.pool_changed("p", {**body, "metadata": {**body["metadata"], "generation": 2}})  # a new spec
-    assert rt.pool_changed("p", {**body, "metadata": {**body["metadata"], "generation": 2,
-                                                      "deletionTimestamp": "2026-11-30T00:00:00Z"}})
+    assert rt.pool_changed(
+        "p",
+        {
+            **body,
+            "metadata": {**body["metadata"], "generation": 2, "deletionTimestamp": "2026-11-30T00:00:00Z"},
+        },
+    )
     rt.forget("p")
     assert rt.pool_changed("p", body)  # after forget, as new

@@ -19,8 +19,7 @@ SCRIPTS = Path(sysconfig.get_path("scripts"))
 
 
 def _python(code: str, cwd: Path) -> str:
-    proc = subprocess.run([PYTHON, "-c", code], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([PYTHON, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"python -c {code!r} in {cwd} failed:\n{proc.stderr}"
     return proc.stdout.strip()
 
@@ -36,8 +35,7 @@ def test_stdlib_operator_is_not_shadowed_from_the_repo_root() -> None:
 def test_cli_console_script_prints_help(tmp_path: Path) -> None:
     script = SCRIPTS / "offloadpool"
     assert script.exists(), f"console script missing: {script} (is the package installed?)"
-    proc = subprocess.run([str(script), "--help"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "usage" in proc.stdout.lower()
 

@@ -50,7 +50,7 @@ def fill(att: Attachment, seed: int) -> None:
         step = 64 * MiB if sparse else 8 * MiB
         for off in range(start, start + length, step):
             n = min(1 * MiB if sparse else step, start + length - off)
-            mv[off:off + n] = rng.randbytes(n)
+            mv[off : off + n] = rng.randbytes(n)
     mv.release()
 
 
@@ -79,8 +79,9 @@ def expected_pinned_bytes(att: Attachment) -> int:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("medium", MEDIA)
-def test_attach_pin_write_and_read_back_in_another_process(make_pool: PoolFactory, medium: str,
-                                                           layout: str) -> None:
+def test_attach_pin_write_and_read_back_in_another_process(
+    make_pool: PoolFactory, medium: str, layout: str
+) -> None:
     pool = make_pool("kv", **pool_args(medium, layout))
     manifest = load(pool)
     hugetlb = medium.startswith("HugePages")

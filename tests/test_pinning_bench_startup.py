@@ -17,8 +17,11 @@ pytestmark = pytest.mark.root
 def test_startup_bench_reports_every_case_and_cleans_up() -> None:
     result = run(64 * MiB, reps=1, media=["HugePages-2Mi", "Memory"], backend="mlock")
     assert result["backend"] == "mlock"
-    assert set(result["cases"]) == {"engine_built", "attach_provisioned[HugePages-2Mi]",
-                                    "attach_provisioned[Memory]"}
+    assert set(result["cases"]) == {
+        "engine_built",
+        "attach_provisioned[HugePages-2Mi]",
+        "attach_provisioned[Memory]",
+    }
     assert set(result["per_medium"]) == {"HugePages-2Mi", "Memory"}
     assert result["best_medium"] in result["per_medium"]
     assert result["ratio_engine_built_vs_attach"] == result["per_medium"][result["best_medium"]]["ratio"]

@@ -40,16 +40,26 @@ def geometries(draw: st.DrawFn, chunk_floor: bool = True) -> dict[str, int]:
     unit = math.lcm(row, page)
     rounded = -(-(slot + 2 * page) // page) * page  # a little above one rounded slot
     low = unit if chunk_floor else 1
-    bounds = [(low, max(low, rows * row + 4 * page)), (low, 4 * max(low, unit)),
-              (max(low, rounded - 2 * page), max(low, 3 * rounded))]
+    bounds = [
+        (low, max(low, rows * row + 4 * page)),
+        (low, 4 * max(low, unit)),
+        (max(low, rounded - 2 * page), max(low, 3 * rounded)),
+    ]
     lo, hi = bounds[draw(st.integers(0, 2))]
     max_chunk = draw(st.integers(lo, hi))
     if draw(st.booleans()):
         max_ranges = draw(st.integers(1, rows + 2))
     else:
         max_ranges = draw(st.integers(max(1, rows - 3), rows + 1))
-    return dict(total_bytes=rows * row, row_bytes=row, slot_offset=offset, slot_bytes=slot,
-                page_size=page, max_chunk=max_chunk, max_ranges=max_ranges)
+    return dict(
+        total_bytes=rows * row,
+        row_bytes=row,
+        slot_offset=offset,
+        slot_bytes=slot,
+        page_size=page,
+        max_chunk=max_chunk,
+        max_ranges=max_ranges,
+    )
 
 
 def model(g: dict[str, int]) -> list[tuple[int, int]] | str:
@@ -236,8 +246,9 @@ def test_chunks_never_exceed_max_chunk_on_row_seams() -> None:
     ],
 )
 def test_bad_input_is_refused(kwargs: dict[str, int], message: str) -> None:
-    args = dict(total_bytes=4096 * 4 * 8, row_bytes=4096 * 4, slot_offset=0, slot_bytes=4096 * 4,
-                page_size=4096)
+    args = dict(
+        total_bytes=4096 * 4 * 8, row_bytes=4096 * 4, slot_offset=0, slot_bytes=4096 * 4, page_size=4096
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         plan_pin_ranges(**args)

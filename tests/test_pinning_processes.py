@@ -31,8 +31,12 @@ time.sleep(600)
 
 
 def start_child(code: str, *args: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if line.strip() != "READY":
@@ -134,16 +138,21 @@ sys.stdin.readline()
 
 
 @pytest.mark.parametrize("medium", ["Memory", "HugePages-2Mi"])
-def test_registration_waits_for_the_file_lock(make_pool: PoolFactory, medium: str,
-                                              locked: Callable[[], int]) -> None:
+def test_registration_waits_for_the_file_lock(
+    make_pool: PoolFactory, medium: str, locked: Callable[[], int]
+) -> None:
     """Another process registering segment 0 (holding its lock: an flock on the segment file
     itself, which works on tmpfs and hugetlbfs alike) holds up our registration of that file;
     nothing is locked until the other lets go."""
     pool = make_pool("kv", capacity=64 * MiB, medium=medium)
     counted = 0 if medium.startswith("HugePages") else 64 * MiB
     first = load(pool).regions[0].segments[0].file
-    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(pool / first)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    locker = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, str(pool / first)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert locker.stdout is not None and locker.stdout.readline().strip() == "READY"
         with attach(pool, rank=0) as att:
@@ -173,8 +182,9 @@ def test_background_pin_returns_a_future(make_pool: PoolFactory, locked: Callabl
     assert locked() == 0 and traces_of(pool) == []
 
 
-def test_close_during_background_pin_leaves_nothing_locked(make_pool: PoolFactory,
-                                                           locked: Callable[[], int]) -> None:
+def test_close_during_background_pin_leaves_nothing_locked(
+    make_pool: PoolFactory, locked: Callable[[], int]
+) -> None:
     pool = make_pool("kv", capacity=256 * MiB)
     att = attach(pool)
     future = att.pin("mlock", background=True, max_chunk=1 * MiB)  # 256 calls: room to cancel

@@ -79,7 +79,9 @@ def test_segment_size_mismatch(make_pool: PoolFactory) -> None:
     pool = make_pool("kv")
     seg = load(pool).regions[0].segments[1]
     os.truncate(pool / seg.file, seg.bytes - 4096)
-    with pytest.raises(AttachError, match=f"{seg.bytes - 4096} bytes on disk but the manifest says {seg.bytes}"):
+    with pytest.raises(
+        AttachError, match=f"{seg.bytes - 4096} bytes on disk but the manifest says {seg.bytes}"
+    ):
         attach(pool)
     assert_untouched(pool)
 
@@ -104,8 +106,7 @@ def test_unknown_backend_and_double_pin(make_pool: PoolFactory, locked: Callable
     assert_untouched(pool)
 
 
-def test_bad_pin_limits_are_refused_before_pinning(make_pool: PoolFactory,
-                                                  locked: Callable[[], int]) -> None:
+def test_bad_pin_limits_are_refused_before_pinning(make_pool: PoolFactory, locked: Callable[[], int]) -> None:
     pool = make_pool("kv", layout_type="Interleaved", ranks=2, slot_bytes=1 * MiB)
     with attach(pool) as att:
         with pytest.raises(ValueError, match="exceeds max_chunk"):

@@ -44,8 +44,18 @@ def test_shortfall_fails_before_anything_is_created(region_root, hugepage_baseli
 def test_cli_reports_shortfall_with_exit_code(region_root, hugepage_baseline):
     from fixtures.host import cli
 
-    out = cli("provision", "--root", str(region_root), "--name", "big", "--capacity", f"{far_too_much() // GiB}Gi",
-              "--medium", "HugePages-1Gi", check=False)
+    out = cli(
+        "provision",
+        "--root",
+        str(region_root),
+        "--name",
+        "big",
+        "--capacity",
+        f"{far_too_much() // GiB}Gi",
+        "--medium",
+        "HugePages-1Gi",
+        check=False,
+    )
     assert out.returncode == 1
     assert "insufficient capacity" in out.stderr and "short by" in out.stderr
     assert list(region_root.iterdir()) == []

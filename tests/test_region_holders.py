@@ -55,19 +55,38 @@ sys.stdin.read()  # until the test closes our stdin
 """
 
 
-def start_holder(processes, tmp_path: Path, src: Path, how: str, lease_dir: Path | None = None) -> subprocess.Popen:
+def start_holder(
+    processes, tmp_path: Path, src: Path, how: str, lease_dir: Path | None = None
+) -> subprocess.Popen:
     """A holder in a private mount namespace; returns once it maps (or opens) the file."""
     private = tmp_path / f"pod-{len(list(tmp_path.glob('pod-*')))}" / "vllm_offload_pod.mmap"
     private.parent.mkdir()
     private.touch()  # the bind mount's target; on the host it stays this empty file
-    proc = processes(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", HOLDER,
-                      str(src), str(private), how, str(lease_dir) if lease_dir else "-",
-                      PATTERN.decode()], stdin=subprocess.PIPE)
+    proc = processes(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            sys.executable,
+            "-c",
+            HOLDER,
+            str(src),
+            str(private),
+            how,
+            str(lease_dir) if lease_dir else "-",
+            PATTERN.decode(),
+        ],
+        stdin=subprocess.PIPE,
+    )
     line = proc.stdout.readline().split()
-    assert line == ["ready", str(proc.pid)], f"holder did not start: {line} {proc.stderr.read() if proc.poll() is not None else ''}"
+    assert line == ["ready", str(proc.pid)], (
+        f"holder did not start: {line} {proc.stderr.read() if proc.poll() is not None else ''}"
+    )
     st = os.stat(private)
-    assert st.st_size == 0 and (st.st_dev, st.st_ino) != (os.stat(src).st_dev, os.stat(src).st_ino), \
+    assert st.st_size == 0 and (st.st_dev, st.st_ino) != (os.stat(src).st_dev, os.stat(src).st_ino), (
         "the holder's bind mount leaked into the host's mount namespace"
+    )
     return proc
 
 
@@ -102,11 +121,16 @@ def test_release_refuses_a_lockless_holder_in_another_mount_namespace(region_roo
     compat = pool_dir / "mnt" / "vllm_offload_pod1.mmap"  # what stock vLLM maps
     engine = start_holder(processes, tmp_path, compat, "map")
 
-    with pytest.raises(PoolInUse, match=rf"held by 1 attached engine: pid {engine.pid} \(python[^)]*\) "
-                                        r"maps the pool's memory") as exc:
+    with pytest.raises(
+        PoolInUse,
+        match=rf"held by 1 attached engine: pid {engine.pid} \(python[^)]*\) "
+        r"maps the pool's memory",
+    ) as exc:
         release(region_root, req.name)
     assert isinstance(exc.value, LeaseHeld)
-    assert [(h.pid, h.mapped, h.open, h.lease) for h in exc.value.holders] == [(engine.pid, True, False, False)]
+    assert [(h.pid, h.mapped, h.open, h.lease) for h in exc.value.holders] == [
+        (engine.pid, True, False, False)
+    ]
     assert_intact(region_root, req)
 
     out = cli("release", req.name, "--root", str(region_root), check=False)
@@ -135,8 +159,18 @@ def test_reshape_refuses_while_mapped_and_keeps_the_pool_and_its_data(region_roo
     assert_intact(region_root, old)
     assert len(mounts.mounts_under(region_root)) == 1  # no second pool next to the held one
 
-    out = cli("provision", "--root", str(region_root), "--name", "reshape", "--capacity", "128Mi",
-              "--medium", "MemoryTHP", check=False)
+    out = cli(
+        "provision",
+        "--root",
+        str(region_root),
+        "--name",
+        "reshape",
+        "--capacity",
+        "128Mi",
+        "--medium",
+        "MemoryTHP",
+        check=False,
+    )
     assert out.returncode == 3 and f"pid {engine.pid} (python" in " ".join(out.stderr.split()), out.stderr
     assert_intact(region_root, old)
     assert len(mounts.mounts_under(region_root)) == 1
@@ -159,13 +193,19 @@ def test_engines_attached_counts_each_holding_process_once(region_root, processe
 
     both = start_holder(processes, tmp_path, seg, "map", lease_dir=pool_dir)  # maps and holds the lease
     assert pool_state(region_root, req.name).engines_attached == 1
-    assert [(h.pid, h.mapped, h.open, h.lease) for h in find_holders(pool_dir)] == [(both.pid, True, False, True)]
+    assert [(h.pid, h.mapped, h.open, h.lease) for h in find_holders(pool_dir)] == [
+        (both.pid, True, False, True)
+    ]
 
     opener = start_holder(processes, tmp_path, seg, "open")  # an open fd, no mapping, no lease
     assert pool_state(region_root, req.name).engines_attached == 2
     holders = {h.pid: h for h in find_holders(pool_dir)}
     assert set(holders) == {both.pid, opener.pid}
-    assert (holders[opener.pid].open, holders[opener.pid].mapped, holders[opener.pid].lease) == (True, False, False)
+    assert (holders[opener.pid].open, holders[opener.pid].mapped, holders[opener.pid].lease) == (
+        True,
+        False,
+        False,
+    )
     assert holders[both.pid].comm.startswith("python")
 
     with pytest.raises(LeaseHeld, match="held by 2 attached engines") as exc:

@@ -26,8 +26,10 @@ from offloadpool.region.request import PoolRequest
 MiB, GiB = 1 << 20, 1 << 30
 TOOL = [sys.executable, str(REPO / "hack" / "hugepages.py")]
 # /sys and /proc/sys read-only in a private mount namespace, as an unprivileged container has them
-READ_ONLY_SYS = ("mount --bind /sys /sys && mount -o remount,bind,ro /sys && "
-                 "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && exec \"$@\"")
+READ_ONLY_SYS = (
+    "mount --bind /sys /sys && mount -o remount,bind,ro /sys && "
+    'mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && exec "$@"'
+)
 
 
 def run_tool(*args: str, cache: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
@@ -40,19 +42,24 @@ def run_tool(*args: str, cache: str | None = None, **env: str) -> subprocess.Com
 def test_the_suite_draws_on_its_reservation(region_root, hugepage_baseline, hugepage_reservation):
     """A 2 GiB HugePages-1Gi pool takes reserved pages: the kernel pool does not grow."""
     assert hugepage_reservation[GiB] >= 2 and hugepages.counters(GiB).available >= hugepage_reservation[GiB]
-    result = provision(PoolRequest(name="one-gi", capacity=2 * GiB, medium="HugePages-1Gi",
-                                   min_segment=GiB), region_root)
+    result = provision(
+        PoolRequest(name="one-gi", capacity=2 * GiB, medium="HugePages-1Gi", min_segment=GiB), region_root
+    )
     assert result.hugepages_added == 0
     assert hugepage_totals() == hugepage_baseline
     assert release(region_root, "one-gi").hugepages_returned == 0
     assert hugepages.counters(GiB).available >= hugepage_reservation[GiB]
 
 
-def test_grows_when_free_pages_are_taken_and_gives_back_exactly_that(region_root, hugepage_baseline, tmp_path):
+def test_grows_when_free_pages_are_taken_and_gives_back_exactly_that(
+    region_root, hugepage_baseline, tmp_path
+):
     with other_tenant_holds_free_hugepages(tmp_path / "tenant") as held:
         assert held >= 1
-        result = provision(PoolRequest(name="grown", capacity=64 * MiB, medium="HugePages-2Mi",
-                                       min_segment=16 * MiB), region_root)
+        result = provision(
+            PoolRequest(name="grown", capacity=64 * MiB, medium="HugePages-2Mi", min_segment=16 * MiB),
+            region_root,
+        )
         assert result.hugepages_added == 32
         assert hugepage_totals()[2 * MiB] == hugepage_baseline[2 * MiB] + 32
         assert release(region_root, "grown").hugepages_returned == 32
@@ -70,7 +77,18 @@ Node 0, zone   Normal    990   1173    864    430    243    110     47     26   
 def test_buddy_state_is_summed_over_zones(tmp_path):
     (tmp_path / "buddyinfo").write_text(BUDDYINFO)
     assert hugepages.free_blocks_by_order(str(tmp_path / "buddyinfo")) == [
-        991, 1175, 868, 432, 248, 114, 50, 29, 18, 13, 778]
+        991,
+        1175,
+        868,
+        432,
+        248,
+        114,
+        50,
+        29,
+        18,
+        13,
+        778,
+    ]
     live = hugepages.free_blocks_by_order()  # this machine's, in the same format
     assert len(live) == 11 and all(n >= 0 for n in live) and sum(live) > 0
 
@@ -105,13 +123,31 @@ def test_engine_shortfall_after_growing_names_the_reason(region_root, hugepage_b
         "    print(exc); sys.exit(3)\n"
     )
     with other_tenant_holds_free_hugepages(tmp_path / "tenant"):
-        out = subprocess.run(["unshare", "--mount", "--propagation", "slave", "sh", "-c", READ_ONLY_SYS,
-                              "engine", sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "slave",
+                "sh",
+                "-c",
+                READ_ONLY_SYS,
+                "engine",
+                sys.executable,
+                "-c",
+                script,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert out.returncode == 3, out.stdout + out.stderr
     message = out.stdout
     assert message.startswith("HugePages-2Mi pool needs 32 huge pages of 2.00 MiB"), message
-    assert "the huge page pool is fixed here (cannot grow /sys/kernel/mm/hugepages/hugepages-2048kB/" \
-           "nr_hugepages: Read-only file system)" in message, message
+    assert (
+        "the huge page pool is fixed here (cannot grow /sys/kernel/mm/hugepages/hugepages-2048kB/"
+        "nr_hugepages: Read-only file system)" in message
+    ), message
     assert "short by 32 pages" in message and "fragmented" not in message, message
     assert list(region_root.iterdir()) == [] and mounts.mounts_under(region_root) == []
     assert hugepage_totals() == hugepage_baseline
@@ -119,8 +155,12 @@ def test_engine_shortfall_after_growing_names_the_reason(region_root, hugepage_b
 
 def test_capacity_error_before_anything_when_pages_and_memory_are_short(region_root, hugepage_baseline):
     with pytest.raises(CapacityError, match="short by"):
-        provision(PoolRequest(name="huge", capacity=(2 * meminfo()["MemTotal"] // GiB + 1) * GiB,
-                              medium="HugePages-1Gi"), region_root)
+        provision(
+            PoolRequest(
+                name="huge", capacity=(2 * meminfo()["MemTotal"] // GiB + 1) * GiB, medium="HugePages-1Gi"
+            ),
+            region_root,
+        )
     assert hugepage_totals() == hugepage_baseline
 
 
@@ -135,14 +175,20 @@ def test_reservation_tool_is_idempotent_and_reports_what_it_holds(hugepage_reser
     assert gi["pool"] == hugepage_baseline[GiB]
 
 
-def test_reservation_tool_fails_at_once_with_one_message_and_gives_back_its_pages(hugepage_baseline, tmp_path):
+def test_reservation_tool_fails_at_once_with_one_message_and_gives_back_its_pages(
+    hugepage_baseline, tmp_path
+):
     """Asking for more 1 GiB pages than the machine has memory: one message with what was
     asked, what is free and the buddy state; nothing grown; release (of a separate record)
     then gives back exactly what that record added."""
     too_many = 2 * meminfo()["MemTotal"] // GiB + 1
     cache = str(tmp_path / "cache")
-    out = run_tool("reserve", cache=cache, OFFLOADPOOL_TEST_HUGEPAGES_1GI=str(too_many),
-                   OFFLOADPOOL_TEST_HUGEPAGES_2MI="0")
+    out = run_tool(
+        "reserve",
+        cache=cache,
+        OFFLOADPOOL_TEST_HUGEPAGES_1GI=str(too_many),
+        OFFLOADPOOL_TEST_HUGEPAGES_2MI="0",
+    )
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert lines[0] == "FAIL: the test suite's huge pages cannot be reserved on this machine:"
@@ -153,7 +199,9 @@ def test_reservation_tool_fails_at_once_with_one_message_and_gives_back_its_page
 
     # a reservation of one more 2 MiB page than is free, recorded in this separate cache
     need = hugepages.counters(2 * MiB).available + 1
-    got = run_tool("reserve", cache=cache, OFFLOADPOOL_TEST_HUGEPAGES_1GI="0", OFFLOADPOOL_TEST_HUGEPAGES_2MI=str(need))
+    got = run_tool(
+        "reserve", cache=cache, OFFLOADPOOL_TEST_HUGEPAGES_1GI="0", OFFLOADPOOL_TEST_HUGEPAGES_2MI=str(need)
+    )
     assert got.returncode == 0, got.stderr
     assert hugepage_totals()[2 * MiB] == hugepage_baseline[2 * MiB] + 1
     recorded = json.loads((tmp_path / "cache" / "hugepages-reservation.json").read_text())
@@ -178,10 +226,29 @@ def test_pool_lock_falls_back_to_the_root_where_run_lock_is_read_only(region_roo
         "release(root, 'ro')\n"
         "print('ok', r.manifest.total_bytes)\n"
     )
-    ro_run = ("mkdir -p /run/lock && mount --bind /run/lock /run/lock && mount -o remount,bind,ro /run/lock && "
-              "exec \"$@\"")
-    out = subprocess.run(["unshare", "--mount", "--propagation", "slave", "sh", "-c", ro_run, "engine",
-                          sys.executable, "-c", script, str(region_root)], capture_output=True, text=True, timeout=120)
+    ro_run = (
+        "mkdir -p /run/lock && mount --bind /run/lock /run/lock && mount -o remount,bind,ro /run/lock && "
+        'exec "$@"'
+    )
+    out = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "slave",
+            "sh",
+            "-c",
+            ro_run,
+            "engine",
+            sys.executable,
+            "-c",
+            script,
+            str(region_root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.split() == ["ok", str(16 << 20)]
     assert (region_root / hugepages.ROOT_LOCK_NAME).exists()  # where the lock was taken

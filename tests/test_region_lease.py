@@ -37,7 +37,9 @@ def hold(processes, pool_dir):
     return proc
 
 
-def test_release_refuses_while_held_and_succeeds_after_holder_is_killed(region_root, hugepage_baseline, processes):
+def test_release_refuses_while_held_and_succeeds_after_holder_is_killed(
+    region_root, hugepage_baseline, processes
+):
     req = PoolRequest(name="held", capacity=128 * MiB, medium="HugePages-2Mi", min_segment=32 * MiB)
     added = provision(req, region_root).hugepages_added  # 64 unless free pages were already there
     pool_dir = region_root / req.name
@@ -52,7 +54,9 @@ def test_release_refuses_while_held_and_succeeds_after_holder_is_killed(region_r
 
     engine.send_signal(signal.SIGKILL)
     engine.wait(timeout=30)
-    wait_for("the kernel to drop the flock", lambda: count_holders(lease_path(pool_dir)) == 0, 10, interval=0.01)
+    wait_for(
+        "the kernel to drop the flock", lambda: count_holders(lease_path(pool_dir)) == 0, 10, interval=0.01
+    )
     result = release(region_root, req.name)
     assert result.existed and result.hugepages_returned == added
     assert not pool_dir.exists() and mounts.mounts_under(region_root) == []
@@ -78,7 +82,10 @@ def test_spec_change_is_pending_while_held_then_applied(region_root, hugepage_ba
     with open(pool_dir / "mnt" / "r0-s000", "rb") as fh:
         assert fh.read(5) == b"kept!"
     # a generation bump with the same shape is applied in place, even while held
-    same = provision(PoolRequest(name="reshape", capacity=64 * MiB, medium="MemoryTHP", generation=2, mode=0o600), region_root)
+    same = provision(
+        PoolRequest(name="reshape", capacity=64 * MiB, medium="MemoryTHP", generation=2, mode=0o600),
+        region_root,
+    )
     assert same.reused and same.manifest.generation == 2 and same.manifest.mode == 0o600
 
     engine.send_signal(signal.SIGKILL)

@@ -37,25 +37,37 @@ def numa_maps_line(path, size) -> str:
 
 
 @pytest.mark.parametrize("medium", ["Memory", "MemoryTHP", "HugePages-2Mi"])
-@pytest.mark.parametrize("policy, shown, nodes", [
-    ("0", "bind:0", [[0], [0]]),
-    ("Interleave", "interleave:", None),
-    ("Spread", "bind:", None),
-    ("None", "default", [[], []]),
-])
+@pytest.mark.parametrize(
+    "policy, shown, nodes",
+    [
+        ("0", "bind:0", [[0], [0]]),
+        ("Interleave", "interleave:", None),
+        ("Spread", "bind:", None),
+        ("None", "default", [[], []]),
+    ],
+)
 def test_numa_policies(region_root, hugepage_baseline, medium, policy, shown, nodes):
     online = online_nodes()
-    req = PoolRequest(name="numa", capacity=64 * MiB, medium=medium, numa=policy, layout_type="PerRank", ranks=2)
+    req = PoolRequest(
+        name="numa", capacity=64 * MiB, medium=medium, numa=policy, layout_type="PerRank", ranks=2
+    )
     provision(req, region_root)
     state = pool_state(region_root, req.name)
-    expected = nodes if nodes is not None else (
-        [list(online)] * 2 if policy == "Interleave" else [[online[i % len(online)]] for i in range(2)])
+    expected = (
+        nodes
+        if nodes is not None
+        else ([list(online)] * 2 if policy == "Interleave" else [[online[i % len(online)]] for i in range(2)])
+    )
     assert [list(n) for n in state.numa_nodes] == expected
     line = numa_maps_line(region_root / req.name / "mnt" / "r1-s000", 32 * MiB)
     if medium != "HugePages-2Mi":
         assert shown in line, line  # tmpfs keeps the policy on the file for every later mapping
     placed = expected[1] or online
-    counts = {int(tok[1:].split("=")[0]): int(tok.split("=")[1]) for tok in line.split() if tok[:1] == "N" and "=" in tok}
+    counts = {
+        int(tok[1:].split("=")[0]): int(tok.split("=")[1])
+        for tok in line.split()
+        if tok[:1] == "N" and "=" in tok
+    }
     assert counts and set(counts) <= set(placed), line
     release(region_root, req.name)
 

@@ -20,7 +20,12 @@ PAGES = st.sampled_from([4 * KiB, 2 * MiB, GiB])
 @st.composite
 def geometries(draw):
     page = draw(PAGES)
-    row = draw(st.one_of(st.none(), st.integers(1, 64).map(lambda n: n * draw(st.sampled_from([4 * KiB, 1 * MiB, 2 * MiB, 3 * MiB])))))
+    row = draw(
+        st.one_of(
+            st.none(),
+            st.integers(1, 64).map(lambda n: n * draw(st.sampled_from([4 * KiB, 1 * MiB, 2 * MiB, 3 * MiB]))),
+        )
+    )
     granule = math.lcm(page, row) if row else page
     units = draw(st.integers(1, 4096))
     region = units * granule
@@ -69,8 +74,17 @@ def test_below_two_gib_is_one_file_with_default_minimum(pages):
 def test_plan_regions_per_layout(medium, layout, ranks, per_rank_pages, max_files, min_segment):
     page = {"HugePages-2Mi": 2 * MiB, "HugePages-1Gi": GiB, "Memory": 4 * KiB, "MemoryTHP": 2 * MiB}[medium]
     cap = ranks * per_rank_pages * page
-    p = plan(PoolRequest(name="p", capacity=cap, medium=medium, layout_type=layout, ranks=ranks,
-                         max_files=max_files, min_segment=min_segment))
+    p = plan(
+        PoolRequest(
+            name="p",
+            capacity=cap,
+            medium=medium,
+            layout_type=layout,
+            ranks=ranks,
+            max_files=max_files,
+            min_segment=min_segment,
+        )
+    )
     assert p.total_bytes == cap and p.page_size == page
     if layout == "PerRank":
         assert [r.rank for r in p.regions] == list(range(ranks))
@@ -86,8 +100,17 @@ def test_plan_regions_per_layout(medium, layout, ranks, per_rank_pages, max_file
 
 def test_interleaved_rows_never_straddle_files():
     slot = 3 * MiB  # row 6 MiB with 2 ranks: lcm with the 2 MiB page is 6 MiB
-    p = plan(PoolRequest(name="p", capacity=1536 * 6 * MiB, medium="HugePages-2Mi",
-                         layout_type="Interleaved", ranks=2, slot_bytes=slot, min_segment=GiB))
+    p = plan(
+        PoolRequest(
+            name="p",
+            capacity=1536 * 6 * MiB,
+            medium="HugePages-2Mi",
+            layout_type="Interleaved",
+            ranks=2,
+            slot_bytes=slot,
+            min_segment=GiB,
+        )
+    )
     assert p.layout.row_bytes == 6 * MiB and p.layout.slot_bytes == slot
     # 9 GiB would be 9 files of 1 GiB, but 1 GiB is not a whole number of 6 MiB rows: files
     # keep whole rows and at least the minimum, so there are 8
@@ -98,35 +121,73 @@ def test_interleaved_rows_never_straddle_files():
 
 def test_compat_splits_as_stock_vllm_does_and_refuses_per_rank():
     # Below 2 GiB (or numSegments 1) vLLM uses one file, whatever its rows.
-    assert len(plan(PoolRequest(name="p", capacity=2 * GiB - 2 * MiB, medium="MemoryTHP",
-                                compat_engine_id="e1")).segments) == 1
-    assert len(plan(PoolRequest(name="p", capacity=8 * GiB, medium="MemoryTHP", compat_engine_id="e1",
-                                compat_segments=1)).segments) == 1
+    assert (
+        len(
+            plan(
+                PoolRequest(name="p", capacity=2 * GiB - 2 * MiB, medium="MemoryTHP", compat_engine_id="e1")
+            ).segments
+        )
+        == 1
+    )
+    assert (
+        len(
+            plan(
+                PoolRequest(
+                    name="p", capacity=8 * GiB, medium="MemoryTHP", compat_engine_id="e1", compat_segments=1
+                )
+            ).segments
+        )
+        == 1
+    )
     # From 2 GiB on, CPUOffloadingSpec's 32 segments make k = total // 1 GiB files on whole rows.
     with pytest.raises(RequestError, match="rowSize"):
         plan(PoolRequest(name="p", capacity=8 * GiB, medium="MemoryTHP", compat_engine_id="e1"))
     row = 3 * 256 * KiB  # 3 ranks' slots: 8 GiB is 10922.67 rows, so take a whole number of them
     cap = (8 * GiB // row) * row
-    p = plan(PoolRequest(name="p", capacity=cap, medium="Memory", compat_engine_id="e1", compat_row_bytes=row))
+    p = plan(
+        PoolRequest(name="p", capacity=cap, medium="Memory", compat_engine_id="e1", compat_row_bytes=row)
+    )
     assert len(p.segments) == 7  # k = 7 (7.99 GiB): 1561 rows per file, the last holds 1556
     assert [s.bytes for s in p.segments] == vllm_compat.segment_sizes(p.total_bytes, row, 32)
     assert all(s.bytes % row == 0 for s in p.segments)
     with pytest.raises(RequestError, match="PerRank"):
         plan(PoolRequest(name="p", capacity=8 * GiB, layout_type="PerRank", ranks=2, compat_engine_id="e1"))
     with pytest.raises(RequestError, match="MAP_FIXED"):  # vLLM cannot map several hugetlbfs files
-        plan(PoolRequest(name="p", capacity=2 * GiB, medium="HugePages-2Mi", compat_engine_id="e1",
-                         compat_row_bytes=512 * KiB))
-    assert len(plan(PoolRequest(name="p", capacity=64 * MiB, medium="HugePages-2Mi",
-                                compat_engine_id="e1")).segments) == 1  # one file: fine
+        plan(
+            PoolRequest(
+                name="p",
+                capacity=2 * GiB,
+                medium="HugePages-2Mi",
+                compat_engine_id="e1",
+                compat_row_bytes=512 * KiB,
+            )
+        )
+    assert (
+        len(
+            plan(
+                PoolRequest(name="p", capacity=64 * MiB, medium="HugePages-2Mi", compat_engine_id="e1")
+            ).segments
+        )
+        == 1
+    )  # one file: fine
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(capacity=3 * MiB, medium="HugePages-2Mi"), r"3.00 MiB .* not a multiple of the 2.00 MiB .* page size"),
+        (
+            dict(capacity=3 * MiB, medium="HugePages-2Mi"),
+            r"3.00 MiB .* not a multiple of the 2.00 MiB .* page size",
+        ),
         (dict(capacity=GiB + 2 * MiB, medium="HugePages-1Gi"), "not a multiple"),
-        (dict(capacity=6 * MiB, medium="HugePages-2Mi", layout_type="PerRank", ranks=2), "does not divide into 2"),
-        (dict(capacity=10 * MiB, medium="Memory", layout_type="Interleaved", ranks=2, slot_bytes=3 * MiB), "rows"),
+        (
+            dict(capacity=6 * MiB, medium="HugePages-2Mi", layout_type="PerRank", ranks=2),
+            "does not divide into 2",
+        ),
+        (
+            dict(capacity=10 * MiB, medium="Memory", layout_type="Interleaved", ranks=2, slot_bytes=3 * MiB),
+            "rows",
+        ),
         (dict(capacity=GiB, medium="Floppy"), "medium 'Floppy' is unknown"),
         (dict(capacity=GiB, layout_type="Striped"), "layout.type"),
         (dict(capacity=0), "capacity must be a positive integer"),

@@ -20,8 +20,12 @@ MiB = 1 << 20
 
 
 @settings(max_examples=300, deadline=None)
-@given(files=st.integers(1, 32), file_units=st.integers(1, 64), workers=st.integers(1, 16),
-       page=st.sampled_from([4096, 2 * MiB, 1 << 30]))
+@given(
+    files=st.integers(1, 32),
+    file_units=st.integers(1, 64),
+    workers=st.integers(1, 16),
+    page=st.sampled_from([4096, 2 * MiB, 1 << 30]),
+)
 def test_shares_are_contiguous_balanced_and_start_in_different_files(files, file_units, workers, page):
     unit = max(page, 2 * MiB)
     segs = [Segment(f"mnt/r0-s{i:03d}", i * file_units * unit, file_units * unit) for i in range(files)]
@@ -40,12 +44,28 @@ def test_shares_are_contiguous_balanced_and_start_in_different_files(files, file
 def test_no_engine_can_attach_while_populating(region_root, processes):
     """The provision holds the lease exclusively for the whole pre-fault: a shared lease (what
     an engine takes on attach) cannot be had until the pool is Ready."""
-    proc = processes(cli_argv("provision", "--root", str(region_root), "--name", "busy", "--capacity",
-                              "128Mi", "--medium", "HugePages-2Mi", "--rate-limit", "32Mi"))
+    proc = processes(
+        cli_argv(
+            "provision",
+            "--root",
+            str(region_root),
+            "--name",
+            "busy",
+            "--capacity",
+            "128Mi",
+            "--medium",
+            "HugePages-2Mi",
+            "--rate-limit",
+            "32Mi",
+        )
+    )
     pool_dir = region_root / "busy"
-    wait_for("the pre-fault to start",
-             lambda: (pool_dir / JOURNAL_NAME).exists() and 1 in (pool_dir / JOURNAL_NAME).read_bytes(), 60,
-             interval=0.01)
+    wait_for(
+        "the pre-fault to start",
+        lambda: (pool_dir / JOURNAL_NAME).exists() and 1 in (pool_dir / JOURNAL_NAME).read_bytes(),
+        60,
+        interval=0.01,
+    )
     fd = os.open(lease_path(pool_dir), os.O_RDONLY)
     try:
         with pytest.raises(BlockingIOError):

@@ -54,10 +54,18 @@ def request(medium: str, layout: str) -> PoolRequest:
         ranks = 1
         if medium == "HugePages-1Gi":
             cap = GiB
-    return PoolRequest(name=f"t-{medium.lower()}-{layout.lower()}", capacity=cap, medium=medium,
-                       layout_type=layout, ranks=ranks, min_segment=min_seg,
-                       slot_bytes=slot if layout == "Interleaved" else None,
-                       uid=1234, gid=2345, mode=0o640)
+    return PoolRequest(
+        name=f"t-{medium.lower()}-{layout.lower()}",
+        capacity=cap,
+        medium=medium,
+        layout_type=layout,
+        ranks=ranks,
+        min_segment=min_seg,
+        slot_bytes=slot if layout == "Interleaved" else None,
+        uid=1234,
+        gid=2345,
+        mode=0o640,
+    )
 
 
 def write_probes(pool_dir: Path, manifest) -> list[tuple[str, int, int, str]]:
@@ -70,7 +78,7 @@ def write_probes(pool_dir: Path, manifest) -> list[tuple[str, int, int, str]]:
             m = mmap.mmap(fd, seg.bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             for off in (0, seg.bytes - PROBE):
                 data = os.urandom(PROBE)
-                m[off:off + PROBE] = data
+                m[off : off + PROBE] = data
                 probes.append((path, off, PROBE, hashlib.sha256(data).hexdigest()))
             m.close()
             os.close(fd)
@@ -100,7 +108,9 @@ def test_provision_keep_release(region_root, hugepage_baseline, medium, layout):
     assert manifest.regions == expected.regions and manifest.total_bytes == req.capacity
     assert len(manifest.regions) == (2 if layout == "PerRank" else 1)
     if medium != "HugePages-1Gi":  # 1 GiB pages: a region of 1-2 pages, kept small on purpose
-        assert all(len(r.segments) >= 2 for r in manifest.regions), "sizes chosen for several files per region"
+        assert all(len(r.segments) >= 2 for r in manifest.regions), (
+            "sizes chosen for several files per region"
+        )
     m = mounts.mount_at(pool_dir / "mnt")
     assert m is not None and m.fstype == expected.medium.fstype
     assert "shared:" in m.propagation

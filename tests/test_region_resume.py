@@ -30,20 +30,44 @@ def journal_bytes(pool_dir: Path) -> bytes:
         return b""
 
 
-@pytest.mark.parametrize("medium, mode", [("HugePages-2Mi", "auto"), ("MemoryTHP", "auto"), ("Memory", "touch")])
-def test_kill9_mid_populate_then_finish_without_zeroing(region_root, hugepage_baseline, processes, medium, mode):
+@pytest.mark.parametrize(
+    "medium, mode", [("HugePages-2Mi", "auto"), ("MemoryTHP", "auto"), ("Memory", "touch")]
+)
+def test_kill9_mid_populate_then_finish_without_zeroing(
+    region_root, hugepage_baseline, processes, medium, mode
+):
     name = "resume"
-    flags = ["--root", str(region_root), "--name", name, "--capacity", "256Mi", "--medium", medium,
-             "--min-size", "64Mi", "--workers", "2"]
+    flags = [
+        "--root",
+        str(region_root),
+        "--name",
+        name,
+        "--capacity",
+        "256Mi",
+        "--medium",
+        medium,
+        "--min-size",
+        "64Mi",
+        "--workers",
+        "2",
+    ]
     env = {**os.environ, "OFFLOADPOOL_POPULATE_MODE": mode}
     # throttled so the test can see it half done (a real node has no reason to throttle)
     proc = processes(cli_argv("provision", *flags, "--rate-limit", "24Mi"), env=env)
     pool_dir = region_root / name
-    count = len(units(plan(PoolRequest(name=name, capacity=256 * MiB, medium=medium,
-                                       min_segment=64 * MiB)).segments, 2 * MiB if medium != "Memory" else 4096))
+    count = len(
+        units(
+            plan(PoolRequest(name=name, capacity=256 * MiB, medium=medium, min_segment=64 * MiB)).segments,
+            2 * MiB if medium != "Memory" else 4096,
+        )
+    )
 
-    wait_for("partial progress", lambda: journal_bytes(pool_dir).count(1) >= 8 or proc.poll() is not None, 60,
-             interval=0.01)
+    wait_for(
+        "partial progress",
+        lambda: journal_bytes(pool_dir).count(1) >= 8 or proc.poll() is not None,
+        60,
+        interval=0.01,
+    )
     assert proc.poll() is None, f"provision ended before it could be killed: {proc.communicate()}"
     assert pool_state(region_root, name).phase == "Populating"
 
@@ -57,7 +81,7 @@ def test_kill9_mid_populate_then_finish_without_zeroing(region_root, hugepage_ba
     payload = os.urandom(unit.bytes)
     fd = os.open(pool_dir / seg.file, os.O_RDWR)
     m = mmap.mmap(fd, seg.bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    m[unit.offset:unit.offset + unit.bytes] = payload
+    m[unit.offset : unit.offset + unit.bytes] = payload
     m.close()
     os.close(fd)
 
@@ -78,12 +102,14 @@ def test_kill9_mid_populate_then_finish_without_zeroing(region_root, hugepage_ba
 
     manifest = load_manifest(pool_dir)
     assert manifest.regions == p.regions
-    assert sorted(f.name for f in (pool_dir / "mnt").iterdir()) == sorted(Path(s.file).name for s in p.segments)
+    assert sorted(f.name for f in (pool_dir / "mnt").iterdir()) == sorted(
+        Path(s.file).name for s in p.segments
+    )
     for s in p.segments:
         assert os.stat(pool_dir / s.file).st_size == s.bytes
     fd = os.open(pool_dir / seg.file, os.O_RDONLY)
     m = mmap.mmap(fd, seg.bytes, mmap.MAP_SHARED, mmap.PROT_READ)
-    assert m[unit.offset:unit.offset + unit.bytes] == payload, "resumed populate changed existing data"
+    assert m[unit.offset : unit.offset + unit.bytes] == payload, "resumed populate changed existing data"
     m.close()
     os.close(fd)
     assert pool_state(region_root, name).phase == "Ready"

@@ -56,7 +56,7 @@ COUNTS = [int(n) for n in os.environ.get("OFFLOADPOOL_SCALE_NODES", "200").split
 STEADY_SECONDS = float(os.environ.get("OFFLOADPOOL_SCALE_STEADY_SECONDS", "30"))
 HEARTBEAT_SECONDS = 10.0
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
-_REQUESTS = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.M)
+_REQUESTS = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$", re.M)
 
 
 def api_writes(cp: Any) -> Counter[str]:
@@ -66,7 +66,9 @@ def api_writes(cp: Any) -> Counter[str]:
     for m in _REQUESTS.finditer(text):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
         if labels.get("verb") in WRITE_VERBS:
-            key = labels.get("resource", "?") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
+            key = labels.get("resource", "?") + (
+                f"/{labels['subresource']}" if labels.get("subresource") else ""
+            )
             out[key] += int(float(m["value"]))
     return out
 
@@ -97,23 +99,39 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
 
     token = cp.token_for(op.namespace, "offloadpool-agent", expiration_seconds=3600)
     agent_cfg = client.Configuration()
-    kconfig.load_kube_config(str(cp.kubeconfig_for_token(token, work / "agent.kubeconfig")),
-                             client_configuration=agent_cfg)
+    kconfig.load_kube_config(
+        str(cp.kubeconfig_for_token(token, work / "agent.kubeconfig")), client_configuration=agent_cfg
+    )
     agent_cfg.connection_pool_maxsize = 64
     agent_api = client.ApiClient(agent_cfg)
     agents: list[Agent] = []
     stop_watch = threading.Event()
     try:
         for name in names:
-            core.create_node({"apiVersion": "v1", "kind": "Node",
-                              "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **label}}})
+            core.create_node(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **label}},
+                }
+            )
         for name in names:
             access = kube.KubeAccess(agent_api, pool, f"{pool}.{name}", op.namespace)
-            agents.append(Agent(access, work / name, metrics=AgentMetrics(pool, name, CollectorRegistry()),
-                                heartbeat_seconds=HEARTBEAT_SECONDS, retry_seconds=HEARTBEAT_SECONDS,
-                                watches=False).start())
-        threading.Thread(target=wake_agents, args=(custom, pool, {a.access.node_object: a for a in agents}, stop_watch),
-                         daemon=True).start()
+            agents.append(
+                Agent(
+                    access,
+                    work / name,
+                    metrics=AgentMetrics(pool, name, CollectorRegistry()),
+                    heartbeat_seconds=HEARTBEAT_SECONDS,
+                    retry_seconds=HEARTBEAT_SECONDS,
+                    watches=False,
+                ).start()
+            )
+        threading.Thread(
+            target=wake_agents,
+            args=(custom, pool, {a.access.node_object: a for a in agents}, stop_watch),
+            daemon=True,
+        ).start()
         cpu0 = op.cpu_seconds()
         t0 = time.monotonic()
         cluster.create_pool("scale", {"capacity": "4Mi", "medium": "Memory"})
@@ -151,7 +169,9 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
             "operator_cpu_seconds_to_converge": round(cpu, 2),
             "operator_cpu_percent_steady": round(100 * steady_cpu / elapsed, 2),
             "api_writes_per_second_steady": round(sum(writes.values()) / elapsed, 1),
-            "api_writes_per_second_steady_by_resource": {k: round(v / elapsed, 2) for k, v in writes.most_common()},
+            "api_writes_per_second_steady_by_resource": {
+                k: round(v / elapsed, 2) for k, v in writes.most_common()
+            },
             "operator_peak_rss_mib": round(op.peak_rss_bytes() / (1 << 20), 1),
         }
         print(f"\nSCALE REPORT {json.dumps(report)}")
@@ -160,7 +180,9 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         assert writes.get("leases", 0) > 0, writes
 
         custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
-        wait_for("pool deleted after every node released", lambda: cluster.pool(pool) is None, 900, interval=1)
+        wait_for(
+            "pool deleted after every node released", lambda: cluster.pool(pool) is None, 900, interval=1
+        )
         assert not mounts_under(work), "released pools left mounts"
         return report
     finally:
@@ -185,13 +207,21 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         assert not left, f"mounts left: {left}"
 
 
-def wake_agents(custom: client.CustomObjectsApi, pool: str, agents: dict[str, Agent], stop: threading.Event) -> None:
+def wake_agents(
+    custom: client.CustomObjectsApi, pool: str, agents: dict[str, Agent], stop: threading.Event
+) -> None:
     """One watch over the pool's OffloadPoolNodes that wakes the agent whose object changed."""
     while not stop.is_set():
         w = watch.Watch()
         try:
-            for event in w.stream(custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL,
-                                  label_selector=f"{POOL_NAME_LABEL}={pool}", timeout_seconds=30):
+            for event in w.stream(
+                custom.list_cluster_custom_object,
+                GROUP,
+                VERSION,
+                NODE_PLURAL,
+                label_selector=f"{POOL_NAME_LABEL}={pool}",
+                timeout_seconds=30,
+            ):
                 agent = agents.get(event["object"]["metadata"]["name"])
                 if agent is not None:
                     agent.wake.set()

@@ -63,13 +63,20 @@ class Webhook(ClusterClient):
         if pool is not None:
             labels[POD_POOL_LABEL] = pool
         return {
-            "apiVersion": "v1", "kind": "Pod",
+            "apiVersion": "v1",
+            "kind": "Pod",
             "metadata": {"name": name, "labels": labels},
             "spec": {
                 # keeps the spec to what the test and the webhook wrote
                 "automountServiceAccountToken": False,
-                "containers": [{"name": f"engine-{i}", "image": "vllm/vllm-openai:v0.33.0",
-                                "env": [{"name": "HF_HOME", "value": "/cache"}]} for i in range(containers)],
+                "containers": [
+                    {
+                        "name": f"engine-{i}",
+                        "image": "vllm/vllm-openai:v0.33.0",
+                        "env": [{"name": "HF_HOME", "value": "/cache"}],
+                    }
+                    for i in range(containers)
+                ],
             },
         }
 
@@ -89,33 +96,49 @@ class Webhook(ClusterClient):
         for ns in (self.namespace, self.other_namespace):
             self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
             # the ServiceAccount admission plugin wants the namespace's default account
-            wait_for(f"ServiceAccount {ns}/default", lambda ns=ns: self.core.list_namespaced_service_account(
-                ns, field_selector="metadata.name=default").items)
+            wait_for(
+                f"ServiceAccount {ns}/default",
+                lambda ns=ns: (
+                    self.core.list_namespaced_service_account(
+                        ns, field_selector="metadata.name=default"
+                    ).items
+                ),
+            )
         self.delete_configurations()  # a leftover of an interrupted run would make create fail
         for doc in webhook_configurations():
             self.apply_configuration(doc)
 
     def apply_configuration(self, doc: dict[str, Any]) -> None:
-        create = (self.admission.create_mutating_webhook_configuration if doc["kind"].startswith("Mutating")
-                  else self.admission.create_validating_webhook_configuration)
+        create = (
+            self.admission.create_mutating_webhook_configuration
+            if doc["kind"].startswith("Mutating")
+            else self.admission.create_validating_webhook_configuration
+        )
         create(doc)
 
     def configuration(self, kind: str) -> dict[str, Any]:
-        read = (self.admission.read_mutating_webhook_configuration if kind == "mutating"
-                else self.admission.read_validating_webhook_configuration)
+        read = (
+            self.admission.read_mutating_webhook_configuration
+            if kind == "mutating"
+            else self.admission.read_validating_webhook_configuration
+        )
         return self.admission.api_client.sanitize_for_serialization(read(WEBHOOK_CONFIGURATION_NAME))
 
     def pointed_at_operator(self) -> bool:
         for kind in ("mutating", "validating"):
             hook = self.configuration(kind)["webhooks"][0]
             url = hook["clientConfig"].get("url", "")
-            if not (url.startswith(f"https://127.0.0.1:{self.port}/") and hook["clientConfig"].get("caBundle")):
+            if not (
+                url.startswith(f"https://127.0.0.1:{self.port}/") and hook["clientConfig"].get("caBundle")
+            ):
                 return False
         return True
 
     def delete_configurations(self) -> None:
-        for delete in (self.admission.delete_mutating_webhook_configuration,
-                       self.admission.delete_validating_webhook_configuration):
+        for delete in (
+            self.admission.delete_mutating_webhook_configuration,
+            self.admission.delete_validating_webhook_configuration,
+        ):
             try:
                 delete(WEBHOOK_CONFIGURATION_NAME)
             except ApiException as exc:
@@ -133,18 +156,40 @@ class Webhook(ClusterClient):
 
 
 @pytest.fixture(scope="module")
-def webhook(crds_installed: Any, operator_rbac: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webhook]:
+def webhook(
+    crds_installed: Any, operator_rbac: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Webhook]:
     workdir = tmp_path_factory.mktemp("webhook-operator")
     port = free_port()
-    operator = OperatorProcess(crds_installed, operator_rbac, workdir, extra_args=(
-        "--webhook", "--webhook-listen", "127.0.0.1", "--webhook-port", str(port),
-        "--webhook-url", f"https://127.0.0.1:{port}", "--webhook-cert-dir", str(workdir / "certs"),
-        "--webhook-resync", "1", "--sidecar-image", SIDECAR_IMAGE, "--resync", "5"))
+    operator = OperatorProcess(
+        crds_installed,
+        operator_rbac,
+        workdir,
+        extra_args=(
+            "--webhook",
+            "--webhook-listen",
+            "127.0.0.1",
+            "--webhook-port",
+            str(port),
+            "--webhook-url",
+            f"https://127.0.0.1:{port}",
+            "--webhook-cert-dir",
+            str(workdir / "certs"),
+            "--webhook-resync",
+            "1",
+            "--sidecar-image",
+            SIDECAR_IMAGE,
+            "--resync",
+            "5",
+        ),
+    )
     wh = Webhook(crds_installed, operator, port)
     try:
         wh.setup()
         operator.start()
-        wait_for("the operator to point the webhook configurations at itself", wh.pointed_at_operator, timeout=90)
+        wait_for(
+            "the operator to point the webhook configurations at itself", wh.pointed_at_operator, timeout=90
+        )
         yield wh
     finally:
         operator.stop()
@@ -187,15 +232,21 @@ def test_the_api_server_calls_the_webhook_over_tls_with_the_operators_ca(webhook
 
 
 def test_a_labelled_pod_comes_back_mutated_exactly_as_specified(webhook: Webhook) -> None:
-    pool = webhook.create_pool("lib", layout={"type": "Interleaved", "ranks": 2, "slotSize": "2Mi"},
-                               consumers={"uid": 1000, "gid": 1000, "namespaces": [webhook.namespace]})
+    pool = webhook.create_pool(
+        "lib",
+        layout={"type": "Interleaved", "ranks": 2, "slotSize": "2Mi"},
+        consumers={"uid": 1000, "gid": 1000, "namespaces": [webhook.namespace]},
+    )
     pod = wait_admitted(webhook, webhook.pod_body("lib", pool, containers=2))
     spec = pod["spec"]
     volume = f"offloadpool-{pool}"
-    assert spec["volumes"] == [{"name": volume, "hostPath": {"path": f"/var/lib/offloadpool/{pool}", "type": "Directory"}}]
+    assert spec["volumes"] == [
+        {"name": volume, "hostPath": {"path": f"/var/lib/offloadpool/{pool}", "type": "Directory"}}
+    ]
     for i, container in enumerate(spec["containers"]):
-        assert container["volumeMounts"] == [{"name": volume, "mountPath": f"/offloadpool/{pool}",
-                                              "mountPropagation": "HostToContainer"}]
+        assert container["volumeMounts"] == [
+            {"name": volume, "mountPath": f"/offloadpool/{pool}", "mountPropagation": "HostToContainer"}
+        ]
         assert container["env"] == [
             {"name": "HF_HOME", "value": "/cache"},
             {"name": "OFFLOADPOOL_POOL", "value": pool},
@@ -207,32 +258,66 @@ def test_a_labelled_pod_comes_back_mutated_exactly_as_specified(webhook: Webhook
             {"name": "OFFLOADPOOL_SLOT_BYTES", "value": str(2 << 20)},
         ], f"container {i}"
         assert not container.get("resources", {}).get("limits")
-    assert spec["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [{"matchExpressions": [{"key": f"pool.offloadpool.io/{pool}", "operator": "In",
-                                                     "values": ["ready"]}]}]}}}
+    assert spec["affinity"] == {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {"key": f"pool.offloadpool.io/{pool}", "operator": "In", "values": ["ready"]}
+                        ]
+                    }
+                ]
+            }
+        }
+    }
     (sidecar,) = spec["initContainers"]
     assert sidecar["name"] == LEASE_SIDECAR_NAME and sidecar["restartPolicy"] == "Always"
     assert sidecar["image"] == SIDECAR_IMAGE
-    assert sidecar["command"] == ["offloadpool", "hold-lease", f"/offloadpool/{pool}", "--ready-file", LEASE_READY_FILE]
-    assert sidecar["volumeMounts"] == [{"name": volume, "mountPath": f"/offloadpool/{pool}",
-                                        "mountPropagation": "HostToContainer"}]
-    assert sidecar["resources"] == {"requests": {"cpu": "10m", "memory": "64Mi", f"offloadpool.io/{pool}": "1"},
-                                    "limits": {"memory": "64Mi", f"offloadpool.io/{pool}": "1"}}
+    assert sidecar["command"] == [
+        "offloadpool",
+        "hold-lease",
+        f"/offloadpool/{pool}",
+        "--ready-file",
+        LEASE_READY_FILE,
+    ]
+    assert sidecar["volumeMounts"] == [
+        {"name": volume, "mountPath": f"/offloadpool/{pool}", "mountPropagation": "HostToContainer"}
+    ]
+    assert sidecar["resources"] == {
+        "requests": {"cpu": "10m", "memory": "64Mi", f"offloadpool.io/{pool}": "1"},
+        "limits": {"memory": "64Mi", f"offloadpool.io/{pool}": "1"},
+    }
     assert sidecar["startupProbe"]["exec"]["command"] == ["test", "-e", LEASE_READY_FILE]
-    assert sidecar["securityContext"]["runAsUser"] == 1000 and sidecar["securityContext"]["runAsNonRoot"] is True
+    assert (
+        sidecar["securityContext"]["runAsUser"] == 1000 and sidecar["securityContext"]["runAsNonRoot"] is True
+    )
     # The pure function agrees that nothing is missing, on what the API server stored.
-    assert admission.not_mutated(pod, webhook.pool(pool), InjectionSettings(sidecar_image=SIDECAR_IMAGE)) == []
+    assert (
+        admission.not_mutated(pod, webhook.pool(pool), InjectionSettings(sidecar_image=SIDECAR_IMAGE)) == []
+    )
 
 
 def test_a_compat_pool_mounts_the_region_file_where_stock_vllm_looks(webhook: Webhook) -> None:
-    pool = webhook.create_pool("compat", medium="MemoryTHP", segments={"maxFiles": 1},
-                               compat={"vllm": {"engineId": "llama-70b-tp4"}})
+    pool = webhook.create_pool(
+        "compat", medium="MemoryTHP", segments={"maxFiles": 1}, compat={"vllm": {"engineId": "llama-70b-tp4"}}
+    )
     pod = wait_admitted(webhook, webhook.pod_body("compat", pool))
-    assert {"name": f"offloadpool-{pool}-vllm", "hostPath": {
-        "path": f"/var/lib/offloadpool/{pool}/mnt/vllm_offload_llama-70b-tp4.mmap", "type": "File"}} in pod["spec"]["volumes"]
-    assert {"name": f"offloadpool-{pool}-vllm", "mountPath": "/dev/shm/vllm_offload_llama-70b-tp4.mmap",
-            "mountPropagation": "HostToContainer"} in pod["spec"]["containers"][0]["volumeMounts"]
-    assert {"name": "OFFLOADPOOL_VLLM_ENGINE_ID", "value": "llama-70b-tp4"} in pod["spec"]["containers"][0]["env"]
+    assert {
+        "name": f"offloadpool-{pool}-vllm",
+        "hostPath": {
+            "path": f"/var/lib/offloadpool/{pool}/mnt/vllm_offload_llama-70b-tp4.mmap",
+            "type": "File",
+        },
+    } in pod["spec"]["volumes"]
+    assert {
+        "name": f"offloadpool-{pool}-vllm",
+        "mountPath": "/dev/shm/vllm_offload_llama-70b-tp4.mmap",
+        "mountPropagation": "HostToContainer",
+    } in pod["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "OFFLOADPOOL_VLLM_ENGINE_ID", "value": "llama-70b-tp4"} in pod["spec"]["containers"][0][
+        "env"
+    ]
 
 
 def test_mutating_a_mutated_pod_changes_nothing(webhook: Webhook) -> None:
@@ -240,9 +325,12 @@ def test_mutating_a_mutated_pod_changes_nothing(webhook: Webhook) -> None:
     the second pass adds nothing, so the stored spec is exactly the one submitted."""
     pool = webhook.create_pool("twice")
     first = wait_admitted(webhook, webhook.pod_body("twice-1", pool, containers=2))
-    again = {"apiVersion": "v1", "kind": "Pod",
-             "metadata": {"name": "twice-2", "labels": first["metadata"]["labels"]},
-             "spec": copy.deepcopy(first["spec"])}
+    again = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "twice-2", "labels": first["metadata"]["labels"]},
+        "spec": copy.deepcopy(first["spec"]),
+    }
     second = webhook.create_pod(again)
     assert second["spec"] == first["spec"]
 
@@ -257,8 +345,10 @@ def test_an_unknown_pool_is_refused_naming_it(webhook: Webhook) -> None:
 def test_a_pool_the_namespace_may_not_use_is_refused(webhook: Webhook) -> None:
     pool = webhook.create_pool("private", consumers={"namespaces": [webhook.namespace]})
     message = webhook.refusal(webhook.pod_body("outsider", pool), namespace=webhook.other_namespace)
-    assert (f"namespace '{webhook.other_namespace}' may not use OffloadPool '{pool}'" in message
-            and f"spec.consumers.namespaces allows only {webhook.namespace}" in message), message
+    assert (
+        f"namespace '{webhook.other_namespace}' may not use OffloadPool '{pool}'" in message
+        and f"spec.consumers.namespaces allows only {webhook.namespace}" in message
+    ), message
     wait_admitted(webhook, webhook.pod_body("insider", pool))  # its own namespace may
 
 
@@ -275,23 +365,33 @@ def test_labelled_pods_of_system_namespaces_and_of_the_operator_are_untouched(we
     """kube-system is never sent to the webhook (namespaceSelector), even for a pool that does
     not exist; nor are pods the operator renders (its agent pods carry the pool label)."""
     name = f"wh-sys-{webhook.suffix}"
-    pod = webhook.create_pod(webhook.pod_body(name, f"no-such-pool-{webhook.suffix}"), namespace="kube-system")
+    pod = webhook.create_pod(
+        webhook.pod_body(name, f"no-such-pool-{webhook.suffix}"), namespace="kube-system"
+    )
     try:
         assert "initContainers" not in pod["spec"] and not pod["spec"].get("volumes")
     finally:
         webhook.core.delete_namespaced_pod(name, "kube-system", grace_period_seconds=0)
-    agent = webhook.create_pod(webhook.pod_body("agent-like", f"no-such-pool-{webhook.suffix}",
-                                                **{"app.kubernetes.io/managed-by": "offloadpool-operator"}))
+    agent = webhook.create_pod(
+        webhook.pod_body(
+            "agent-like",
+            f"no-such-pool-{webhook.suffix}",
+            **{"app.kubernetes.io/managed-by": "offloadpool-operator"},
+        )
+    )
     assert "initContainers" not in agent["spec"]
 
 
-def test_a_labelled_pod_that_escaped_mutation_is_refused_and_the_operator_restores_the_configuration(webhook: Webhook) -> None:
+def test_a_labelled_pod_that_escaped_mutation_is_refused_and_the_operator_restores_the_configuration(
+    webhook: Webhook,
+) -> None:
     """With the mutating configuration gone, the validating webhook refuses a labelled pod (it
     would run without its pool and lease). Re-created as shipped, the operator points it at
     itself again (its resync), and labelled pods are mutated again."""
     pool = webhook.create_pool("escape")
     webhook.admission.delete_mutating_webhook_configuration(WEBHOOK_CONFIGURATION_NAME)
     try:
+
         def refused() -> str | None:
             try:
                 webhook.create_pod(webhook.pod_body(f"escaped-{secrets.token_hex(2)}", pool))
@@ -300,7 +400,10 @@ def test_a_labelled_pod_that_escaped_mutation_is_refused_and_the_operator_restor
             return None
 
         message = wait_for("the validating webhook to refuse an unmutated pod", refused, timeout=30)
-        assert "lacks what the offloadpool mutating webhook adds" in message and "/spec/initContainers" in message, message
+        assert (
+            "lacks what the offloadpool mutating webhook adds" in message
+            and "/spec/initContainers" in message
+        ), message
     finally:
         (mutating,) = [d for d in webhook_configurations() if d["kind"].startswith("Mutating")]
         webhook.apply_configuration(mutating)
@@ -316,7 +419,12 @@ def test_the_vllm_example_pods_are_admitted_and_get_their_pool(webhook: Webhook,
     (body,) = list(yaml.safe_load_all((REPO / "examples" / "vllm" / example).read_text()))
     if body["kind"] == "Deployment":
         template = body["spec"]["template"]
-        body = {"apiVersion": "v1", "kind": "Pod", "metadata": dict(template["metadata"]), "spec": template["spec"]}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": dict(template["metadata"]),
+            "spec": template["spec"],
+        }
     labelled = body["metadata"]["labels"][POD_POOL_LABEL]
     spec: dict[str, Any] = {"capacity": "1Gi", "medium": "MemoryTHP"}
     if "compat" in example:

@@ -20,22 +20,41 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_deploy_webhook_yaml_is_what_the_operator_renders() -> None:
-    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "webhook.yaml").read_text())
-            if d["kind"].endswith("WebhookConfiguration")]
-    expected = render(Endpoint(service="offloadpool-webhook", namespace="offloadpool-system"), None,
-                      excluded_namespaces("offloadpool-system"))
+    docs = [
+        d
+        for d in yaml.safe_load_all((REPO / "deploy" / "webhook.yaml").read_text())
+        if d["kind"].endswith("WebhookConfiguration")
+    ]
+    expected = render(
+        Endpoint(service="offloadpool-webhook", namespace="offloadpool-system"),
+        None,
+        excluded_namespaces("offloadpool-system"),
+    )
     assert docs == expected
 
 
 def test_the_scope_is_labelled_pods_outside_system_namespaces_only() -> None:
-    (mutating, validating) = render(Endpoint(url="https://127.0.0.1:9443"), "Q0E=", excluded_namespaces("ops", ["batch"]))
+    (mutating, validating) = render(
+        Endpoint(url="https://127.0.0.1:9443"), "Q0E=", excluded_namespaces("ops", ["batch"])
+    )
     for hook in (mutating["webhooks"][0], validating["webhooks"][0]):
-        assert hook["objectSelector"]["matchExpressions"][0] == {"key": "offloadpool.io/pool", "operator": "Exists"}
+        assert hook["objectSelector"]["matchExpressions"][0] == {
+            "key": "offloadpool.io/pool",
+            "operator": "Exists",
+        }
         assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == [
-            "kube-system", "kube-public", "kube-node-lease", "ops", "batch"]
+            "kube-system",
+            "kube-public",
+            "kube-node-lease",
+            "ops",
+            "batch",
+        ]
         assert hook["rules"][0]["resources"] == ["pods"] and hook["rules"][0]["operations"] == ["CREATE"]
         assert hook["sideEffects"] == "None" and hook["failurePolicy"] == "Fail"
-    assert mutating["webhooks"][0]["clientConfig"] == {"url": "https://127.0.0.1:9443/mutate-pod", "caBundle": "Q0E="}
+    assert mutating["webhooks"][0]["clientConfig"] == {
+        "url": "https://127.0.0.1:9443/mutate-pod",
+        "caBundle": "Q0E=",
+    }
     assert validating["webhooks"][0]["clientConfig"]["url"] == "https://127.0.0.1:9443/validate-pod"
 
 
@@ -55,7 +74,9 @@ def test_made_certificates_verify_for_the_service_name(tmp_path: Path) -> None:
     cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
     ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
     cert.verify_directly_issued_by(ca)
-    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
     assert "offloadpool-webhook.offloadpool-system.svc" in sans
     # what a TLS client (the API server) does with the caBundle: the server context loads the pair
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -74,8 +95,12 @@ def test_made_certificates_are_kept_then_renewed_before_they_expire(tmp_path: Pa
     assert (tmp_path / certs.CERT_NAME).read_bytes() != first  # renewed within RENEW_BEFORE of the end
     certs.ensure(tmp_path, ["127.0.0.2"])
     cert = x509.load_pem_x509_certificate((tmp_path / certs.CERT_NAME).read_bytes())
-    assert "127.0.0.2" in {str(ip) for ip in cert.extensions.get_extension_for_class(
-        x509.SubjectAlternativeName).value.get_values_for_type(x509.IPAddress)}
+    assert "127.0.0.2" in {
+        str(ip)
+        for ip in cert.extensions.get_extension_for_class(
+            x509.SubjectAlternativeName
+        ).value.get_values_for_type(x509.IPAddress)
+    }
 
 
 def test_given_certificates_are_used_as_they_are(tmp_path: Path) -> None:
@@ -91,11 +116,15 @@ def test_given_certificates_are_used_as_they_are(tmp_path: Path) -> None:
     assert (given / certs.CERT_NAME).read_bytes() == before  # never replaced, even for another name
 
 
-@pytest.mark.parametrize(("url", "service", "expected"), [
-    ("https://127.0.0.1:9443", None, ["127.0.0.1"]),
-    (None, "hook", ["hook", "hook.ns", "hook.ns.svc", "hook.ns.svc.cluster.local"]),
-])
-def test_the_certificate_names_follow_how_the_api_server_calls(url: str | None, service: str | None,
-                                                                expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("url", "service", "expected"),
+    [
+        ("https://127.0.0.1:9443", None, ["127.0.0.1"]),
+        (None, "hook", ["hook", "hook.ns", "hook.ns.svc", "hook.ns.svc.cluster.local"]),
+    ],
+)
+def test_the_certificate_names_follow_how_the_api_server_calls(
+    url: str | None, service: str | None, expected: list[str]
+) -> None:
     options = WebhookOptions(url=url, service=service or "x", namespace="ns")
     assert options.hostnames() == expected

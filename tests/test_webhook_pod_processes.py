@@ -30,21 +30,33 @@ from offloadpool.region.lease import count_holders, lease_path
 Start = Callable[..., subprocess.Popen]
 
 
-def run_container(container: dict[str, Any], pod_spec: dict[str, Any], root: Path, start: Start,
-                  command: list[str] | None = None) -> subprocess.Popen:
+def run_container(
+    container: dict[str, Any],
+    pod_spec: dict[str, Any],
+    root: Path,
+    start: Start,
+    command: list[str] | None = None,
+) -> subprocess.Popen:
     """Start ``container`` as a process in its own mount namespace. Container paths ``P`` live at
     ``root/P`` (no chroot: the test machine's root file system stays the image)."""
     volumes = {v["name"]: v["hostPath"]["path"] for v in pod_spec["volumes"] if "hostPath" in v}
     script = ["set -e"]
     for mount in container.get("volumeMounts", []):
         source, target = volumes[mount["name"]], str(root) + mount["mountPath"]
-        make = f"mkdir -p {shlex.quote(target)}" if Path(source).is_dir() else \
-            f"mkdir -p {shlex.quote(str(Path(target).parent))}; touch {shlex.quote(target)}"
+        make = (
+            f"mkdir -p {shlex.quote(target)}"
+            if Path(source).is_dir()
+            else f"mkdir -p {shlex.quote(str(Path(target).parent))}; touch {shlex.quote(target)}"
+        )
         script += [make, f"mount --rbind {shlex.quote(source)} {shlex.quote(target)}"]
         if mount.get("mountPropagation") == "HostToContainer":
             script.append(f"mount --make-rslave {shlex.quote(target)}")
-    argv = [a.replace("/offloadpool/", f"{root}/offloadpool/").replace(LEASE_READY_FILE, f"{root}{LEASE_READY_FILE}")
-            for a in (command or container["command"])]
+    argv = [
+        a.replace("/offloadpool/", f"{root}/offloadpool/").replace(
+            LEASE_READY_FILE, f"{root}{LEASE_READY_FILE}"
+        )
+        for a in (command or container["command"])
+    ]
     script.append("exec " + " ".join(shlex.quote(a) for a in argv))
     (root / "tmp").mkdir(parents=True, exist_ok=True)
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
@@ -63,28 +75,63 @@ time.sleep(3600)
 """
 
 
-def test_a_mutated_pods_sidecar_holds_the_pool_from_its_own_mount_namespace(region_root: Path, processes: Start,
-                                                                             tmp_path: Path) -> None:
+def test_a_mutated_pods_sidecar_holds_the_pool_from_its_own_mount_namespace(
+    region_root: Path, processes: Start, tmp_path: Path
+) -> None:
     name, engine = "podpool", "llama-tp1"
-    cli("provision", "--root", str(region_root), "--name", name, "--capacity", "64Mi", "--medium", "Memory",
-        "--engine-id", engine, "--max-files", "1")
-    pool = {"metadata": {"name": name}, "spec": {"capacity": "64Mi", "medium": "Memory", "segments": {"maxFiles": 1},
-                                                 "compat": {"vllm": {"engineId": engine}}}}
+    cli(
+        "provision",
+        "--root",
+        str(region_root),
+        "--name",
+        name,
+        "--capacity",
+        "64Mi",
+        "--medium",
+        "Memory",
+        "--engine-id",
+        engine,
+        "--max-files",
+        "1",
+    )
+    pool = {
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": "64Mi",
+            "medium": "Memory",
+            "segments": {"maxFiles": 1},
+            "compat": {"vllm": {"engineId": engine}},
+        },
+    }
     pod = admission.mutate(
-        {"metadata": {"name": "vllm", "namespace": "inference", "labels": {"offloadpool.io/pool": name}},
-         "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]}},
-        pool, InjectionSettings(host_root=str(region_root)))
+        {
+            "metadata": {"name": "vllm", "namespace": "inference", "labels": {"offloadpool.io/pool": name}},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+        },
+        pool,
+        InjectionSettings(host_root=str(region_root)),
+    )
     spec = pod["spec"]
     root = tmp_path / "pod"
     lease = lease_path(region_root / name)
 
     sidecar = run_container(spec["initContainers"][0], spec, root / "sidecar", processes)
-    wait_for("the sidecar's ready file (its startup probe)", (root / "sidecar" / LEASE_READY_FILE.lstrip("/")).exists,
-             timeout=30)
+    wait_for(
+        "the sidecar's ready file (its startup probe)",
+        (root / "sidecar" / LEASE_READY_FILE.lstrip("/")).exists,
+        timeout=30,
+    )
     main_container = spec["containers"][0]
-    vllm = run_container(main_container, spec, root / "vllm", processes,
-                         command=[sys.executable, "-c", STOCK_VLLM, f"{root / 'vllm'}/dev/shm/vllm_offload_{engine}.mmap"])
-    assert vllm.stdout.readline().split() == ["mapped", str(64 << 20)], vllm.stderr.read() if vllm.poll() else ""
+    vllm = run_container(
+        main_container,
+        spec,
+        root / "vllm",
+        processes,
+        command=[sys.executable, "-c", STOCK_VLLM, f"{root / 'vllm'}/dev/shm/vllm_offload_{engine}.mmap"],
+    )
+    assert vllm.stdout.readline().split() == ["mapped", str(64 << 20)], (
+        vllm.stderr.read() if vllm.poll() else ""
+    )
     assert count_holders(lease) == 1
 
     held = cli("release", name, "--root", str(region_root), check=False)

@@ -25,8 +25,12 @@ from offloadpool.pinning import ManifestError, PinError, attach
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pool", default=os.environ.get("OFFLOADPOOL_POOL_DIR"), required="OFFLOADPOOL_POOL_DIR" not in os.environ,
-                    help="pool directory as mounted in the pod (default: $OFFLOADPOOL_POOL_DIR, set by the webhook)")
+    ap.add_argument(
+        "--pool",
+        default=os.environ.get("OFFLOADPOOL_POOL_DIR"),
+        required="OFFLOADPOOL_POOL_DIR" not in os.environ,
+        help="pool directory as mounted in the pod (default: $OFFLOADPOOL_POOL_DIR, set by the webhook)",
+    )
     ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")))
     ap.add_argument("--backend", default="auto", help="auto | cuda | torch | mlock")
     ap.add_argument("--layers", type=int, default=4, help="KV tensors per CPU block (demo)")
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             torch = None
         if torch is not None:
             kv = region.slot_view()  # (blocks, slot) uint8, strided by the row size
-            layers = [kv[:, i * per_layer:(i + 1) * per_layer] for i in range(args.layers)]
+            layers = [kv[:, i * per_layer : (i + 1) * per_layer] for i in range(args.layers)]
             layers[0][0].fill_(args.rank + 1)  # a write into this worker's block 0, layer 0
             check = int(layers[0][0][0])
         else:
@@ -62,12 +66,22 @@ def main(argv: list[str] | None = None) -> int:
         except PinError as exc:
             print(f"pinning failed and was rolled back: {exc}", file=sys.stderr)
             return 1
-        print(json.dumps({
-            "rank": args.rank, "blocks": blocks, "slot_bytes": slot, "layers": args.layers,
-            "pinned_bytes": stats.bytes_registered, "pin_calls": stats.calls,
-            "pin_seconds": round(stats.seconds, 4), "backend": stats.backend,
-            "torch_views": torch is not None, "written": check,
-        }))
+        print(
+            json.dumps(
+                {
+                    "rank": args.rank,
+                    "blocks": blocks,
+                    "slot_bytes": slot,
+                    "layers": args.layers,
+                    "pinned_bytes": stats.bytes_registered,
+                    "pin_calls": stats.calls,
+                    "pin_seconds": round(stats.seconds, 4),
+                    "backend": stats.backend,
+                    "torch_views": torch is not None,
+                    "written": check,
+                }
+            )
+        )
         if torch is not None:
             del kv, layers
     return 0
