@@ -208,13 +208,22 @@ class Agent:
         self.metrics.engines(n)
         # the object as read this step lost what we wrote (re-created by the operator, edited
         # by hand): write all of it again, not just what changed
-        seen = ((self._pool_node or {}).get("status") or {}).get("phase")
+        seen = (self._pool_node or {}).get("status") or {}
         mismatch = self.engine_id_mismatch()
-        self.status.set(
-            full=seen != self.status.phase, engines_attached=n, engine_id_mismatch=mismatch, **fields
-        )
+        if mismatch is not None or self._mismatch_shown(seen):
+            fields["engine_id_mismatch"] = mismatch  # set it, or clear what is shown
+        self.status.set(full=seen.get("phase") != self.status.phase, engines_attached=n, **fields)
         if mismatch is not None:
             self._event("Warning", "EngineIdMismatch", mismatch)
+
+    def _mismatch_shown(self, seen: dict[str, Any]) -> bool:
+        """Whether the object (as read this step, or as this process wrote it) shows a mismatch.
+
+        Only then is a None worth sending: a null for a field that was never there would be a
+        status write on every pool's first heartbeat, for nothing (liveness writes no status).
+        An agent restarted while a mismatch was shown still clears it: the read shows it.
+        """
+        return seen.get("engineIdMismatch") is not None or self.status.current.engine_id_mismatch is not None
 
     def _renew_lease(self, pool: dict[str, Any]) -> None:
         """Renew the heartbeat Lease, at most twice per heartbeat period (steps also run on
