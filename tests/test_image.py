@@ -155,17 +155,16 @@ def test_dockerfile_installs_what_the_build_installs() -> None:
 
 
 def test_a_second_build_is_cached(layout: Path) -> None:
-    """Unchanged source: the build reuses the layout and takes seconds. (The working tree may
-    change between two builds while someone edits it; then the key differs and a rebuild is
-    right, so the pair is tried again.)"""
+    """Unchanged source: the build reuses the layout (its time is in docs, not asserted). (The
+    working tree may change between two builds while someone edits it; then the key differs and
+    a rebuild is right, so the pair is tried again.)"""
     tool = image_tool()
     for _ in range(3):
         key = tool.image_key()
         first, _, _ = build()
-        again, stderr, seconds = build()
+        again, stderr, _ = build()
         if tool.image_key() == key == again.name:
             break
     else:
         pytest.fail("the source kept changing between builds")
     assert again == first and "cached" in stderr, stderr
-    assert seconds < 30, f"the cached build took {seconds:.0f} s"
