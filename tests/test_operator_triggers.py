@@ -53,6 +53,18 @@ def test_node_changes_that_wake_passes() -> None:
         ),
         "n",
     )
+    # the node lifecycle controller's own taints (a node going NotReady and back): no news
+    assert not rt.node_changed(
+        info(
+            {"gpu": "b", "pool.offloadpool.io/p": "ready"},
+            capacity={"offloadpool.io/p": "0"},
+            taints=[
+                {"key": "k", "effect": "NoSchedule"},
+                {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"},
+            ],
+        ),
+        "n",
+    )
     assert rt.node_changed(None, "n") and not rt.node_changed(None, "n")  # gone, once
 
 

@@ -5,8 +5,10 @@
   and at least every ``resync_seconds`` (stale heartbeats, objects deleted by hand); bursts are
   coalesced. What the operator writes itself (pool status, marks on Nodes) wakes nothing, so
   passes do not beget passes; agents' heartbeats are Leases, which it does not watch;
-- Nodes are kept in a kopf index (name -> NodeInfo): kopf fills it before any handler runs, so
-  the first pass after a restart never mistakes "not listed yet" for "gone";
+- kopf watches the pools only. Nodes and OffloadPoolNodes — thousands of events while a big
+  pool converges — are watched by ``watched`` (plain JSON in threads; see there why), which
+  wakes the daemons through ``Runtime``; a daemon's first pass waits for both to be listed,
+  so a restarted operator never mistakes "not listed yet" for "gone";
 - the deletion handler holds the pool (finalizer) and runs deletion passes until every node
   still present reports Released; kopf retries it, and posts its "waiting for ..." as Events.
 
@@ -21,22 +23,14 @@ from typing import Any
 
 import kopf
 
-from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
+from offloadpool.api.constants import GROUP, POOL_PLURAL, VERSION
 
 from . import settings as operator_settings
 from .runtime import Runtime
-from .selection import NodeInfo
-
-RESOURCE_PREFIX = f"{GROUP}/"
 
 
 def _runtime(memo: kopf.Memo) -> Runtime:
     return memo["runtime"]
-
-
-def _nodes(node_index: kopf.Index) -> list[NodeInfo]:
-    """A snapshot of the Node index (taken in the event loop; the index changes under us)."""
-    return [info for store in node_index.values() for info in store]
 
 
 async def _sleep(wake: asyncio.Event | None, stopped: kopf.DaemonStopped, timeout: float) -> bool:
@@ -56,33 +50,19 @@ async def _sleep(wake: asyncio.Event | None, stopped: kopf.DaemonStopped, timeou
     return wake is not None and wake.is_set()
 
 
+# Async on purpose: they run in the event loop, where the asyncio wake-up Events live (kopf
+# would run a sync handler in a worker thread).
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     operator_settings.configure(settings)
     runtime = _runtime(memo)
-    runtime.connect()
+    runtime.connect(asyncio.get_running_loop())
     logger.info("offloadpool operator: agent DaemonSets in namespace %s", runtime.config.namespace)
 
 
-# Event handlers are async on purpose: they run in the event loop, where the asyncio wake-up
-# Events live (kopf would run a sync handler in a worker thread).
-@kopf.index("", "v1", "nodes")
-async def node_index(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeInfo]:
-    return {name: NodeInfo.from_body(body, RESOURCE_PREFIX)}
-
-
-@kopf.on.event("", "v1", "nodes")
-async def node_event(event: dict[str, Any], body: kopf.Body, name: str, memo: kopf.Memo, **_: Any) -> None:
-    runtime = _runtime(memo)
-    info = None if event.get("type") == "DELETED" else NodeInfo.from_body(body, RESOURCE_PREFIX)
-    if runtime.node_changed(info, name):
-        runtime.trigger_all()
-
-
-@kopf.on.event(GROUP, VERSION, NODE_PLURAL)
-async def node_object_event(spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
-    if spec.get("pool"):
-        _runtime(memo).trigger(spec["pool"])
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    _runtime(memo).stop()
 
 
 @kopf.on.event(GROUP, VERSION, POOL_PLURAL)
@@ -97,13 +77,13 @@ async def pool_daemon(
     name: str,
     stopped: kopf.DaemonStopped,
     memo: kopf.Memo,
-    node_index: kopf.Index,
     logger: logging.Logger,
     **_: Any,
 ) -> None:
     """Pass after pass over one pool until kopf stops the daemon (operator exit or deletion)."""
     runtime = _runtime(memo)
     config = runtime.config
+    await runtime.synced()
     wake = runtime.trigger(name)
     failures = 0
     while not stopped:
@@ -113,7 +93,7 @@ async def pool_daemon(
             break
         wake.clear()
         try:
-            await asyncio.to_thread(runtime.connected().run, name, _nodes(node_index))
+            await asyncio.to_thread(runtime.connected().run, name)
             failures = 0
         except Exception:  # a pass that fails is retried; the daemon must never die
             failures += 1
@@ -123,12 +103,11 @@ async def pool_daemon(
 
 
 @kopf.on.delete(GROUP, VERSION, POOL_PLURAL)
-async def pool_deleted(
-    name: str, memo: kopf.Memo, node_index: kopf.Index, logger: logging.Logger, **_: Any
-) -> None:
+async def pool_deleted(name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Hold the pool until every node (that still exists) reports Released."""
     runtime = _runtime(memo)
-    result = await asyncio.to_thread(runtime.connected().run, name, _nodes(node_index))
+    await runtime.synced()
+    result = await asyncio.to_thread(runtime.connected().run, name)
     if result is not None and result.unreleased:
         message = result.status.get("conditions", [{}])[0].get("message", "waiting for nodes to release")
         raise kopf.TemporaryError(message, delay=runtime.config.deletion_retry_seconds)

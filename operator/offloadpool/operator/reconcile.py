@@ -1,11 +1,17 @@
 """One pass over one pool: read the current state, compute what should be, write the difference.
 
 A pass never relies on what an earlier pass (or an earlier operator process) did: it reads the
-pool and its OffloadPoolNodes fresh from the API server, takes Nodes from the watch-fed index,
-and derives the DaemonSet, the OffloadPoolNode set, the rollout step, the pool status, the Node
-labels and resources from them. Every write is idempotent and skipped when nothing changed. So
-passes can be repeated at will (every event, every resync, after a kill -9) and converge; and a
-repeated pass after convergence writes nothing.
+pool fresh from the API server, takes Nodes and the pool's OffloadPoolNodes from the watch-fed
+indexes (``watched``: what the API server said, plus the answers to the operator's own writes,
+so a pass sees what the pass before it wrote), and derives the DaemonSet, the OffloadPoolNode
+set, the rollout step, the pool status, the Node labels and resources from them. Every write is
+idempotent and skipped when nothing changed. So passes can be repeated at will (every event,
+every resync, after a kill -9) and converge; and a repeated pass after convergence writes
+nothing. A pass costs O(nodes) in memory only: no list of the pool's objects per pass.
+
+Agents' heartbeat Leases are listed, not watched (renewals are the one steady stream of writes,
+and nobody should wake for them); the list is reused for passes within ``lease_max_age`` —
+short next to the heartbeat timeout, so a stale verdict is never more than that late.
 
 Passes for one pool are serialised by a per-pool lock held in the worker thread itself, so a
 deletion pass never interleaves with a normal pass that is still finishing in its thread.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -30,6 +37,7 @@ from .events import Event, transitions
 from .kube import Kube
 from .nodeview import NodeView
 from .selection import NodeInfo, selected_nodes
+from .watched import WatchedKind
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +58,65 @@ class PassResult:
     writes: list[str] = field(default_factory=list)
 
 
+#: Names listed in one NodeSelected Event at most (the rest are counted).
+EVENT_NODE_NAMES = 10
+
+
+def lease_max_age(config: OperatorConfig) -> float:
+    """How long a pass may reuse the last list of the pool's Leases."""
+    age = config.resync_seconds / 2
+    if config.heartbeat_timeout_seconds > 0:
+        age = min(age, config.heartbeat_timeout_seconds / 4)
+    return age
+
+
+def named(nodes: Sequence[str]) -> str:
+    """``a, b, c`` — or the first EVENT_NODE_NAMES and how many more."""
+    shown = ", ".join(nodes[:EVENT_NODE_NAMES])
+    more = len(nodes) - EVENT_NODE_NAMES
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
 class Reconciler:
     def __init__(
-        self, kube: Kube, config: OperatorConfig, emit: EventSink, clock: Callable[[], datetime] = utcnow
+        self,
+        kube: Kube,
+        config: OperatorConfig,
+        emit: EventSink,
+        nodes: WatchedKind[NodeInfo],
+        node_objects: WatchedKind[NodeView],
+        clock: Callable[[], datetime] = utcnow,
     ):
         self.kube = kube
         self.config = config
         self.emit = emit
+        self.nodes = nodes
+        self.node_objects = node_objects
         self.clock = clock
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self._leases: dict[str, tuple[float, dict[str, datetime]]] = {}
+
+    def _renewals(self, pool: str) -> dict[str, datetime]:
+        """Lease name -> renewTime for the pool's agents (a list at most every lease_max_age)."""
+        listed = self._leases.get(pool)
+        if listed is None or time.monotonic() - listed[0] >= lease_max_age(self.config):
+            listed = (time.monotonic(), self.kube.list_agent_leases(self.config.namespace, pool))
+            self._leases[pool] = listed
+        return listed[1]
 
     def _lock(self, pool: str) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault(pool, threading.Lock())
 
-    def run(self, name: str, node_infos: Sequence[NodeInfo]) -> PassResult | None:
+    def run(self, name: str) -> PassResult | None:
         """One pass over pool ``name``; None when the pool no longer exists."""
         with self._lock(name):
             pool = self.kube.get_pool(name)
             if pool is None:
+                self._leases.pop(name, None)
                 return None
-            return self._pass(pool, node_infos)
+            return self._pass(pool, self.nodes.values())
 
     def _pass(self, pool: dict[str, Any], node_infos: Sequence[NodeInfo]) -> PassResult:
         meta, spec = pool["metadata"], pool.get("spec") or {}
@@ -97,10 +142,10 @@ class Reconciler:
                 )
 
         selected = selected_nodes(spec, list(existing.values()))
-        renewals = self.kube.list_agent_leases(self.config.namespace, name)
+        renewals = self._renewals(name)
         views = {
-            v.node: v.renewed(renewals.get(node_object_name(name, v.node)))
-            for v in map(NodeView.from_body, self.kube.list_node_objects(name))
+            node: view.renewed(renewals.get(node_object_name(name, node)))
+            for node, view in self.node_objects.group(name).items()
         }
 
         if not deleting:
@@ -144,17 +189,29 @@ class Reconciler:
     ) -> None:
         """One OffloadPoolNode per selected Node; none for Nodes gone or no longer selected."""
         name = pool["metadata"]["name"]
+        created: list[str] = []
         for node in selected:
             if node in views:
                 continue
-            if self.kube.create_node_object(nodes.node_object(pool, node, generation)):
+            made = self.kube.create_node_object(nodes.node_object(pool, node, generation))
+            if made is not None:
+                self.node_objects.apply(made)
+                created.append(node)
                 result.writes.append(f"created OffloadPoolNode {node_object_name(name, node)}")
-                self.emit(
-                    pool, Event("Normal", "NodeSelected", f"node {node} selected: OffloadPoolNode created")
-                )
             views[node] = NodeView(node=node, target_generation=generation)
+        if created:  # one Event per pass, not one per node (a new pool over 1,000 nodes)
+            self.emit(
+                pool,
+                Event(
+                    "Normal",
+                    "NodeSelected",
+                    f"{len(created)} node(s) selected, OffloadPoolNode created: {named(created)}",
+                ),
+            )
         for node in sorted(set(views) - set(selected)):
-            if self.kube.delete_node_object(node_object_name(name, node)):
+            deleted = self.kube.delete_node_object(node_object_name(name, node))
+            self.node_objects.discard(node_object_name(name, node))
+            if deleted:
                 gone = node not in existing
                 result.writes.append(f"deleted OffloadPoolNode {node_object_name(name, node)}")
                 self.emit(
@@ -185,8 +242,10 @@ class Reconciler:
         name = pool["metadata"]["name"]
         step = rollout.plan(generation, views, selected, now=now, heartbeat_timeout=timeout)
         for adv in step.advance:
-            self.kube.patch_node_object(
-                node_object_name(name, adv.node), nodes.advance_patch(generation, adv.serving)
+            self.node_objects.apply(
+                self.kube.patch_node_object(
+                    node_object_name(name, adv.node), nodes.advance_patch(generation, adv.serving)
+                )
             )
             view = views[adv.node]
             views[adv.node] = replace(
@@ -266,5 +325,5 @@ class Reconciler:
                 continue
             patch = nodes.marks_patch(pool, info, is_ready)
             if patch:
-                self.kube.patch_node_status(info.name, patch)
+                self.nodes.apply(self.kube.patch_node_status(info.name, patch))
                 result.writes.append(f"{'marked' if is_ready else 'unmarked'} node {info.name}")

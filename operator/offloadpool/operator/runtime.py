@@ -1,23 +1,56 @@
 """Per-process state of the operator, shared by the handlers through kopf's ``memo``.
 
-Holds the configuration, the API access, the reconciler, and one wake-up Event per pool. The
-state is disposable: it caches nothing that a restarted operator could not rebuild from the
-cluster (the triggers only say "look again").
+Holds the configuration, the API access, the reconciler, the watched Nodes and
+OffloadPoolNodes (``watched``), and one wake-up Event per pool. The state is disposable: it
+caches nothing that a restarted operator could not rebuild from the cluster (the indexes are
+listed afresh, the triggers only say "look again").
+
+The watches run in threads; what they decide wakes a pool's daemon through the event loop
+(``call_soon_threadsafe``), and only when that pool is not already due for a pass, so a
+burst of a thousand agents' updates costs a handful of loop wake-ups, not a thousand.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import kopf
 
+from offloadpool.api.constants import GROUP, split_node_object_name
+
 from .config import OperatorConfig
 from .events import Event
 from .kube import Kube, load_client
+from .nodeview import NodeView
 from .reconcile import Reconciler
 from .selection import NodeInfo
+from .watched import WatchedKind
+
+#: Extended resources of pools on Nodes are named ``offloadpool.io/<pool>``.
+RESOURCE_PREFIX = f"{GROUP}/"
+
+
+def node_key(body: Mapping[str, Any]) -> tuple[str, str]:
+    return "", body["metadata"]["name"]
+
+
+def node_object_key(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(pool, node) of an OffloadPoolNode; None for one without a pool."""
+    spec = body.get("spec") or {}
+    if not spec.get("pool"):
+        return None
+    return spec["pool"], spec.get("nodeName") or split_node_object_name(body["metadata"]["name"])[1]
+
+
+def node_info(body: Mapping[str, Any]) -> NodeInfo:
+    return NodeInfo.from_body(body, RESOURCE_PREFIX)
+
+
+def _without_heartbeat(view: NodeView | None) -> NodeView | None:
+    return None if view is None else replace(view, heartbeat=None)
 
 
 def post_event(pool: Mapping[str, Any], event: Event) -> None:
@@ -29,14 +62,40 @@ class Runtime:
     def __init__(self, config: OperatorConfig) -> None:
         self.config = config
         self.reconciler: Reconciler | None = None
+        self.nodes: WatchedKind[NodeInfo] | None = None
+        self.node_objects: WatchedKind[NodeView] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._triggers: dict[str, asyncio.Event] = {}
         self._node_seen: dict[str, NodeInfo] = {}
         self._pool_seen: dict[str, tuple[Any, ...]] = {}
 
-    def connect(self) -> None:
-        """Load credentials (in-cluster or kubeconfig) and build the reconciler."""
-        if self.reconciler is None:
-            self.reconciler = Reconciler(Kube(load_client()), self.config, post_event)
+    def connect(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Load credentials (in-cluster or kubeconfig), start the watches of Nodes and
+        OffloadPoolNodes, and build the reconciler over them."""
+        if self.reconciler is not None:
+            return
+        self._loop = loop
+        kube = Kube(load_client())
+        self.nodes = WatchedKind("nodes", kube.core.list_node, node_info, node_key, self._node_event).start()
+        self.node_objects = WatchedKind(
+            "offloadpoolnodes",
+            kube.list_all_node_objects,
+            NodeView.from_body,
+            node_object_key,
+            self._view_event,
+        ).start()
+        self.reconciler = Reconciler(kube, self.config, post_event, self.nodes, self.node_objects)
+
+    def stop(self) -> None:
+        for watched in (self.nodes, self.node_objects):
+            if watched is not None:
+                watched.stop()
+
+    async def synced(self) -> None:
+        """Wait until both watches have listed everything once (the first pass after a
+        restart must not take "not listed yet" for "gone")."""
+        while not all(w is not None and w.synced.is_set() for w in (self.nodes, self.node_objects)):
+            await asyncio.sleep(0.05)
 
     def connected(self) -> Reconciler:
         """The reconciler; ``connect`` builds it in the startup handler, before any other runs."""
@@ -53,6 +112,37 @@ class Runtime:
     def trigger_all(self) -> None:
         for event in self._triggers.values():
             event.set()
+
+    def _wake(self, pool: str | None) -> None:
+        """Wake one pool (None: every pool) from a watch thread."""
+        if self._loop is None:
+            return
+        if pool is not None:
+            due = self._triggers.get(pool)
+            if due is not None and due.is_set():
+                return  # a pass is due already and reads the index when it runs
+            self._loop.call_soon_threadsafe(self.trigger, pool)
+        else:
+            self._loop.call_soon_threadsafe(self.trigger_all)
+
+    def _node_event(self, _group: str, name: str, _before: NodeInfo | None, after: NodeInfo | None) -> None:
+        if self.node_changed(after, name):
+            self._wake(None)
+
+    def _view_event(self, pool: str, _node: str, before: NodeView | None, after: NodeView | None) -> None:
+        """An OffloadPoolNode changed. Its heartbeat alone is no news (liveness is the Lease's,
+        and the pass reads the heartbeat from the index when it runs anyway) — unless it
+        brings back an agent that had been silent long enough to be taken for unresponsive."""
+        if _without_heartbeat(before) != _without_heartbeat(after) or self._revived(before, after):
+            self._wake(pool)
+
+    def _revived(self, before: NodeView | None, after: NodeView | None) -> bool:
+        timeout = self.config.heartbeat_timeout_seconds
+        if before is None or after is None or timeout <= 0 or before.heartbeat == after.heartbeat:
+            return False
+        if before.heartbeat is None or after.heartbeat is None:
+            return True
+        return (after.heartbeat - before.heartbeat).total_seconds() > timeout / 2
 
     def forget(self, pool: str) -> None:
         self._triggers.pop(pool, None)

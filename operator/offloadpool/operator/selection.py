@@ -41,9 +41,16 @@ class NodeInfo:
 
     def selection_key(self) -> tuple[Any, ...]:
         """What decides which pools select this node: labels (the pools' own marks left out)
-        and taints."""
+        and taints (the node lifecycle controller's own ``node.kubernetes.io/`` taints left
+        out: they never change selection, and a cluster's nodes going NotReady and back must
+        not wake every pool)."""
         labels = tuple(sorted((k, v) for k, v in self.labels.items() if not k.startswith(POOL_LABEL_PREFIX)))
-        return labels, tuple(tuple(sorted(t.items())) for t in self.taints)
+        taints = tuple(
+            tuple(sorted(t.items()))
+            for t in self.taints
+            if not str(t.get("key", "")).startswith(SYSTEM_TAINT_PREFIX)
+        )
+        return labels, taints
 
     def marks(self) -> frozenset[str]:
         """The pool marks the node carries: ready labels and fully advertised resources."""
