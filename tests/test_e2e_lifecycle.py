@@ -30,6 +30,7 @@ from fixtures.cluster_client import ClusterClient
 from fixtures.host import other_tenant_holds_free_hugepages
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
+from offloadpool.agent.status_writer import PROGRESS_INTERVAL
 
 pytestmark = pytest.mark.e2e
 
@@ -281,10 +282,21 @@ def test_agent_killed_mid_populate_is_finished_by_its_replacement(e2e: E2E) -> N
     os.kill(agent.pid, signal.SIGSTOP)  # freeze it mid-populate, then check it really was mid-way
     used = populating()
     assert 0 < used < capacity, f"populate was not caught mid-way ({used} of {capacity} bytes)"
-    st = e2e.node_status(pool, node.name)
-    assert st.get("phase") == "Populating" and st.get("progress", 0) < 100, (
-        f"status does not show the populate: {st}"
+    # the agent writes Populating only once it has lasted the status writer's progress interval
+    # (a pool Ready sooner costs one status write): held this long, the populate has, so once
+    # let go the agent shows it while the rest populates; then it is frozen again, mid-way
+    time.sleep(4 * PROGRESS_INTERVAL)
+    os.kill(agent.pid, signal.SIGCONT)
+    st = wait_for(
+        "status shows the populate",
+        lambda: (s := e2e.node_status(pool, node.name)).get("phase") == "Populating" and s,
+        30,
+        interval=0.005,
     )
+    os.kill(agent.pid, signal.SIGSTOP)
+    assert 0 < st.get("progress", 0) < 100, f"status does not show the populate mid-way: {st}"
+    used = populating()
+    assert 0 < used < capacity, f"populate was not frozen mid-way again ({used} of {capacity} bytes)"
     segment = sorted(p for p in mnt.iterdir() if p.is_file())[0]
     sentinel = b"engine data that must survive " + e2e.tag.encode()
     with open(segment, "r+b") as fh:  # data written into the region before the replacement runs

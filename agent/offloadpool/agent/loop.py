@@ -4,7 +4,8 @@ One thread runs the loop; two watch threads (the pool by name, our OffloadPoolNo
 never anything cluster-wide) only wake it up early. The loop also wakes every heartbeat period,
 so a missed watch event costs at most one heartbeat, and after a failure every retry period.
 Provisioning runs inside the loop; its progress callback (from populate workers) goes straight
-to the throttled status writer.
+to the throttled status writer, which writes the transient phases (Provisioning, Populating)
+only when they outlast its progress interval.
 """
 
 from __future__ import annotations
@@ -374,15 +375,21 @@ class Agent:
         return self.heartbeat_seconds
 
     # -- reporting helpers -------------------------------------------------------------------
-    def _phase(self, phase: str, **fields: Any) -> None:
+    def _phase(self, phase: str, *, defer: bool = False, **fields: Any) -> None:
         self.metrics.phase(phase)
-        self.status.set(phase=phase, **fields)
+        self.status.set(phase=phase, defer=defer, **fields)
 
     def _on_phase(self, phase: str, req: PoolRequest) -> None:
-        """The engine's own phase changes (Provisioning, Populating, Ready) as they happen."""
+        """The engine's own phase changes (Provisioning, Populating, Ready) as they happen.
+
+        Provisioning and Populating are transient: recorded now (metrics, readiness), written
+        only if they last ``progress_interval`` (StatusWriter ``defer``), so a small pool that
+        is Ready sooner costs one status write — one watch event for the operator — not three.
+        """
         if phase == "Provisioning":
             self._phase(
                 "Provisioning",
+                defer=True,
                 reason=None,
                 message=None,
                 pending_generation=None,
@@ -392,7 +399,7 @@ class Agent:
                 progress=0,
             )
         elif phase == "Populating" and self.status.phase != "Populating":
-            self._phase("Populating")
+            self._phase("Populating", defer=True)
 
     def _progress(self, done: int, total: int) -> None:
         self.last_tick = time.monotonic()

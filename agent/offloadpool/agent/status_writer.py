@@ -7,6 +7,16 @@ job: every status write wakes the operator, a Lease renewal does not), and progr
 coming from populate worker threads are throttled and serialised here. ``heartbeat`` in the
 status is the time of the last status write.
 
+Transient states are deferred, not dropped. Each status write is a watch event the operator
+must process, and at 1,000 nodes an agent's Provisioning, Populating, first progress and Ready
+— 3-4 writes within a second of each other — are the operator's main input while a pool
+converges. So the transient phases (``set(..., defer=True)``: Provisioning, Populating) and
+populate progress are recorded at once (``current``, ``phase`` and the agent's metrics see
+them) but written only ``progress_interval`` later: when a later ``set`` (Ready, Failed,
+anything not deferred) comes first, that one write carries everything, and the deferred flush
+then finds nothing changed and writes nothing. A populate that outlasts ``progress_interval``
+still shows Populating, its progress updated at most every ``progress_interval``.
+
 Fields are named as the status model (``offloadpool.api.node.OffloadPoolNodeStatus``) names
 them and go through it (``status_patch``): a misspelt name raises here, where a raw camelCase
 key would be written and then silently pruned by the API server.
@@ -26,6 +36,11 @@ from offloadpool.api.node import OffloadPoolNodeStatus, status_patch
 log = logging.getLogger(__name__)
 
 Patch = Callable[[dict[str, Any]], Any]
+
+#: Seconds a transient phase or a progress update waits before it is written (and, so, the
+#: most often progress is written): a later write within that time carries it instead.
+PROGRESS_INTERVAL = 0.5
+
 _POPULATING = status_patch(phase="Populating")
 
 
@@ -37,10 +52,15 @@ class StatusWriter:
     remembered and retried with the next write or heartbeat, never raised into provisioning.
 
     Populate workers call :meth:`progress`; it only records the numbers and wakes a flusher
-    thread, so a slow API server never stalls a worker in the middle of pre-faulting.
+    thread, so a slow API server never stalls a worker in the middle of pre-faulting. The same
+    thread writes deferred changes (progress, ``set(defer=True)``) ``progress_interval`` after
+    the first of them was recorded, unless a write carried them before: a pool that converges
+    within ``progress_interval`` costs one status write, not one per transient phase.
     """
 
-    def __init__(self, patch: Patch, clock: Callable[[], str], progress_interval: float = 0.5) -> None:
+    def __init__(
+        self, patch: Patch, clock: Callable[[], str], progress_interval: float = PROGRESS_INTERVAL
+    ) -> None:
         self._patch = patch
         self._clock = clock
         self._lock = threading.Lock()  # guards the dicts below; never held across a request
@@ -49,7 +69,7 @@ class StatusWriter:
         self._dirty: dict[str, Any] = {}
         self._kick = threading.Event()
         self._flusher: threading.Thread | None = None
-        self._last_progress = 0.0
+        self._due: float | None = None  # monotonic time the deferred changes in _dirty are written
         self.progress_interval = progress_interval
         self.phase: str = "Pending"
         self.exists = False
@@ -60,7 +80,7 @@ class StatusWriter:
         with self._lock:
             return OffloadPoolNodeStatus.model_validate({**self._written, **self._dirty})
 
-    def set(self, *, full: bool = False, **fields: Any) -> bool:
+    def set(self, *, full: bool = False, defer: bool = False, **fields: Any) -> bool:
         """Record ``fields`` (``OffloadPoolNodeStatus`` field names; None removes a field) and
         write those that changed now, with a fresh ``heartbeat`` timestamp; nothing is written
         when none changed.
@@ -68,12 +88,19 @@ class StatusWriter:
         Liveness is the heartbeat Lease's job, so an unchanged status costs no write and wakes
         no one. ``full`` re-sends the whole status (an object that lost it: re-created, or
         written by someone else); so does the first write after the object was missing.
+
+        ``defer`` (a transient phase: Provisioning, Populating) records the fields at once but
+        leaves the write to the flusher thread, ``progress_interval`` later, so a next ``set``
+        that comes sooner (Ready, Failed) writes both in one request. ``full`` is never deferred.
         """
         patch = status_patch(**fields)
         with self._lock:
             if patch.get("phase") is not None:
                 self.phase = patch["phase"]
             self._dirty.update(patch)
+            if defer and not full:
+                self._defer()
+                return True
         return self._flush(full=full)
 
     def progress(self, done: int, total: int) -> None:
@@ -86,22 +113,32 @@ class StatusWriter:
             if self.phase != "Populating":
                 self.phase = "Populating"
                 self._dirty.update(_POPULATING)
-            if self._flusher is None:
-                self._flusher = threading.Thread(
-                    target=self._flush_progress, name="status-progress", daemon=True
-                )
-                self._flusher.start()
+            self._defer()
+
+    def _defer(self) -> None:
+        """Have the flusher write ``_dirty`` ``progress_interval`` from now, unless a write is
+        already due sooner (or carries it first). Called with ``_lock`` held."""
+        if self._due is None:
+            self._due = time.monotonic() + self.progress_interval
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_deferred, name="status-deferred", daemon=True)
+            self._flusher.start()
         self._kick.set()
 
-    def _flush_progress(self) -> None:
+    def _flush_deferred(self) -> None:
         while True:
             self._kick.wait()
-            wait = self.progress_interval - (time.monotonic() - self._last_progress)
-            if wait > 0:
-                time.sleep(wait)
             self._kick.clear()
-            self._last_progress = time.monotonic()
-            self._flush()
+            while True:
+                with self._lock:
+                    due = self._due
+                if due is None:
+                    break  # a write carried the deferred changes already
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)  # then look again: a write meanwhile may have carried them
+                    continue
+                self._flush()
 
     def _flush(self, full: bool = False) -> bool:
         with self._io_lock:
@@ -111,6 +148,7 @@ class StatusWriter:
                     for k, v in self._dirty.items()
                     if full or k not in self._written or self._written[k] != v
                 }
+                self._due = None  # this write carries whatever was deferred
                 if not sent and not full and self.exists:
                     self._dirty.clear()
                     return True  # nothing changed: no write (a late progress flush, a repeated set)
