@@ -3,9 +3,9 @@
 
 Runs tests/test_scale.py (real control plane, real operator process, in-process agents with
 real 4 MiB tmpfs regions and heartbeat Leases) for each node count against one operator, and
-prints per count: seconds to converge, operator CPU-ms per node to converge, steady-state
-operator CPU % and API writes per second, operator peak RSS; plus the ratio of each cost
-between consecutive counts (doubling the nodes should at most double each cost).
+prints per count: seconds to converge, operator CPU-ms and API writes (all clients) per node to
+converge, steady-state operator CPU % and API writes per second, operator peak RSS; plus the
+ratio of each cost between consecutive counts (doubling the nodes should at most double each cost).
 
     .venv/bin/python bench/scale.py [--nodes 200,500,1000] [--steady-seconds 30]
                                     [--json FILE] [--png FILE]
@@ -27,6 +27,7 @@ COLUMNS = [
     ("nodes", "nodes"),
     ("seconds_to_converge", "s to converge"),
     ("operator_cpu_ms_per_node_to_converge", "operator CPU-ms / node to converge"),
+    ("api_writes_per_node_to_converge", "API writes / node to converge"),
     ("operator_cpu_percent_steady", "operator CPU % steady"),
     ("api_writes_per_second_steady", "API writes/s steady (all clients)"),
     ("operator_peak_rss_mib", "operator peak RSS MiB"),

@@ -15,7 +15,8 @@ every heartbeat. Without it they would poll, and the polling would be what is me
 The test asserts convergence (all Ready, pool Ready N/N), that a steady pool makes no
 OffloadPoolNode status writes (liveness is the Leases'), and that deletion releases every
 node. It reports, without asserting on them, the time to converge, the operator's CPU per
-node and peak RSS, and steady-state operator CPU and API writes per second.
+node and peak RSS, the API writes per node (all clients, by resource) from the pool's creation
+to its convergence, and steady-state operator CPU and API writes per second.
 
 ``OFFLOADPOOL_SCALE_NODES`` is a comma-separated list of node counts run one after the other
 against one operator (CI: 200); ``OFFLOADPOOL_SCALE_REPORT=<file>`` writes the reports as
@@ -132,7 +133,7 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
             args=(custom, pool, {a.access.node_object: a for a in agents}, stop_watch),
             daemon=True,
         ).start()
-        cpu0 = op.cpu_seconds()
+        cpu0, writes_start = op.cpu_seconds(), api_writes(cp)
         t0 = time.monotonic()
         cluster.create_pool("scale", {"capacity": "4Mi", "medium": "Memory"})
 
@@ -151,6 +152,7 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         st = wait_for(f"pool Ready {nodes}/{nodes}", all_converged, timeout=900, interval=0.25)
         seconds = time.monotonic() - t0
         cpu = op.cpu_seconds() - cpu0
+        converge_writes = api_writes(cp) - writes_start
         assert st["totalBytes"] == nodes * 4 * (1 << 20)
 
         # steady state: heartbeats only (a Lease renewal per agent every 10 s)
@@ -167,6 +169,11 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
             "operator_seconds_after_last_agent": round(seconds - (agents_ready[0] - t0), 2),
             "operator_cpu_ms_per_node_to_converge": round(1000 * cpu / nodes, 2),
             "operator_cpu_seconds_to_converge": round(cpu, 2),
+            # every client's writes from the pool's creation to its Ready N/N, per node
+            "api_writes_per_node_to_converge": round(sum(converge_writes.values()) / nodes, 2),
+            "api_writes_per_node_to_converge_by_resource": {
+                k: round(v / nodes, 2) for k, v in converge_writes.most_common()
+            },
             "operator_cpu_percent_steady": round(100 * steady_cpu / elapsed, 2),
             "api_writes_per_second_steady": round(sum(writes.values()) / elapsed, 1),
             "api_writes_per_second_steady_by_resource": {
