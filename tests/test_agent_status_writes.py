@@ -30,6 +30,10 @@ from test_agent_process import GROUP, VERSION, create, env, start_agent  # noqa:
 pytestmark = pytest.mark.controlplane
 
 MiB = 1 << 20
+NAMESPACE = "offloadpool-system"
+#: The agents' ClusterRole (deploy/rbac-agent.yaml).
+AGENT_ROLE = "offloadpool-agent"
+RBAC_GROUP = "rbac.authorization.k8s.io"
 
 
 def statuses_until_ready(
@@ -132,3 +136,79 @@ def test_a_populate_longer_than_the_interval_shows_populating(
     progress = [s.get("progress", 0) for s in seen]
     assert progress == sorted(progress) and progress[-1] == 100, progress
     assert seen[-1]["reason"] == "Populated", seen[-1]
+
+
+def test_a_refused_write_is_retried_without_waiting_for_a_heartbeat(
+    crds_installed: Any, operator_rbac: Any, tmp_path: Any
+) -> None:
+    """A status write the API server refuses (here 403: the agent's ServiceAccount is not bound
+    yet; at scale, 429 from a busy server) is tried again by the writer itself, after
+    RETRY_FIRST_SECONDS and doubling — not only with the next write or heartbeat, which for a
+    Ready that was refused could be a heartbeat period later. Real RBAC, real API server; no
+    heartbeat or other write happens in this test, so only the retry can land the status."""
+    import uuid
+
+    from kubernetes import client, config
+
+    from offloadpool.agent.kube import KubeAccess
+    from offloadpool.agent.status_writer import RETRY_FIRST_SECONDS, StatusWriter
+    from offloadpool.api.base import format_time, now
+
+    cp = crds_installed  # deploy/ applied by operator_rbac: the namespace and the agent's ClusterRole
+    tag = uuid.uuid4().hex[:6]
+    sa, pool, node = f"retry-{tag}", f"retry-{tag}", f"n-{tag}"
+    admin = cp.api_client()
+    core, rbac = client.CoreV1Api(admin), client.RbacAuthorizationV1Api(admin)
+    custom = client.CustomObjectsApi(admin)
+    core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": sa}})
+    custom.create_cluster_custom_object(
+        GROUP,
+        VERSION,
+        "offloadpoolnodes",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "OffloadPoolNode",
+            "metadata": {"name": f"{pool}.{node}"},
+            "spec": {"pool": pool, "nodeName": node, "targetGeneration": 1},
+        },
+    )
+    agent_api = config.new_client_from_config(
+        config_file=str(cp.kubeconfig_for_token(cp.token_for(NAMESPACE, sa), tmp_path / "sa.kubeconfig"))
+    )
+    try:
+        access = KubeAccess(agent_api, pool, f"{pool}.{node}", NAMESPACE)
+        writer = StatusWriter(access.patch_status, lambda: format_time(now()))
+        assert writer.set(phase="Ready", observed_generation=1) is False  # 403: not bound yet
+        rbac.create_cluster_role_binding(
+            {
+                "metadata": {"name": sa},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": AGENT_ROLE,
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}],
+            }
+        )
+        t0 = time.monotonic()
+
+        def phase() -> str | None:
+            obj = custom.get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", f"{pool}.{node}")
+            return (obj.get("status") or {}).get("phase")
+
+        wait_for("the refused Ready, written by its own retry", lambda: phase() == "Ready", 60, interval=0.2)
+        # retries back off (1, 2, 4, 8, 10 s): the binding took effect within that schedule
+        print(f"landed {time.monotonic() - t0:.1f} s after the binding (first retry {RETRY_FIRST_SECONDS} s)")
+        assert writer.exists and writer.current.phase == "Ready"
+    finally:
+        agent_api.close()
+        for delete in (
+            lambda: rbac.delete_cluster_role_binding(sa),
+            lambda: core.delete_namespaced_service_account(sa, NAMESPACE),
+            lambda: custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", f"{pool}.{node}"),
+        ):
+            try:
+                delete()
+            except client.ApiException:
+                pass
+        admin.close()

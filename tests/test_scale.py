@@ -103,7 +103,9 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
     kconfig.load_kube_config(
         str(cp.kubeconfig_for_token(token, work / "agent.kubeconfig")), client_configuration=agent_cfg
     )
-    agent_cfg.connection_pool_maxsize = 64
+    # one connection per agent thread: a smaller pool discards connections and every request
+    # beyond it pays a new TLS handshake (the harness's cost, not an agent's on its own node)
+    agent_cfg.connection_pool_maxsize = max(64, nodes)
     agent_api = client.ApiClient(agent_cfg)
     agents: list[Agent] = []
     stop_watch = threading.Event()

@@ -40,6 +40,19 @@ Patch = Callable[[dict[str, Any]], Any]
 #: Seconds a transient phase or a progress update waits before it is written (and, so, the
 #: most often progress is written): a later write within that time carries it instead.
 PROGRESS_INTERVAL = 0.5
+#: A failed write is tried again after this many seconds, doubling up to RETRY_MAX_SECONDS
+#: (or after the server's Retry-After, when it sent one): a Ready refused by a busy API server
+#: (429) must not wait for the next heartbeat to be seen.
+RETRY_FIRST_SECONDS = 1.0
+RETRY_MAX_SECONDS = 10.0
+
+
+def retry_after(exc: BaseException) -> float:
+    """The Retry-After the API server sent with a refusal (429, 503), in seconds; 0 if none."""
+    headers = getattr(exc, "headers", None) or {}
+    value = str(headers.get("Retry-After", "") if hasattr(headers, "get") else "")
+    return float(value) if value.isdigit() else 0.0
+
 
 _POPULATING = status_patch(phase="Populating")
 
@@ -49,7 +62,9 @@ class StatusWriter:
 
     ``patch`` sends a merge patch of the status (``KubeAccess.patch_status``); it returns None
     when the object does not exist (yet), and may raise on API errors: a failed write is
-    remembered and retried with the next write or heartbeat, never raised into provisioning.
+    remembered and retried by the flusher thread (after RETRY_FIRST_SECONDS, doubling, or the
+    server's Retry-After) or with the next write, whichever comes first — never raised into
+    provisioning.
 
     Populate workers call :meth:`progress`; it only records the numbers and wakes a flusher
     thread, so a slow API server never stalls a worker in the middle of pre-faulting. The same
@@ -70,6 +85,7 @@ class StatusWriter:
         self._kick = threading.Event()
         self._flusher: threading.Thread | None = None
         self._due: float | None = None  # monotonic time the deferred changes in _dirty are written
+        self._retry = 0.0  # seconds before the next retry of a failed write (0: none failed)
         self.progress_interval = progress_interval
         self.phase: str = "Pending"
         self.exists = False
@@ -115,11 +131,11 @@ class StatusWriter:
                 self._dirty.update(_POPULATING)
             self._defer()
 
-    def _defer(self) -> None:
-        """Have the flusher write ``_dirty`` ``progress_interval`` from now, unless a write is
-        already due sooner (or carries it first). Called with ``_lock`` held."""
+    def _defer(self, delay: float | None = None) -> None:
+        """Have the flusher write ``_dirty`` ``delay`` (default ``progress_interval``) from now,
+        unless a write is already due sooner (or carries it first). Called with ``_lock`` held."""
         if self._due is None:
-            self._due = time.monotonic() + self.progress_interval
+            self._due = time.monotonic() + (self.progress_interval if delay is None else delay)
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_deferred, name="status-deferred", daemon=True)
             self._flusher.start()
@@ -158,21 +174,23 @@ class StatusWriter:
                     **status_patch(heartbeat=self._clock(), agent_version=__version__),
                 }
                 self._dirty.clear()
+            refusal: Exception | None = None
             try:
                 result = self._patch(body)
-            except Exception as exc:  # API down, throttled, RBAC: keep the update and retry later
-                log.warning("status write failed (will retry): %s", exc)
-                result = None
-                failed = True
-            else:
-                failed = False
+            except Exception as error:  # API down, throttled, RBAC: keep the update and retry later
+                log.warning("status write failed (will retry): %s", error)
+                result, refusal = None, error
             with self._lock:
                 if result is None:
                     self._dirty = {**sent, **self._dirty}  # newer values recorded meanwhile win
-                    if not failed:
+                    if refusal is not None:
+                        self._retry = min(RETRY_MAX_SECONDS, 2 * self._retry or RETRY_FIRST_SECONDS)
+                        self._defer(max(self._retry, retry_after(refusal)))
+                    else:
                         self.exists = False
                         log.info("OffloadPoolNode does not exist (yet); status kept for the next write")
                     return False
+                self._retry = 0.0
                 self.exists = True
                 self._written.update(body)
                 return True
