@@ -103,10 +103,12 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
     kconfig.load_kube_config(
         str(cp.kubeconfig_for_token(token, work / "agent.kubeconfig")), client_configuration=agent_cfg
     )
-    # one connection per agent thread: a smaller pool discards connections and every request
-    # beyond it pays a new TLS handshake (the harness's cost, not an agent's on its own node)
-    agent_cfg.connection_pool_maxsize = max(64, nodes)
-    agent_api = client.ApiClient(agent_cfg)
+    # One client per agent, as on a real node: a thousand agent threads sharing one client's
+    # connection pool queue on its lock (and a pool smaller than the threads discards
+    # connections, so requests beyond it pay a new TLS handshake) — the harness's cost, not an
+    # agent's.
+    agent_cfg.connection_pool_maxsize = 2
+    agent_apis: list[client.ApiClient] = []
     agents: list[Agent] = []
     stop_watch = threading.Event()
     try:
@@ -119,7 +121,8 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
                 }
             )
         for name in names:
-            access = kube.KubeAccess(agent_api, pool, f"{pool}.{name}", op.namespace)
+            agent_apis.append(client.ApiClient(agent_cfg))
+            access = kube.KubeAccess(agent_apis[-1], pool, f"{pool}.{name}", op.namespace)
             agents.append(
                 Agent(
                     access,
@@ -211,7 +214,8 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         release_everything(work)
         left = mounts_under(work)
         shutil.rmtree(work, ignore_errors=True)
-        agent_api.close()
+        for agent_api in agent_apis:
+            agent_api.close()
         admin.close()
         assert not left, f"mounts left: {left}"
 

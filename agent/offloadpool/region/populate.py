@@ -249,7 +249,9 @@ def populate(
             skipped=skipped,
         )
         seconds = job.run(all_units, workers)
-        thp = _thp_bytes(maps) if not plan.medium.hugetlb else 0
+        # Only a huge= tmpfs can hold PMD-sized pages; reading /proc/self/smaps is O(every
+        # mapping of the process), so it is not done for the media that cannot.
+        thp = _thp_bytes(maps) if plan.medium.huge not in (None, "never") else 0
         return PopulateStats(total, job.new_bytes, skipped, seconds, workers, job.mode, thp)
     finally:
         for addr, length in maps:
