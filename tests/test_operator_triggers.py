@@ -86,3 +86,14 @@ def test_pool_changes_that_wake_passes() -> None:
     )
     rt.forget("p")
     assert rt.pool_changed("p", body)  # after forget, as new
+
+
+def test_passes_are_paced_by_their_own_cost() -> None:
+    """A cheap pass waits only the debounce; an expensive one (a pool of thousands) waits so
+    that passes use at most ``pass_cpu_share`` of a core; never longer than the cap."""
+    config = OperatorConfig()
+    assert config.pass_pause(0.0) == config.debounce_seconds
+    assert config.pass_pause(0.001) == config.debounce_seconds  # 1 ms: 20 ms < debounce
+    assert config.pass_pause(0.05) == 0.05 / config.pass_cpu_share == 1.0  # 50 ms: 1 s
+    assert config.pass_pause(10.0) == config.max_pass_pause_seconds
+    assert OperatorConfig(pass_cpu_share=0).pass_pause(10.0) == config.debounce_seconds

@@ -38,8 +38,20 @@ class OperatorConfig:
     resync_seconds: float = 15.0
     #: Pause after an event before a pass, so a burst of agent updates costs one pass.
     debounce_seconds: float = 0.5
+    #: While events keep coming, a pool's passes use at most this share of a core: a pass over
+    #: N nodes costs O(N), and a pool of thousands converging must not spend its operator's
+    #: CPU on passes that each find a few more nodes Ready (see ``pass_pause``).
+    pass_cpu_share: float = 0.05
+    #: The longest such pause (a pass is never put off longer than this by its own cost).
+    max_pass_pause_seconds: float = 5.0
     #: Delay between checks while a deleted pool waits for its nodes to release.
     deletion_retry_seconds: float = 3.0
+
+    def pass_pause(self, pass_cpu_seconds: float) -> float:
+        """Seconds to wait after a wake-up before the next pass, given the last pass's CPU:
+        the debounce, or longer when passes are expensive (a pass of 50 ms: 1 s)."""
+        paced = pass_cpu_seconds / self.pass_cpu_share if self.pass_cpu_share > 0 else 0.0
+        return max(self.debounce_seconds, min(self.max_pass_pause_seconds, paced))
 
 
 def default_namespace() -> str:

@@ -3,8 +3,11 @@
 - every OffloadPool has a daemon that runs a pass when woken (a change to the pool's spec or
   deletion, to one of its OffloadPoolNodes, to any Node's labels/taints, or a pool mark lost)
   and at least every ``resync_seconds`` (stale heartbeats, objects deleted by hand); bursts are
-  coalesced. What the operator writes itself (pool status, marks on Nodes) wakes nothing, so
-  passes do not beget passes; agents' heartbeats are Leases, which it does not watch;
+  coalesced, and paced: after a pass that cost C CPU-seconds the next waits at least
+  C / ``pass_cpu_share`` (``OperatorConfig.pass_pause``), so a big pool's passes take a bounded
+  share of a core however fast its agents report. What the operator writes itself (pool
+  status, marks on Nodes) wakes nothing, so passes do not beget passes; agents' heartbeats
+  are Leases, which it does not watch;
 - kopf watches the pools only. Nodes and OffloadPoolNodes — thousands of events while a big
   pool converges — are watched by ``watched`` (plain JSON in threads; see there why), which
   wakes the daemons through ``Runtime``; a daemon's first pass waits for both to be listed,
@@ -86,14 +89,16 @@ async def pool_daemon(
     await runtime.synced()
     wake = runtime.trigger(name)
     failures = 0
+    pause = config.debounce_seconds
     while not stopped:
         if await _sleep(wake, stopped, config.resync_seconds):
-            await _sleep(None, stopped, config.debounce_seconds)
+            await _sleep(None, stopped, pause)
         if stopped:
             break
         wake.clear()
         try:
-            await asyncio.to_thread(runtime.connected().run, name)
+            result = await asyncio.to_thread(runtime.connected().run, name)
+            pause = config.pass_pause(result.cpu_seconds if result is not None else 0.0)
             failures = 0
         except Exception:  # a pass that fails is retried; the daemon must never die
             failures += 1
