@@ -7,7 +7,7 @@ it puts on Nodes) woke more passes, a converging pool would pay O(N) per node.
 from __future__ import annotations
 
 from offloadpool.operator.config import OperatorConfig
-from offloadpool.operator.runtime import Runtime
+from offloadpool.operator.runtime import Runtime, node_change_matters
 from offloadpool.operator.selection import NodeInfo
 
 PREFIX = "offloadpool.io/"
@@ -25,8 +25,19 @@ def info(labels=None, taints=(), capacity=None) -> NodeInfo:
     )
 
 
+class NodeEvents:
+    """One Node's successive states as the watch index reports them (before, after)."""
+
+    def __init__(self) -> None:
+        self.last: NodeInfo | None = None
+
+    def node_changed(self, after: NodeInfo | None, _name: str) -> bool:
+        before, self.last = self.last, after
+        return node_change_matters(before, after)
+
+
 def test_node_changes_that_wake_passes() -> None:
-    rt = Runtime(OperatorConfig())
+    rt = NodeEvents()
     assert rt.node_changed(info({"gpu": "a"}), "n")  # a new Node
     assert not rt.node_changed(info({"gpu": "a"}), "n")  # the same again
     # the operator marks it Ready (label and resource): its own write, no news

@@ -49,6 +49,22 @@ def node_info(body: Mapping[str, Any]) -> NodeInfo:
     return NodeInfo.from_body(body, RESOURCE_PREFIX)
 
 
+def node_change_matters(before: NodeInfo | None, after: NodeInfo | None) -> bool:
+    """True when a Node changed in a way a pass must see at once.
+
+    That is: the Node came or went, its selection (labels, taints) changed, or it lost a pool
+    mark (a label or resource removed by someone else, e.g. a re-registering kubelet). The
+    operator's own marks are no news (they reach the index with the write's answer, before
+    their event): waking every pool for each label it wrote itself made passes beget passes
+    while a pool converged.
+    """
+    if before is None or after is None:
+        return before is not after
+    if before == after:
+        return False
+    return before.selection_key() != after.selection_key() or bool(before.marks() - after.marks())
+
+
 def _without_heartbeat(view: NodeView | None) -> NodeView | None:
     return None if view is None else replace(view, heartbeat=None)
 
@@ -66,7 +82,6 @@ class Runtime:
         self.node_objects: WatchedKind[NodeView] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._triggers: dict[str, asyncio.Event] = {}
-        self._node_seen: dict[str, NodeInfo] = {}
         self._pool_seen: dict[str, tuple[Any, ...]] = {}
 
     def connect(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -119,14 +134,16 @@ class Runtime:
             return
         if pool is not None:
             due = self._triggers.get(pool)
-            if due is not None and due.is_set():
-                return  # a pass is due already and reads the index when it runs
-            self._loop.call_soon_threadsafe(self.trigger, pool)
+            # no daemon yet (its first pass comes anyway) or gone; or a pass is due already
+            # and reads the index when it runs
+            if due is None or due.is_set():
+                return
+            self._loop.call_soon_threadsafe(due.set)
         else:
             self._loop.call_soon_threadsafe(self.trigger_all)
 
-    def _node_event(self, _group: str, name: str, _before: NodeInfo | None, after: NodeInfo | None) -> None:
-        if self.node_changed(after, name):
+    def _node_event(self, _group: str, _name: str, before: NodeInfo | None, after: NodeInfo | None) -> None:
+        if node_change_matters(before, after):
             self._wake(None)
 
     def _view_event(self, pool: str, _node: str, before: NodeView | None, after: NodeView | None) -> None:
@@ -147,22 +164,6 @@ class Runtime:
     def forget(self, pool: str) -> None:
         self._triggers.pop(pool, None)
         self._pool_seen.pop(pool, None)
-
-    def node_changed(self, info: NodeInfo | None, name: str) -> bool:
-        """Record a Node's state; True when it changed in a way a pass must see at once.
-
-        That is: the Node came or went, its selection (labels, taints) changed, or it lost a
-        pool mark (a label or resource removed by someone else, e.g. a re-registering kubelet).
-        The operator's own marks appearing are no news: waking every pool for each label it
-        wrote itself made passes beget passes while a pool converged.
-        """
-        if info is None:
-            return self._node_seen.pop(name, None) is not None
-        before = self._node_seen.get(name)
-        self._node_seen[name] = info
-        if before is None or before == info:
-            return before is None
-        return before.selection_key() != info.selection_key() or bool(before.marks() - info.marks())
 
     def pool_changed(self, name: str, body: Mapping[str, Any]) -> bool:
         """True when a pool event carries something a pass acts on: a new spec (generation),
