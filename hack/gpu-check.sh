@@ -15,6 +15,9 @@
 # without the CLI's other commands and their imports: the library and the bench are stdlib-only.)
 # Exits non-zero if a test failed, none ran, the GPU is not visible, or the vLLM test could not run.
 #
+# OFFLOADPOOL_VLLM_PYTHON=<python> skips step 1-2: that interpreter already imports vLLM 0.33.0,
+# torch and cuda-python (e.g. a GPU machine handed vLLM without a registry) and runs every test.
+#
 # A GPU machine that cannot reach PyPI (GPU_CHECK_VLLM=off, or `ensure` failing) still runs
 # steps 3-4 for everything but vLLM, with the machine's own python3 (it must import torch and
 # cuda-python and pydantic, the one package the library's api contract needs), then exits 1
@@ -35,7 +38,14 @@ nvidia-smi -L || { echo "no NVIDIA GPU visible (nvidia-smi -L failed)" >&2; exit
 PY=""
 MARK="gpu"
 VLLM_MISSING=""
-if [ "${GPU_CHECK_VLLM:-auto}" != off ]; then
+if [ -n "${OFFLOADPOOL_VLLM_PYTHON:-}" ]; then
+  # vLLM put there some other way (tests/fixtures/vllm_env.py reads the same variable): its
+  # interpreter runs every gpu test, vLLM's included
+  PY="$OFFLOADPOOL_VLLM_PYTHON"
+  echo "==> vLLM from OFFLOADPOOL_VLLM_PYTHON=$PY" >&2
+  "$PY" -c "import vllm, torch; from cuda.bindings import driver; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))" >&2
+  export PYTHONPATH="$ROOT/agent${PYTHONPATH:+:$PYTHONPATH}"
+elif [ "${GPU_CHECK_VLLM:-auto}" != off ]; then
   echo "==> pinned vLLM" >&2
   if VLLM_PY="$(python3 hack/vllm_env.py ensure)"; then
     PY="$VLLM_PY"
@@ -62,6 +72,11 @@ if [ -z "$PY" ]; then
   "$PY" -c "import torch, pytest; from cuda.bindings import driver; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" >&2
   export PYTHONPATH="$ROOT/agent${PYTHONPATH:+:$PYTHONPATH}"
 fi
+
+# The suite's huge pages first, as hack/test.sh does: the vLLM test's pool root draws on that
+# kept reservation, and the leak guard counts it as the machine's, not as the test's leak.
+echo "==> the suite's huge page reservation (hack/hugepages.py reserve)" >&2
+python3 hack/hugepages.py reserve
 
 mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py)
 echo "==> gpu tests: ${GPU_TESTS[*]}" >&2
