@@ -9,9 +9,12 @@ turning each answer into the client's model objects (a whole V1Node for every la
 cost more CPU than everything else the operator does per node.
 
 The writes made once per node of a pool (create an OffloadPoolNode, mark a Node, advance a
-rollout) and the pool status go through ``Kube.send``: the client's own REST layer (its
-connection pool, TLS settings and auth), without the generated method's per-call argument
-validation and serialisation, which cost a third of each write.
+rollout) and the pool status go through ``Kube.send``: straight into the client's own urllib3
+connection pool for the API server (its connections, TLS settings, proxy and retries, and the
+client's auth headers), without the generated method's per-call argument validation and
+serialisation or the REST layer's and pool manager's per-request work. Those layers cost 30 %
+of each write's client CPU (bench/api_write.py), and these writes are most of the operator's
+CPU while a pool converges (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -83,17 +86,26 @@ class Kube:
         return headers
 
     def send(self, method: str, path: str, body: Any, content_type: str = MERGE) -> Any:
-        """One request through the client's REST layer; the answer as plain JSON.
+        """One request with a JSON body through the client's connection pool; the answer as
+        plain JSON.
 
-        Errors raise the client's ``ApiException`` (``.status`` as from the generated methods).
+        The pool is the one the client's REST layer uses for the API server
+        (``connection_from_url`` returns it, made with the client's TLS, proxy and retry
+        settings), so nothing about the connection differs from a generated call. Errors raise
+        the client's ``ApiException`` (``.status`` and ``.headers`` as from the generated
+        methods).
         """
+        cfg = self.client.configuration
         headers = {"Accept": "application/json", "Content-Type": content_type, **self._auth_headers()}
-        resp = self.client.rest_client.request(
-            method, self.client.configuration.host + path, headers=headers, body=body
+        # the path alone, as the pool is the host's; through a proxy the whole URL, as the
+        # pool manager itself would send it
+        url = cfg.host + path if cfg.proxy else path
+        resp = self.client.rest_client.pool_manager.connection_from_url(cfg.host).urlopen(
+            method, url, body=json.dumps(body).encode(), headers=headers
         )
-        data = resp.read()
         if not 200 <= resp.status <= 299:
             raise ApiException(http_resp=resp)
+        data = resp.data
         return json.loads(data) if data else None
 
     # -- pools ---------------------------------------------------------------------------
