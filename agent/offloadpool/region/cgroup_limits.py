@@ -66,6 +66,8 @@ def _mounts(mountinfo: str) -> list[tuple[str, Path, str, frozenset[str]]]:
     """(fstype, mount point, mount root, super options) of every cgroup mount."""
     out = []
     for line in mountinfo.splitlines():
+        if " - cgroup" not in line:  # most of a node's mounts: skipped before any split
+            continue
         head, sep, tail = line.partition(" - ")
         if not sep:
             continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from offloadpool.region.errors import RegionError
@@ -35,28 +36,49 @@ class MountInfo:
     propagation: str  # e.g. "shared:42" or ""
 
 
+def _escape(path: str) -> str:
+    """A path as mountinfo writes it: space, tab, newline and backslash as octal."""
+    for char, code in (("\\", "\\134"), (" ", "\\040"), ("\t", "\\011"), ("\n", "\\012")):
+        path = path.replace(char, code)
+    return path
+
+
 def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as octal."""
     return field.encode().decode("unicode_escape") if "\\" in field else field
 
 
-def mounts() -> list[MountInfo]:
+def _parse(lines: Iterable[str]) -> list[MountInfo]:
     out = []
-    with open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            left, _, right = line.partition(" - ")
-            lf, rf = left.split(), right.split()
-            if len(lf) < 5 or len(rf) < 3:
-                continue
-            out.append(MountInfo(_unescape(lf[4]), rf[0], _unescape(rf[1]), rf[2], " ".join(lf[6:])))
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        lf, rf = left.split(), right.split()
+        if len(lf) < 5 or len(rf) < 3:
+            continue
+        out.append(MountInfo(_unescape(lf[4]), rf[0], _unescape(rf[1]), rf[2], " ".join(lf[6:])))
     return out
 
 
+def mounts() -> list[MountInfo]:
+    with open("/proc/self/mountinfo") as fh:
+        return _parse(fh)
+
+
 def mount_at(path: str | os.PathLike[str]) -> MountInfo | None:
-    """The topmost mount whose target is exactly ``path`` (None if it is not a mount point)."""
+    """The topmost mount whose target is exactly ``path`` (None if it is not a mount point).
+
+    The table is searched for the path as mountinfo writes it before any line is parsed: a
+    node's table holds a mount or more per container (and, in the scale test, a pool per
+    simulated node), and the agent asks about its one mount point several times a step.
+    """
     target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as fh:
+        table = fh.read()
+    escaped = _escape(target)
+    if f" {escaped} " not in table:
+        return None
     found = None
-    for m in mounts():
+    for m in _parse(line for line in table.splitlines() if f" {escaped} " in line):
         if m.target == target:
             found = m
     return found
