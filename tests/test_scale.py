@@ -198,25 +198,30 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         assert not mounts_under(work), "released pools left mounts"
         return report
     finally:
+        # The host first, then the API: a failed or slow API call here (a busy server after a
+        # timeout) must not leave a thousand mounts on the machine.
         stop_watch.set()
         for a in agents:
             a.stop.set()
             a.wake.set()
+        joined_by = time.monotonic() + 60  # one deadline for all, not 30 s per agent
         for a in agents:
             if a.thread is not None:
-                a.thread.join(timeout=30)
-        cluster.delete_pools()  # a pool the test did not see deleted: finalizer stripped
-        for name in names:
-            try:
-                core.delete_node(name)
-            except client.rest.ApiException:
-                pass
+                a.thread.join(timeout=max(0.0, joined_by - time.monotonic()))
         release_everything(work)
         left = mounts_under(work)
         shutil.rmtree(work, ignore_errors=True)
-        for agent_api in agent_apis:
-            agent_api.close()
-        admin.close()
+        try:
+            cluster.delete_pools()  # a pool the test did not see deleted: finalizer stripped
+            for name in names:
+                try:
+                    core.delete_node(name)
+                except client.rest.ApiException:
+                    pass
+        finally:
+            for agent_api in agent_apis:
+                agent_api.close()
+            admin.close()
         assert not left, f"mounts left: {left}"
 
 
