@@ -12,7 +12,7 @@ The writes made once per node of a pool (create an OffloadPoolNode, mark a Node,
 rollout) and the pool status go through ``Kube.send``: straight into the client's own urllib3
 connection pool for the API server (its connections, TLS settings, proxy and retries, and the
 client's auth headers), without the generated method's per-call argument validation and
-serialisation or the REST layer's and pool manager's per-request work. Those layers cost 30 %
+serialisation or the REST layer's and pool manager's per-request work. Those layers cost a fifth
 of each write's client CPU (bench/api_write.py), and these writes are most of the operator's
 CPU while a pool converges (docs/scale.md).
 """
