@@ -108,12 +108,17 @@ def memory_files(pool_dir: str | os.PathLike[str]) -> set[FileId]:
     return ids
 
 
-def _file_id(path: str | os.PathLike[str]) -> FileId | None:
+def file_id(path: str | os.PathLike[str]) -> FileId | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
+
+
+def pool_lockers(pool_dir: str | os.PathLike[str], proc: str = "/proc") -> set[int]:
+    """Pids holding a shared flock on the pool's lease (``lease_lockers`` of its lease file)."""
+    return lease_lockers(file_id(lease_path(pool_dir)), proc)
 
 
 def parse_dev(text: str) -> int:
@@ -214,7 +219,7 @@ def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> li
     unmount it attempts still fails with EBUSY on its own open files.
     """
     files = memory_files(pool_dir)
-    lockers = lease_lockers(_file_id(lease_path(pool_dir)), proc)
+    lockers = pool_lockers(pool_dir, proc)
     me = self_pid(proc)
     inodes = {str(ino) for _, ino in files}
     found: dict[int, Holder] = {}
