@@ -9,8 +9,9 @@ status and heartbeat Lease, talking to the API server with the agent ServiceAcco
 
 Each real agent watches its own pool and OffloadPoolNode. A thousand agents in one process
 cannot each hold two watches on this machine, so one watch over the pool's OffloadPoolNodes
-wakes the agent whose object changed (what its own watch would do); agents otherwise step only
-every heartbeat. Without it they would poll, and the polling would be what is measured.
+hands each event to the agent whose object changed (``Agent.notice``, what its own watch
+does); agents otherwise step only every heartbeat. Without it they would poll, and the
+polling would be what is measured.
 
 The test asserts convergence (all Ready, pool Ready N/N), that a steady pool makes no
 OffloadPoolNode status writes (liveness is the Leases'), and that deletion releases every
@@ -47,7 +48,7 @@ from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
 from offloadpool.agent import kube
-from offloadpool.agent.loop import Agent
+from offloadpool.agent.loop import REREAD_PERIODS, Agent
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_NAME_LABEL, POOL_PLURAL, VERSION
 
@@ -130,7 +131,8 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
                     metrics=AgentMetrics(pool, name, CollectorRegistry()),
                     heartbeat_seconds=HEARTBEAT_SECONDS,
                     retry_seconds=HEARTBEAT_SECONDS,
-                    watches=False,
+                    watches=False,  # wake_agents below is their watches
+                    reread_seconds=REREAD_PERIODS * HEARTBEAT_SECONDS,
                 ).start()
             )
         threading.Thread(
@@ -228,21 +230,35 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
 def wake_agents(
     custom: client.CustomObjectsApi, pool: str, agents: dict[str, Agent], stop: threading.Event
 ) -> None:
-    """One watch over the pool's OffloadPoolNodes that wakes the agent whose object changed."""
+    """The agents' watches: one over the pool's OffloadPoolNodes that hands each event to the
+    agent whose object it is, one over the pool that hands its events to every agent."""
+    threading.Thread(
+        target=deliver,
+        args=(custom, POOL_PLURAL, {"field_selector": f"metadata.name={pool}"}, agents, stop),
+        daemon=True,
+    ).start()
+    deliver(custom, NODE_PLURAL, {"label_selector": f"{POOL_NAME_LABEL}={pool}"}, agents, stop)
+
+
+def deliver(
+    custom: client.CustomObjectsApi,
+    plural: str,
+    selector: dict[str, str],
+    agents: dict[str, Agent],
+    stop: threading.Event,
+) -> None:
     while not stop.is_set():
         w = watch.Watch()
         try:
             for event in w.stream(
-                custom.list_cluster_custom_object,
-                GROUP,
-                VERSION,
-                NODE_PLURAL,
-                label_selector=f"{POOL_NAME_LABEL}={pool}",
-                timeout_seconds=30,
+                custom.list_cluster_custom_object, GROUP, VERSION, plural, timeout_seconds=30, **selector
             ):
-                agent = agents.get(event["object"]["metadata"]["name"])
-                if agent is not None:
-                    agent.wake.set()
+                obj, deleted = event["object"], event["type"] == "DELETED"
+                if plural == POOL_PLURAL:
+                    for agent in agents.values():
+                        agent.notice(obj, deleted=deleted)
+                elif (agent := agents.get(obj["metadata"]["name"])) is not None:
+                    agent.notice(obj, deleted=deleted)
                 if stop.is_set():
                     break
         except Exception:  # the API server is busy or restarting: watch again

@@ -40,6 +40,20 @@ log = logging.getLogger(__name__)
 
 #: The Lease's leaseDurationSeconds, in heartbeat periods (as the kubelet: 40 s for 10 s renewals).
 LEASE_PERIODS = 4
+#: With watches, how many heartbeat periods a step may go on the watched objects without a read.
+REREAD_PERIODS = 6
+
+
+def _revision(obj: dict[str, Any]) -> int:
+    """An object's resourceVersion as a number (etcd's revision, as the operator compares)."""
+    rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+    return int(rv) if rv.isdigit() else 0
+
+
+def _acted_on(pool: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a pool an agent acts on: its identity, spec (generation) and deletion."""
+    meta = pool.get("metadata") or {}
+    return meta.get("uid"), meta.get("generation"), meta.get("deletionTimestamp")
 
 
 @dataclass
@@ -61,6 +75,7 @@ class Agent:
         retry_seconds: float = 5.0,
         workers: int = 0,
         watches: bool = True,
+        reread_seconds: float | None = None,
     ) -> None:
         self.access = access
         self.root = Path(root)
@@ -70,6 +85,17 @@ class Agent:
         self.retry_seconds = retry_seconds
         self.workers = workers
         self.watches = watches
+        # With watches, a step takes the pool and the OffloadPoolNode from their last events
+        # and reads them from the API server only this often (a missed event costs at most
+        # this); without, every step reads (polling). Liveness is the Lease, renewed regardless.
+        self.reread_seconds = (
+            reread_seconds
+            if reread_seconds is not None
+            else (REREAD_PERIODS * heartbeat_seconds if watches else 0.0)
+        )
+        #: the pool and our OffloadPoolNode as last read or delivered by a watch (None: absent)
+        self._seen: dict[str, dict[str, Any] | None] = {}
+        self._read_at = float("-inf")
         self.status = StatusWriter(access.patch_status, kube.now)
         self.wake = threading.Event()
         self.stop = threading.Event()
@@ -146,7 +172,7 @@ class Agent:
         while not self.stop.is_set():
             w = watch.Watch()
             try:
-                for _ in w.stream(
+                for event in w.stream(
                     self.access.custom.list_cluster_custom_object,
                     GROUP,
                     VERSION,
@@ -154,7 +180,7 @@ class Agent:
                     field_selector=f"metadata.name={name}",
                     timeout_seconds=120,
                 ):
-                    self.wake.set()
+                    self.notice(event["object"], deleted=event["type"] == "DELETED")
                     if self.stop.is_set():
                         break
             except Exception as exc:  # API restarts, expired resourceVersion, RBAC: re-list later
@@ -162,6 +188,50 @@ class Agent:
                 self.stop.wait(self.retry_seconds)
             finally:
                 w.stop()
+
+    def notice(self, obj: dict[str, Any], *, deleted: bool = False) -> None:
+        """A watch event about our pool or OffloadPoolNode: keep the object for the next step
+        and wake the loop — unless the event is our own last status write coming back (a step
+        for it would find nothing new; at a thousand nodes, two reads per write for nothing)."""
+        meta = obj.get("metadata") or {}
+        name = meta.get("name")
+        if name not in (self.access.pool, self.access.node_object):
+            return
+        if (
+            name == self.access.node_object
+            and meta.get("resourceVersion") is not None
+            and meta.get("resourceVersion") == self.status.written_version
+        ):
+            return
+        before = self._seen.get(name)
+        self._seen[name] = None if deleted else obj
+        if (
+            name == self.access.pool
+            and before is not None
+            and not deleted
+            and _acted_on(before) == _acted_on(obj)
+        ):
+            return  # the pool's status (the operator's passes write it often): nothing to do here
+        self.wake.set()
+
+    def _observe(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The pool and our OffloadPoolNode: as their watches last delivered them, or read.
+
+        Read when the last read is older than ``reread_seconds`` or either object was never
+        seen. A read is what ``notice`` keeps too, so a late event of an older version is the
+        only way to go back in time, and the next event or read corrects it.
+        """
+        names = (self.access.pool, self.access.node_object)
+        if time.monotonic() - self._read_at >= self.reread_seconds or any(n not in self._seen for n in names):
+            read_at = time.monotonic()
+            pool = self.access.get_pool()
+            pool_node = self.access.get_pool_node()
+            self._seen.update({names[0]: pool, names[1]: pool_node})
+            self._read_at = read_at
+        pool_node, written = self._seen.get(names[1]), self.status.written_object
+        if pool_node is not None and written is not None and _revision(written) > _revision(pool_node):
+            pool_node = written  # our own later write: its event is not kept (or not here yet)
+        return self._seen.get(names[0]), pool_node
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -180,8 +250,7 @@ class Agent:
     def step(self) -> float:
         """Observe, decide, act; return seconds until the next step unless woken earlier."""
         try:
-            pool = self.access.get_pool()
-            pool_node = self.access.get_pool_node()
+            pool, pool_node = self._observe()
         except ApiException as exc:
             log.warning("cannot read pool/OffloadPoolNode: %s %s", exc.status, exc.reason)
             self.metrics.error("ApiRead")

@@ -89,6 +89,9 @@ class StatusWriter:
         self.progress_interval = progress_interval
         self.phase: str = "Pending"
         self.exists = False
+        #: the object as our last status write left it (its watch event is our own news: the
+        #: agent does not wake for it, and takes it as the object's latest known state)
+        self.written_object: dict[str, Any] | None = None
 
     @property
     def current(self) -> OffloadPoolNodeStatus:
@@ -141,6 +144,11 @@ class StatusWriter:
             self._flusher.start()
         self._kick.set()
 
+    @property
+    def written_version(self) -> str | None:
+        """resourceVersion of ``written_object``."""
+        return ((self.written_object or {}).get("metadata") or {}).get("resourceVersion")
+
     def _flush_deferred(self) -> None:
         while True:
             self._kick.wait()
@@ -192,5 +200,6 @@ class StatusWriter:
                     return False
                 self._retry = 0.0
                 self.exists = True
+                self.written_object = result
                 self._written.update(body)
                 return True

@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from offloadpool.api.base import parse_time
@@ -71,6 +72,7 @@ class Kube:
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self.client = client
         self._auth: tuple[float, dict[str, str]] = (float("-inf"), {})
+        self._pool: urllib3.HTTPConnectionPool | None = None
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.core = kubernetes.client.CoreV1Api(client)
         self.apps = kubernetes.client.AppsV1Api(client)
@@ -84,6 +86,14 @@ class Kube:
             self.client.update_params_for_auth(headers, [], ["BearerToken"], "", "", None)
             self._auth = (time.monotonic(), headers)
         return headers
+
+    def _connections(self) -> urllib3.HTTPConnectionPool:
+        """The client's connection pool for the API server, looked up once (the lookup parses
+        the URL and builds a pool key each time: a tenth of a write's client CPU)."""
+        if self._pool is None:
+            cfg = self.client.configuration
+            self._pool = self.client.rest_client.pool_manager.connection_from_url(cfg.host)
+        return self._pool
 
     def send(self, method: str, path: str, body: Any, content_type: str = MERGE) -> Any:
         """One request with a JSON body through the client's connection pool; the answer as
@@ -100,9 +110,12 @@ class Kube:
         # the path alone, as the pool is the host's; through a proxy the whole URL, as the
         # pool manager itself would send it
         url = cfg.host + path if cfg.proxy else path
-        resp = self.client.rest_client.pool_manager.connection_from_url(cfg.host).urlopen(
-            method, url, body=json.dumps(body).encode(), headers=headers
-        )
+        payload = json.dumps(body).encode()
+        try:
+            resp = self._connections().urlopen(method, url, body=payload, headers=headers)
+        except urllib3.exceptions.ClosedPoolError:  # the manager dropped it: take the new one
+            self._pool = None
+            resp = self._connections().urlopen(method, url, body=payload, headers=headers)
         if not 200 <= resp.status <= 299:
             raise ApiException(http_resp=resp)
         data = resp.data

@@ -1,0 +1,62 @@
+"""An agent's watch event wakes its loop, except the one that is its own last status write.
+
+Every status write comes back as a watch event on the agent's own OffloadPoolNode; a step for
+it would read the pool and the object again and find nothing new (two reads per write, a
+thousand nodes over). The agent is the real one; no call reaches an API server here (its
+client points nowhere), as ``notice`` decides from the event's object alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kubernetes import client
+from prometheus_client import CollectorRegistry
+
+from offloadpool.agent import kube
+from offloadpool.agent.loop import Agent
+from offloadpool.agent.metrics import AgentMetrics
+
+
+def agent(tmp_path: Path) -> Agent:
+    access = kube.KubeAccess(client.ApiClient(client.Configuration()), "p", "p.n1", "ns")
+    return Agent(access, tmp_path, metrics=AgentMetrics("p", "n1", CollectorRegistry()), watches=False)
+
+
+def event(name: str, rv: str) -> dict:
+    return {"metadata": {"name": name, "resourceVersion": rv}}
+
+
+def test_own_write_wakes_nothing_anything_else_wakes(tmp_path: Path) -> None:
+    a = agent(tmp_path)
+    a.notice(event("p.n1", "7"))
+    assert a.wake.is_set(), "no write of ours yet: every event is news"
+    a.wake.clear()
+    a.status.written_object = event("p.n1", "41")  # what StatusWriter keeps of its write
+    a.notice(event("p.n1", "41"))
+    assert not a.wake.is_set(), "our own status write woke the loop"
+    for other in (event("p.n1", "42"), event("p", "41")):  # a later change; the pool itself
+        a.notice(other)
+        assert a.wake.is_set(), other
+        a.wake.clear()
+
+
+def test_a_pool_status_change_wakes_nothing_a_spec_change_or_deletion_does(tmp_path: Path) -> None:
+    a = agent(tmp_path)
+    pool = {"metadata": {"name": "p", "uid": "u1", "generation": 1, "resourceVersion": "5"}}
+    a.notice(pool)
+    assert a.wake.is_set(), "the first sight of the pool is news"
+    a.wake.clear()
+    a.notice({**pool, "metadata": {**pool["metadata"], "resourceVersion": "6"}, "status": {"readyNodes": 3}})
+    assert not a.wake.is_set(), "the operator's status write woke every agent"
+    assert a._seen["p"]["status"] == {"readyNodes": 3}, "the newer pool is kept all the same"
+    changes = (
+        ({**pool, "metadata": {**pool["metadata"], "generation": 2}}, False),
+        ({**pool, "metadata": {**pool["metadata"], "deletionTimestamp": "2026-12-01T00:00:00Z"}}, False),
+        (pool, True),
+    )
+    for obj, deleted in changes:
+        a.notice(obj, deleted=deleted)
+        assert a.wake.is_set(), obj
+        a.wake.clear()
+    assert a._seen["p"] is None, "a deleted pool is remembered as absent"
