@@ -7,6 +7,7 @@ it puts on Nodes) woke more passes, a converging pool would pay O(N) per node.
 from __future__ import annotations
 
 from offloadpool.operator.config import OperatorConfig
+from offloadpool.operator.reconcile import PassResult
 from offloadpool.operator.runtime import Runtime, node_change_matters
 from offloadpool.operator.selection import NodeInfo
 
@@ -108,3 +109,14 @@ def test_passes_are_paced_by_their_own_cost() -> None:
     assert config.pass_pause(0.05) == 0.05 / config.pass_cpu_share == 1.0  # 50 ms: 1 s
     assert config.pass_pause(10.0) == config.max_pass_pause_seconds
     assert OperatorConfig(pass_cpu_share=0).pass_pause(10.0) == config.debounce_seconds
+
+
+def test_a_pass_is_paced_by_what_it_computed_not_by_what_it_wrote() -> None:
+    """A pass that marked a thousand Nodes spent most of its CPU writing: the next pass waits
+    for the O(nodes) part only (here 50 ms: 1 s), not the cap (5 s) its whole CPU would give."""
+    config = OperatorConfig()
+    result = PassResult(pool="p", cpu_seconds=1.05, write_cpu_seconds=1.0)
+    assert abs(result.paced_cpu_seconds - 0.05) < 1e-9
+    assert abs(config.pass_pause(result.paced_cpu_seconds) - 1.0) < 1e-9
+    assert config.pass_pause(result.cpu_seconds) == config.max_pass_pause_seconds
+    assert PassResult(pool="p", cpu_seconds=0.1, write_cpu_seconds=0.2).paced_cpu_seconds == 0.0

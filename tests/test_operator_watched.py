@@ -111,3 +111,24 @@ def test_index_follows_the_api_server_and_keeps_the_newest(crds_installed: Any) 
             except client.ApiException:
                 pass
         api.close()
+
+
+def test_kube_counts_the_cpu_of_its_writes_and_only_of_them(crds_installed: Any) -> None:
+    """What the daemon leaves out of a pass's pacing: this thread's CPU in writes (``send``)."""
+    kube = Kube(crds_installed.api_client())
+    name = f"cpu-{uuid.uuid4().hex[:6]}"
+    assert kube.write_cpu_seconds() == 0.0
+    kube.get_pool(name)  # a read: not counted
+    assert kube.write_cpu_seconds() == 0.0
+    made = kube.create_node_object(opn(name, "a"))
+    assert made is not None and made["metadata"]["name"] == f"{name}.a"
+    after_one = kube.write_cpu_seconds()
+    assert after_one > 0.0
+    kube.patch_node_object(f"{name}.a", {"metadata": {"labels": {"x": "y"}}})
+    assert kube.write_cpu_seconds() > after_one
+    seen: list[float] = []
+    other = threading.Thread(target=lambda: seen.append(kube.write_cpu_seconds()))
+    other.start()
+    other.join()
+    assert seen == [0.0], "another thread's writes were counted as this one's"
+    kube.delete_node_object(f"{name}.a")

@@ -3,9 +3,11 @@
 - every OffloadPool has a daemon that runs a pass when woken (a change to the pool's spec or
   deletion, to one of its OffloadPoolNodes, to any Node's labels/taints, or a pool mark lost)
   and at least every ``resync_seconds`` (stale heartbeats, objects deleted by hand); bursts are
-  coalesced, and paced: after a pass that cost C CPU-seconds the next waits at least
-  C / ``pass_cpu_share`` (``OperatorConfig.pass_pause``), so a big pool's passes take a bounded
-  share of a core however fast its agents report. What the operator writes itself (pool
+  coalesced, and paced: after a pass that cost C CPU-seconds besides its writes the next waits
+  at least C / ``pass_cpu_share`` (``OperatorConfig.pass_pause``), so a big pool's passes take
+  a bounded share of a core however fast its agents report. Writes are left out of C: each is
+  a change made once (a thousand Nodes marked cost a thousand writes however the passes fall),
+  and pausing after them only delayed the pool's Ready by seconds. What the operator writes itself (pool
   status, marks on Nodes) wakes nothing, so passes do not beget passes; agents' heartbeats
   are Leases, which it does not watch;
 - kopf watches the pools only. Nodes and OffloadPoolNodes — thousands of events while a big
@@ -98,7 +100,7 @@ async def pool_daemon(
         wake.clear()
         try:
             result = await asyncio.to_thread(runtime.connected().run, name)
-            pause = config.pass_pause(result.cpu_seconds if result is not None else 0.0)
+            pause = config.pass_pause(result.paced_cpu_seconds if result is not None else 0.0)
             failures = 0
         except Exception:  # a pass that fails is retried; the daemon must never die
             failures += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from datetime import datetime
@@ -73,6 +74,7 @@ class Kube:
         self.client = client
         self._auth: tuple[float, dict[str, str]] = (float("-inf"), {})
         self._pool: urllib3.HTTPConnectionPool | None = None
+        self._spent = threading.local()
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.core = kubernetes.client.CoreV1Api(client)
         self.apps = kubernetes.client.AppsV1Api(client)
@@ -95,6 +97,10 @@ class Kube:
             self._pool = self.client.rest_client.pool_manager.connection_from_url(cfg.host)
         return self._pool
 
+    def write_cpu_seconds(self) -> float:
+        """CPU this thread has spent in ``send`` (every write goes through it) so far."""
+        return getattr(self._spent, "seconds", 0.0)
+
     def send(self, method: str, path: str, body: Any, content_type: str = MERGE) -> Any:
         """One request with a JSON body through the client's connection pool; the answer as
         plain JSON.
@@ -105,6 +111,13 @@ class Kube:
         the client's ``ApiException`` (``.status`` and ``.headers`` as from the generated
         methods).
         """
+        started = time.thread_time()
+        try:
+            return self._send(method, path, body, content_type)
+        finally:
+            self._spent.seconds = self.write_cpu_seconds() + time.thread_time() - started
+
+    def _send(self, method: str, path: str, body: Any, content_type: str) -> Any:
         cfg = self.client.configuration
         headers = {"Accept": "application/json", "Content-Type": content_type, **self._auth_headers()}
         # the path alone, as the pool is the host's; through a proxy the whole URL, as the
