@@ -68,6 +68,7 @@ class KubeAccess:
         self.pool = pool
         self.node_object = node_object
         self.namespace = namespace
+        self._lease_exists = False  # as far as this process knows
 
     def get_pool(self) -> dict[str, Any] | None:
         return self._get(POOL_PLURAL, self.pool)
@@ -98,17 +99,27 @@ class KubeAccess:
         """Renew our heartbeat Lease (creating it on first use): one small write per heartbeat.
 
         Owned by the pool, so the garbage collector removes it with the pool. A merge patch of
-        ``renewTime`` only; a 404 (first heartbeat, or the Lease was deleted) creates it.
+        ``renewTime`` only; a 404 (the Lease was deleted) creates it. The first renewal of this
+        process creates it straight away (a new pool's agents would otherwise each make a
+        PATCH that fails first), and patches it if it was there already.
         """
         stamp = micro_now()
-        try:
-            self.coordination.patch_namespaced_lease(
-                self.node_object, self.namespace, {"spec": {"renewTime": stamp}}, _content_type=MERGE
-            )
-            return
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+        if self._lease_exists:
+            try:
+                self.coordination.patch_namespaced_lease(
+                    self.node_object, self.namespace, {"spec": {"renewTime": stamp}}, _content_type=MERGE
+                )
+                return
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        self._lease_exists = self._create_lease(stamp, duration_seconds, pool)
+        if not self._lease_exists:  # there already (a restarted agent): renew it after all
+            self._lease_exists = True
+            self.renew_lease(duration_seconds, pool)
+
+    def _create_lease(self, stamp: str, duration_seconds: int, pool: dict[str, Any]) -> bool:
+        """Create the Lease; False if it exists already."""
         meta = pool.get("metadata") or {}
         body = {
             "apiVersion": LEASE_API_VERSION,
@@ -137,9 +148,11 @@ class KubeAccess:
         }
         try:
             self.coordination.create_namespaced_lease(self.namespace, body)
+            return True
         except ApiException as exc:
-            if exc.status != 409:  # created meanwhile (a racing step): the next renewal patches it
+            if exc.status != 409:
                 raise
+            return False
 
     def event(self, obj: dict[str, Any], kind: str, reason: str, note: str, type_: str = "Normal") -> None:
         """Record a core/v1 Event about ``obj`` (our OffloadPoolNode); failures are logged, never fatal.
