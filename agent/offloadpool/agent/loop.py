@@ -95,6 +95,9 @@ class Agent:
         )
         #: the pool and our OffloadPoolNode as last read or delivered by a watch (None: absent)
         self._seen: dict[str, dict[str, Any] | None] = {}
+        #: events noticed per object name: a read that raced an event must not replace it
+        self._noticed: dict[str, int] = {}
+        self._seen_lock = threading.Lock()
         self._read_at = float("-inf")
         self.status = StatusWriter(access.patch_status, kube.now)
         self.wake = threading.Event()
@@ -203,8 +206,10 @@ class Agent:
             and meta.get("resourceVersion") == self.status.written_version
         ):
             return
-        before = self._seen.get(name)
-        self._seen[name] = None if deleted else obj
+        with self._seen_lock:
+            before = self._seen.get(name)
+            self._seen[name] = None if deleted else obj
+            self._noticed[name] = self._noticed.get(name, 0) + 1
         if (
             name == self.access.pool
             and before is not None
@@ -224,9 +229,13 @@ class Agent:
         names = (self.access.pool, self.access.node_object)
         if time.monotonic() - self._read_at >= self.reread_seconds or any(n not in self._seen for n in names):
             read_at = time.monotonic()
-            pool = self.access.get_pool()
-            pool_node = self.access.get_pool_node()
-            self._seen.update({names[0]: pool, names[1]: pool_node})
+            with self._seen_lock:
+                noticed = dict(self._noticed)
+            read = {names[0]: self.access.get_pool(), names[1]: self.access.get_pool_node()}
+            with self._seen_lock:
+                for name, obj in read.items():
+                    if self._noticed.get(name) == noticed.get(name):  # no event during the read
+                        self._seen[name] = obj
             self._read_at = read_at
         pool_node, written = self._seen.get(names[1]), self.status.written_object
         if pool_node is not None and written is not None and _revision(written) > _revision(pool_node):
