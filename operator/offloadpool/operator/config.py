@@ -48,8 +48,9 @@ class OperatorConfig:
     deletion_retry_seconds: float = 3.0
 
     def pass_pause(self, pass_cpu_seconds: float) -> float:
-        """Seconds to wait after a wake-up before the next pass, given the last pass's CPU:
-        the debounce, or longer when passes are expensive (a pass of 50 ms: 1 s)."""
+        """Seconds to wait after a wake-up before the next pass, given the last pass's CPU
+        besides its writes (``PassResult.paced_cpu_seconds``): the debounce, or longer when
+        passes are expensive (a pass of 50 ms: 1 s)."""
         paced = pass_cpu_seconds / self.pass_cpu_share if self.pass_cpu_share > 0 else 0.0
         return max(self.debounce_seconds, min(self.max_pass_pause_seconds, paced))
 
