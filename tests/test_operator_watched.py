@@ -132,3 +132,30 @@ def test_kube_counts_the_cpu_of_its_writes_and_only_of_them(crds_installed: Any)
     other.join()
     assert seen == [0.0], "another thread's writes were counted as this one's"
     kube.delete_node_object(f"{name}.a")
+
+
+def test_the_event_of_an_applied_write_is_not_converted_again() -> None:
+    """The watch event of the operator's own write (already in the index through ``apply``)
+    costs its JSON parse only: no conversion, no change reported. A newer one is converted."""
+    converted: list[str] = []
+    changes: list[tuple[str, str]] = []
+
+    def convert(body: Any) -> NodeView:
+        converted.append(body["metadata"]["resourceVersion"])
+        return NodeView.from_body(body)
+
+    index: WatchedKind[NodeView] = WatchedKind(
+        "offloadpoolnodes",
+        lambda **_: None,
+        convert,
+        node_object_key,
+        lambda g, k, b, a: changes.append((g, k)),
+    )
+    written = {**opn("p", "a"), "metadata": {"name": "p.a", "resourceVersion": "10"}}
+    index.apply(written)
+    index._upsert(written)  # its watch event
+    assert converted == ["10"] and changes == []
+    newer = {**written, "metadata": {"name": "p.a", "resourceVersion": "11"}, "status": {"phase": "Ready"}}
+    index._upsert(newer)
+    assert converted == ["10", "11"] and changes == [("p", "a")]
+    assert index.group("p")["a"].phase == "Ready"

@@ -65,8 +65,10 @@ def node_change_matters(before: NodeInfo | None, after: NodeInfo | None) -> bool
     return before.selection_key() != after.selection_key() or bool(before.marks() - after.marks())
 
 
-def _without_heartbeat(view: NodeView | None) -> NodeView | None:
-    return None if view is None else replace(view, heartbeat=None)
+def _differ_beyond_heartbeat(before: NodeView | None, after: NodeView | None) -> bool:
+    if before is None or after is None:
+        return before is not after
+    return replace(before, heartbeat=after.heartbeat) != after
 
 
 def post_event(pool: Mapping[str, Any], event: Event) -> None:
@@ -150,7 +152,7 @@ class Runtime:
         """An OffloadPoolNode changed. Its heartbeat alone is no news (liveness is the Lease's,
         and the pass reads the heartbeat from the index when it runs anyway) — unless it
         brings back an agent that had been silent long enough to be taken for unresponsive."""
-        if _without_heartbeat(before) != _without_heartbeat(after) or self._revived(before, after):
+        if _differ_beyond_heartbeat(before, after) or self._revived(before, after):
             self._wake(pool)
 
     def _revived(self, before: NodeView | None, after: NodeView | None) -> bool:

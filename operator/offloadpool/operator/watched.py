@@ -109,11 +109,13 @@ class WatchedKind(Generic[V]):
         where = self._key_of(body)
         if not name or where is None:
             return
+        if self._holds(name, revision):
+            return  # before converting: the event of the operator's own write, already applied
         value = self._convert(body)
         with self._lock:
-            held = self._names.get(name)
-            if held is not None and revision and held[2] >= revision:
+            if self._holds(name, revision):
                 return  # an older version (a late event or answer): keep the newer one
+            held = self._names.get(name)
             if held is not None and held[:2] != where:
                 self._groups.get(held[0], {}).pop(held[1], None)
             members = self._groups.setdefault(where[0], {})
@@ -122,6 +124,11 @@ class WatchedKind(Generic[V]):
             self._names[name] = (*where, revision)
         if notify and self._on_change is not None and before != value:
             self._on_change(where[0], where[1], before, value)
+
+    def _holds(self, name: str, revision: int) -> bool:
+        """The index holds ``name`` at ``revision`` or newer (an unknown revision: never)."""
+        held = self._names.get(name)
+        return held is not None and bool(revision) and held[2] >= revision
 
     def _delete(self, body: Mapping[str, Any]) -> None:
         name = (body.get("metadata") or {}).get("name")
