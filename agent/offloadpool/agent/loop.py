@@ -21,14 +21,13 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from offloadpool.agent import kube
-from offloadpool.agent.holder_watch import HolderCount
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.reconcile import Action, Decision, decide
 from offloadpool.agent.status_writer import StatusWriter
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
 from offloadpool.api.conversion import SpecError
 from offloadpool.api.media import is_hugetlbfs
-from offloadpool.region import engine_id_mismatch
+from offloadpool.region import engine_id_mismatch, holders
 from offloadpool.region import manifest as manifest_mod
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.lease import LeaseHeld
@@ -110,7 +109,6 @@ class Agent:
         self._failures = 0
         self._renewed = float("-inf")
         self.thread: threading.Thread | None = None
-        self.holders = HolderCount(self.pool_dir)
 
     # -- pool directory ----------------------------------------------------------------------
     @property
@@ -133,9 +131,9 @@ class Agent:
 
         Stock vLLM takes no lease: counting mappings too is what makes it visible. The scan
         sees other pods' processes only when this agent reads the host's /proc. The scan runs
-        only when a file of the pool may have been opened since the last one (holder_watch).
+        only when a file of the pool is open or mapped somewhere (``holders.count``).
         """
-        return self.holders.count()
+        return holders.count(self.pool_dir)
 
     def engine_id_mismatch(self) -> str | None:
         """For a stock-vLLM compat pool: a process that was given the pool but maps a vLLM

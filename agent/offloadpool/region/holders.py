@@ -26,7 +26,9 @@ the best that can be done for one we may not inspect (the node side runs as root
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,8 @@ FileId = tuple[int, int]  # (st_dev, st_ino)
 _NOT_FILES = ("socket:", "pipe:", "anon_inode:")
 #: how many holders a message names before it says "and N more"
 _NAMED = 5
+#: scans of every process made by this process (``scans()``; the tests' evidence of a skipped one)
+_scans = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,49 @@ def memory_files(pool_dir: str | os.PathLike[str]) -> set[FileId]:
     except (FileNotFoundError, NotADirectoryError):
         pass
     return ids
+
+
+def open_anywhere(pool_dir: str | os.PathLike[str]) -> bool | None:
+    """Whether any process (this one included) has a file of the pool open or mapped: one
+    write-lease attempt per file instead of a scan of every process.
+
+    The kernel grants a write lease (``F_SETLEASE``, ``F_WRLCK``) only when no other open file
+    description of the inode exists — and a mapping keeps the description it was made from
+    alive after its fd is closed, in whatever mount namespace. So granted everywhere means
+    nobody holds the memory; refused means somebody may (a scan then says who). None: the
+    answer is not known (leases disabled, no CAP_LEASE on another user's file, a file system
+    without leases, a file gone meanwhile); callers scan.
+
+    The lease is held for two system calls. An open by an engine in that window waits for it to
+    be dropped and notifies this process with SIGURG (set with ``F_SETSIG``; ignored by default)
+    instead of the default SIGIO, which would terminate it.
+    """
+    try:
+        with os.scandir(Path(pool_dir) / MOUNT_NAME) as entries:
+            paths = [e.path for e in entries if e.is_file(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except BlockingIOError:  # EAGAIN: another open file description exists
+            return True
+        except OSError:
+            return None
+        finally:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            except OSError:
+                pass
+            os.close(fd)
+    return False
 
 
 def file_id(path: str | os.PathLike[str]) -> FileId | None:
@@ -218,12 +265,14 @@ def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> li
     left out: the node side opens the files itself (populate, the exclusive lease), and an
     unmount it attempts still fails with EBUSY on its own open files.
     """
+    global _scans
     files = memory_files(pool_dir)
     lockers = pool_lockers(pool_dir, proc)
     me = self_pid(proc)
     inodes = {str(ino) for _, ino in files}
     found: dict[int, Holder] = {}
     if files:
+        _scans += 1
         try:
             pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
         except FileNotFoundError:
@@ -246,8 +295,22 @@ def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> li
 
 
 def count(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> int:
-    """ "Engines attached": distinct processes holding the lease or mapping/opening the files."""
+    """ "Engines attached": distinct processes holding the lease or mapping/opening the files.
+
+    The scan of every process (``find_holders``) runs only when a file of the pool is open or
+    mapped somewhere (``open_anywhere``): the count is reported at every heartbeat, and on a
+    node with many processes or sockets the scan was the agent's largest cost — paid, nearly
+    always, to learn that nothing holds the memory. Otherwise only flock holders can hold the
+    pool, and ``/proc/locks`` names them.
+    """
+    if open_anywhere(pool_dir) is False:
+        return len(pool_lockers(pool_dir, proc) - {self_pid(proc)})
     return len(find_holders(pool_dir, proc=proc))
+
+
+def scans() -> int:
+    """How many times this process has scanned every process for a pool's holders."""
+    return _scans
 
 
 def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> Lease:
