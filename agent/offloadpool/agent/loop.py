@@ -263,26 +263,21 @@ class Agent:
             self.metrics.error("ApiRead")
             return self.retry_seconds
         self._pool_node = pool_node
+        if pool is not None:
+            self._renew_lease(pool)
         try:
             decision = decide(pool, pool_node, self.local_generation(), self.workers)
         except SpecError as exc:
-            delay = self._fail("InvalidSpec", str(exc))
-        else:
-            act = {
-                Action.IDLE: self._idle,
-                Action.WAIT: self._idle,
-                Action.PROVISION: self._provision,
-                Action.KEEP: self._keep,
-                Action.RELEASE: self._release,
-                Action.RETAIN: self._retain,
-            }[decision.action]
-            delay = act(decision)
-        # The Lease after the work: a busy API server can hold a write for its whole request
-        # timeout (a new pool's agents all create their Leases at once), and the node's region
-        # and Ready status must not wait for a sign of life that every status write also gives.
-        if pool is not None:
-            self._renew_lease(pool)
-        return delay
+            return self._fail("InvalidSpec", str(exc))
+        act = {
+            Action.IDLE: self._idle,
+            Action.WAIT: self._idle,
+            Action.PROVISION: self._provision,
+            Action.KEEP: self._keep,
+            Action.RELEASE: self._release,
+            Action.RETAIN: self._retain,
+        }[decision.action]
+        return act(decision)
 
     def _idle(self, d: Decision) -> float:
         log.debug("%s: %s", d.reason, d.message)
