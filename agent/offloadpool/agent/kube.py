@@ -104,22 +104,22 @@ class KubeAccess:
         PATCH that fails first), and patches it if it was there already.
         """
         stamp = micro_now()
-        if self._lease_exists:
-            try:
-                self.coordination.patch_namespaced_lease(
-                    self.node_object, self.namespace, {"spec": {"renewTime": stamp}}, _content_type=MERGE
-                )
-                return
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
-        self._lease_exists = self._create_lease(stamp, duration_seconds, pool)
-        if not self._lease_exists:  # there already (a restarted agent): renew it after all
+        if not self._lease_exists:
             self._lease_exists = True
-            self.renew_lease(duration_seconds, pool)
+            if self._create_lease(stamp, duration_seconds, pool):
+                return
+            # there already (a restarted agent): renew it
+        try:
+            self.coordination.patch_namespaced_lease(
+                self.node_object, self.namespace, {"spec": {"renewTime": stamp}}, _content_type=MERGE
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            self._create_lease(stamp, duration_seconds, pool)  # deleted: made again
 
     def _create_lease(self, stamp: str, duration_seconds: int, pool: dict[str, Any]) -> bool:
-        """Create the Lease; False if it exists already."""
+        """Create the Lease; False if it exists already (a racing step or a restart)."""
         meta = pool.get("metadata") or {}
         body = {
             "apiVersion": LEASE_API_VERSION,

@@ -91,24 +91,26 @@ def describe(holders: list[Holder]) -> str:
     return named + (f"; and {more} more" if more > 0 else "")
 
 
-def memory_files(pool_dir: str | os.PathLike[str]) -> set[FileId]:
-    """(st_dev, st_ino) of every regular file in the pool's mount.
+def memory_paths(pool_dir: str | os.PathLike[str]) -> list[str]:
+    """Every regular file in the pool's mount (none when there is no mount directory).
 
     All files, not the manifest's list: a half-built pool has no manifest, and the compat file
     is a hard link of segment 0 (the same inode), so it is covered without a special case.
     """
-    ids: set[FileId] = set()
     try:
         with os.scandir(Path(pool_dir) / MOUNT_NAME) as entries:
-            for entry in entries:
-                try:
-                    if entry.is_file(follow_symlinks=False):
-                        st = entry.stat(follow_symlinks=False)
-                        ids.add((st.st_dev, st.st_ino))
-                except FileNotFoundError:
-                    continue
+            return [e.path for e in entries if e.is_file(follow_symlinks=False)]
     except (FileNotFoundError, NotADirectoryError):
-        pass
+        return []
+
+
+def memory_files(pool_dir: str | os.PathLike[str]) -> set[FileId]:
+    """(st_dev, st_ino) of every regular file in the pool's mount (``memory_paths``)."""
+    ids: set[FileId] = set()
+    for path in memory_paths(pool_dir):
+        found = file_id(path)
+        if found is not None:  # removed meanwhile
+            ids.add(found)
     return ids
 
 
@@ -127,12 +129,7 @@ def open_anywhere(pool_dir: str | os.PathLike[str]) -> bool | None:
     be dropped and notifies this process with SIGURG (set with ``F_SETSIG``; ignored by default)
     instead of the default SIGIO, which would terminate it.
     """
-    try:
-        with os.scandir(Path(pool_dir) / MOUNT_NAME) as entries:
-            paths = [e.path for e in entries if e.is_file(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    for path in paths:
+    for path in memory_paths(pool_dir):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
