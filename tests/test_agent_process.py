@@ -118,7 +118,11 @@ def env(crds_installed: Any) -> Iterator[dict[str, Any]]:
         assert not left, f"mounts left: {left}"
 
 
-def create(state: dict[str, Any], pool: str, node: str, spec: dict[str, Any]) -> None:
+def create(
+    state: dict[str, Any], pool: str, node: str, spec: dict[str, Any], *, node_object: bool = True
+) -> None:
+    """The pool, and (as the operator makes it for a node whose agent has not) the node's
+    OffloadPoolNode unless ``node_object`` is False."""
     custom = state["custom"]
     custom.create_cluster_custom_object(
         GROUP,
@@ -132,6 +136,9 @@ def create(state: dict[str, Any], pool: str, node: str, spec: dict[str, Any]) ->
         },
     )
     state["names"].append(("offloadpools", pool))
+    state["names"].append(("offloadpoolnodes", f"{pool}.{node}"))
+    if not node_object:
+        return
     custom.create_cluster_custom_object(
         GROUP,
         VERSION,
@@ -143,7 +150,6 @@ def create(state: dict[str, Any], pool: str, node: str, spec: dict[str, Any]) ->
             "spec": {"pool": pool, "nodeName": node},
         },
     )
-    state["names"].append(("offloadpoolnodes", f"{pool}.{node}"))
 
 
 def status(state: dict[str, Any], name: str) -> dict[str, Any]:
@@ -273,6 +279,77 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     engine.wait(10)
     wait_for("Released", lambda: status(env, name).get("phase") == "Released", timeout=30)
     assert not mounts_under(env["root"]) and not pool_dir.exists()
+
+
+def test_agent_creates_its_node_object_once_and_never_brings_back_a_removed_one(
+    env: dict[str, Any],
+) -> None:
+    """A new pool's agent makes its node's OffloadPoolNode itself (no operator runs here) and
+    builds; one removed after that (the operator's: the node was deselected) is not made again
+    by the agent, which goes on reporting to it once it is back."""
+    pool, node = "agent-claims", "node-c"
+    create(env, pool, node, {"capacity": "16Mi", "medium": "Memory"}, node_object=False)
+    name = f"{pool}.{node}"
+    agent = start_agent(env, pool, node)
+    custom = env["custom"]
+    st = wait_for(
+        "Ready on its own object",
+        lambda: exists(custom, name) and (s := status(env, name)).get("phase") == "Ready" and s,
+    )
+    assert st["observedGeneration"] == 1 and st["bytesTotal"] == 16 * MiB
+    obj = custom.get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
+    owner = custom.get_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)["metadata"]["uid"]
+    assert [(o["kind"], o["uid"], o.get("controller")) for o in obj["metadata"]["ownerReferences"]] == [
+        ("OffloadPool", owner, True)
+    ]
+    assert obj["spec"] == {"pool": pool, "nodeName": node, "targetGeneration": 1}
+
+    populated = populated_bytes(agent)
+    assert populated == 16 * MiB
+    custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
+    wait_for("deleted", lambda: not exists(custom, name))
+    coordination = client.CoordinationV1Api(custom.api_client)
+    renewals: set[Any] = set()
+    wait_for(  # a step renews the Lease each heartbeat (1 s): three steps without the object
+        "three Lease renewals",
+        lambda: (
+            renewals.add(coordination.read_namespaced_lease(name, "default").spec.renew_time)
+            or len(renewals) >= 4
+        ),
+        timeout=30,
+        interval=0.2,
+    )
+    assert not exists(custom, name), "the agent brought back an object the operator had removed"
+    assert agent.proc.poll() is None, "the agent died without its object"
+
+    custom.create_cluster_custom_object(  # the operator makes it again (the node is selected again)
+        GROUP,
+        VERSION,
+        "offloadpoolnodes",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "OffloadPoolNode",
+            "metadata": {"name": name},
+            "spec": {"pool": pool, "nodeName": node},
+        },
+    )
+    wait_for("Ready again", lambda: status(env, name).get("phase") == "Ready", timeout=30)
+    assert populated_bytes(agent) == populated, "the region was populated again for a new object"
+
+
+def populated_bytes(agent: AgentRun) -> float:
+    values = metric_values(agent.metrics())
+    return sum(v for (metric, _), v in values.items() if metric == "offloadpool_populated_bytes_total")
+
+
+def exists(custom: client.CustomObjectsApi, name: str) -> bool:
+    try:
+        custom.get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
+        return True
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
 
 
 def test_too_little_memory_fails_with_the_shortfall_and_builds_nothing(env: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """RBAC split, asked of the real authorizer: only the operator writes Nodes; the agent reads
-pools and OffloadPoolNodes and writes only OffloadPoolNode status, Events and its heartbeat
-Lease (in its own namespace); the operator only lists those Leases."""
+pools and OffloadPoolNodes, creates OffloadPoolNodes (its own, when it starts) and writes only
+OffloadPoolNode status, Events and its heartbeat Lease (in its own namespace); the operator
+only lists those Leases."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ ALLOWED = [
     (AGENT, "get offloadpools"),
     (AGENT, "watch offloadpools"),
     (AGENT, "list offloadpoolnodes"),
+    (AGENT, "create offloadpoolnodes"),
     (AGENT, "patch offloadpoolnodes --subresource=status"),
     (AGENT, "update offloadpoolnodes --subresource=status"),
     (AGENT, "create events -n default"),
@@ -43,7 +45,6 @@ DENIED = [
     (AGENT, "update offloadpools"),
     (AGENT, "patch offloadpools --subresource=status"),
     (AGENT, "patch offloadpoolnodes"),
-    (AGENT, "create offloadpoolnodes"),
     (AGENT, "delete offloadpoolnodes"),
     (AGENT, "get secrets -n default"),
     (AGENT, "create leases -n default"),

@@ -1,11 +1,12 @@
 """Scale: one pool over hundreds of nodes converges, and what it costs the operator.
 
-Real Node objects; the real operator process (its own RBAC) creates one OffloadPoolNode per
-node and the DaemonSet (the real DaemonSet controller then creates the pods, left unscheduled:
+Real Node objects; the real operator process (its own RBAC) creates the DaemonSet (the real
+DaemonSet controller then creates the pods, left unscheduled:
 starting that many agent processes would measure this 2-core machine, not the operator). The
 agents run in this one process instead — the real ``offloadpool.agent.loop.Agent``, one per
-node, each with its own host root, its own real 4 MiB tmpfs region, its own OffloadPoolNode
-status and heartbeat Lease, talking to the API server with the agent ServiceAccount's token.
+node, each with its own host root, its own real 4 MiB tmpfs region, its own OffloadPoolNode (which
+it creates, as a real agent does when it starts) and heartbeat Lease, talking to the API
+server with the agent ServiceAccount's token.
 
 Each real agent watches its own pool and OffloadPoolNode. A thousand agents in one process
 cannot each hold two watches on this machine, so one watch over the pool's OffloadPoolNodes
@@ -169,6 +170,11 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
         elapsed = time.monotonic() - t1
         steady_cpu = op.cpu_seconds() - cpu1
         writes = api_writes(cp) - writes0
+        # the agents made their OffloadPoolNodes; the operator makes one only for a node whose
+        # agent has not within its grace (one NodeSelected Event per pass, counting them)
+        made_by_operator = sum(
+            int(e.message.split()[0]) for e in cluster.events(pool) if e.reason == "NodeSelected"
+        )
         report = {
             "nodes": nodes,
             "seconds_to_converge": round(seconds, 1),
@@ -187,11 +193,14 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
                 k: round(v / elapsed, 2) for k, v in writes.most_common()
             },
             "operator_peak_rss_mib": round(op.peak_rss_bytes() / (1 << 20), 1),
+            "offloadpoolnodes_created_by_operator": made_by_operator,
         }
         print(f"\nSCALE REPORT {json.dumps(report)}")
         # liveness costs no OffloadPoolNode write: a steady pool's statuses stay unwritten
         assert writes.get("offloadpoolnodes/status", 0) == 0, writes
         assert writes.get("leases", 0) > 0, writes
+        if seconds < node_object_grace():  # every agent was Ready (so had made its object) in time
+            assert made_by_operator == 0, report
 
         custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
         wait_for(
@@ -271,3 +280,10 @@ def op_debounce() -> float:
     from offloadpool.operator.config import OperatorConfig
 
     return OperatorConfig().debounce_seconds
+
+
+def node_object_grace() -> float:
+    """The operator's default ``--node-object-grace`` (this test's operator runs with it)."""
+    from offloadpool.operator.config import OperatorConfig
+
+    return OperatorConfig().node_object_grace_seconds

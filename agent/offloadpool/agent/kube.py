@@ -1,8 +1,8 @@
 """Kubernetes access for the agent: the API client and the names of the objects it touches.
 
 The agent talks to exactly four things: its OffloadPool (read/watch, by name), its own
-OffloadPoolNode (read/watch by name, write status), its heartbeat Lease in its namespace
-(create, renew), and Events (create).
+OffloadPoolNode (create when missing, read/watch by name, write status), its heartbeat Lease
+in its namespace (create, renew), and Events (create).
 Keeping the calls here keeps RBAC easy to audit against what the code does.
 """
 
@@ -26,6 +26,7 @@ from offloadpool.api.constants import (
     VERSION,
     split_node_object_name,
 )
+from offloadpool.api.node import new_object
 
 MERGE = "application/merge-patch+json"
 #: events about cluster-scoped objects must live here (API server validation)
@@ -75,6 +76,21 @@ class KubeAccess:
 
     def get_pool_node(self) -> dict[str, Any] | None:
         return self._get(NODE_PLURAL, self.node_object)
+
+    def create_pool_node(self, pool: dict[str, Any]) -> dict[str, Any] | None:
+        """Create our OffloadPoolNode (the pool's current generation as its target) and return
+        it; when it exists already (the operator or an earlier agent made it), read it. None
+        when it vanished between the two."""
+        node = split_node_object_name(self.node_object)[1]
+        generation = int((pool.get("metadata") or {}).get("generation") or 1)
+        try:
+            return self.custom.create_cluster_custom_object(
+                GROUP, VERSION, NODE_PLURAL, new_object(pool, node, generation)
+            )
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        return self.get_pool_node()
 
     def _get(self, plural: str, name: str) -> dict[str, Any] | None:
         try:

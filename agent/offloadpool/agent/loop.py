@@ -105,6 +105,10 @@ class Agent:
         self.released = False
         self.last_tick = time.monotonic()
         self._pool_node: dict[str, Any] | None = None
+        #: this process has seen its OffloadPoolNode (so a missing one was removed: not ours
+        #: to make again) or may not create it (RBAC of an older release): see ``_create_pool_node``
+        self._pool_node_seen = False
+        self._create_refused = False
         self._last_event: tuple[str, str] | None = None
         self._failures = 0
         self._renewed = float("-inf")
@@ -262,9 +266,12 @@ class Agent:
             log.warning("cannot read pool/OffloadPoolNode: %s %s", exc.status, exc.reason)
             self.metrics.error("ApiRead")
             return self.retry_seconds
-        self._pool_node = pool_node
         if pool is not None:
             self._renew_lease(pool)
+            if pool_node is None:
+                pool_node = self._create_pool_node(pool)
+        self._pool_node_seen = self._pool_node_seen or pool_node is not None
+        self._pool_node = pool_node
         try:
             decision = decide(pool, pool_node, self.local_generation(), self.workers)
         except SpecError as exc:
@@ -278,6 +285,34 @@ class Agent:
             Action.RETAIN: self._retain,
         }[decision.action]
         return act(decision)
+
+    def _create_pool_node(self, pool: dict[str, Any]) -> dict[str, Any] | None:
+        """Create this node's OffloadPoolNode, as node-feature-discovery's workers create their
+        NodeFeature objects: the operator would otherwise make one per selected node in its
+        passes, which was a third of its CPU while a new pool converged (docs/scale.md).
+
+        Only while the pool is live, and only when this process has never seen the object: one
+        that disappeared after it was seen was removed by the operator (the node was
+        deselected or is going) and is the operator's to make again, which it does for every
+        selected node whose agent has not within ``--node-object-grace``. Refused by RBAC (a
+        release before agents could create it): logged once, the operator makes it.
+        """
+        meta = pool.get("metadata") or {}
+        if self._pool_node_seen or self._create_refused:
+            return None
+        if meta.get("deletionTimestamp") or not meta.get("uid"):
+            return None
+        try:
+            made = self.access.create_pool_node(pool)
+        except ApiException as exc:
+            log.warning("cannot create the OffloadPoolNode: %s %s", exc.status, exc.reason)
+            self.metrics.error("CreatePoolNode")
+            self._create_refused = exc.status == 403
+            return None
+        if made is not None:
+            with self._seen_lock:
+                self._seen[self.access.node_object] = made
+        return made
 
     def _idle(self, d: Decision) -> float:
         log.debug("%s: %s", d.reason, d.message)

@@ -56,7 +56,8 @@ def decide(
     when no complete region exists). Rules:
     - no pool: IDLE (the operator's finalizer normally keeps the pool until we report Released);
     - pool being deleted: RELEASE (Delete) or RETAIN (Retain) — the lease is checked when acting;
-    - no OffloadPoolNode: WAIT; the operator creates it for every matching node;
+    - no OffloadPoolNode: WAIT (the loop creates it before deciding; missing still, it is the
+      operator's to make);
     - nothing on the node yet, or the region is at the pool's generation: PROVISION (validates
       and reuses a region that matches, so a restarted agent does not re-populate);
     - region at an older generation: PROVISION when the operator's ``targetGeneration`` allows
@@ -78,7 +79,7 @@ def decide(
         return Decision(
             Action.WAIT,
             reason="NoPoolNode",
-            message="waiting for the operator to create this node's OffloadPoolNode",
+            message="waiting for this node's OffloadPoolNode (the operator makes it when the agent may not)",
         )
     request = pool_request(pool, workers_override)
     desired = request.generation

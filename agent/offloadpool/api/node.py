@@ -1,7 +1,11 @@
 """OffloadPoolNode: one pool's state on one node.
 
-The operator creates it (spec: pool and node, immutable, name ``<pool>.<node>``); the node's
-agent writes its status through the status subresource.
+The node's agent creates it when it starts (spec: pool and node, immutable, name
+``<pool>.<node>``), as node-feature-discovery's workers create their NodeFeature objects; the
+operator creates it for a selected node whose agent has not within a grace period (so a node
+whose agent never starts still shows, Pending). Either way the body is ``new_object``'s, and a
+409 tells the other side it is there. The agent writes its status through the status
+subresource.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from .base import SpecModel, StatusModel, Timestamp
-from .constants import API_VERSION, NODE_KIND
+from .constants import API_VERSION, NODE_KIND, POOL_KIND, POOL_NAME_LABEL, node_object_name
 from .media import NodePhase
 
 
@@ -71,3 +75,35 @@ def status_patch(**fields: Any) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"OffloadPoolNodeStatus has no field {', '.join(unknown)}")
     return OffloadPoolNodeStatus.model_validate(fields).model_dump(by_alias=True, exclude_unset=True)
+
+
+def pool_owner_reference(pool_body: dict[str, Any]) -> dict[str, Any]:
+    """The pool as controlling owner, so garbage collection removes the object with the pool.
+
+    Without ``blockOwnerDeletion``: setting it needs ``update`` on the pool's finalizers where
+    the OwnerReferencesPermissionEnforcement admission plugin runs, which an agent must not
+    have; the pool's own finalizer already holds it until every node has released.
+    """
+    meta = pool_body["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": POOL_KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+    }
+
+
+def new_object(pool_body: dict[str, Any], node: str, generation: int) -> dict[str, Any]:
+    """A new OffloadPoolNode for ``node``, allowed to apply ``generation`` (the pool's current
+    one: a node without a region has nothing to roll out from)."""
+    pool = pool_body["metadata"]["name"]
+    obj = OffloadPoolNode(
+        metadata={
+            "name": node_object_name(pool, node),
+            "labels": {POOL_NAME_LABEL: pool},
+            "ownerReferences": [pool_owner_reference(pool_body)],
+        },
+        spec=OffloadPoolNodeSpec(pool=pool, node_name=node, target_generation=generation),
+    )
+    return obj.model_dump(by_alias=True, exclude_none=True)

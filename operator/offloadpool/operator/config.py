@@ -22,6 +22,9 @@ class OperatorConfig:
     as unresponsive (its node stops counting as Ready); 0 disables the check.
     ``resync_seconds``: a pool is re-reconciled at least this often even without events, which
     is what notices stale heartbeats and repairs objects someone deleted by hand.
+    ``node_object_grace_seconds``: agents create their own OffloadPoolNode when they start; the
+    operator creates it for a selected node whose agent has not after this long (an agent that
+    never starts still shows as a Pending OffloadPoolNode). 0: at once, in the first pass.
     """
 
     namespace: str = "offloadpool-system"
@@ -36,6 +39,7 @@ class OperatorConfig:
     http_port: int = AGENT_HTTP_PORT
     heartbeat_timeout_seconds: float = 60.0
     resync_seconds: float = 15.0
+    node_object_grace_seconds: float = 30.0
     #: Pause after an event before a pass, so a burst of agent updates costs one pass.
     debounce_seconds: float = 0.5
     #: While events keep coming, a pool's passes use at most this share of a core: a pass over

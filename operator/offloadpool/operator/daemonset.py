@@ -33,8 +33,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from offloadpool.api.constants import API_VERSION, POOL_KIND, POOL_NAME_LABEL
+from offloadpool.api.constants import POOL_NAME_LABEL
 from offloadpool.api.media import SCHEDULING_RESOURCE, is_hugetlbfs
+from offloadpool.api.node import pool_owner_reference
 from offloadpool.api.quantity import format_quantity, parse_quantity
 from offloadpool.api.spec import DEFAULT_MEDIUM
 
@@ -77,15 +78,7 @@ def pod_node(pod: Mapping[str, Any]) -> str | None:
 
 def owner_reference(pool_body: Mapping[str, Any]) -> dict[str, Any]:
     """The pool as controlling owner, so garbage collection removes the object with the pool."""
-    meta = pool_body["metadata"]
-    return {
-        "apiVersion": API_VERSION,
-        "kind": POOL_KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+    return {**pool_owner_reference(dict(pool_body)), "blockOwnerDeletion": True}
 
 
 def resources(spec: Mapping[str, Any], config: OperatorConfig) -> dict[str, dict[str, str]]:

@@ -57,6 +57,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--deletion-retry", type=float, default=defaults.deletion_retry_seconds)
     p.add_argument(
+        "--node-object-grace",
+        type=float,
+        default=defaults.node_object_grace_seconds,
+        help="seconds a selected node's agent has to create its OffloadPoolNode before the operator "
+        "does (0: the operator at once)",
+    )
+    p.add_argument(
         "--liveness",
         default=env("OFFLOADPOOL_LIVENESS", "http://0.0.0.0:8080/healthz"),
         help="kopf liveness endpoint URL ('' to disable)",
@@ -79,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         heartbeat_timeout_seconds=args.heartbeat_timeout,
         resync_seconds=args.resync,
         deletion_retry_seconds=args.deletion_retry,
+        node_object_grace_seconds=args.node_object_grace,
     )
 
 

@@ -26,16 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from offloadpool.api.constants import (
-    POOL_LABEL_READY,
-    POOL_NAME_LABEL,
-    extended_resource_name,
-    node_object_name,
-    pool_label_key,
-)
-from offloadpool.api.node import OffloadPoolNode, OffloadPoolNodeSpec
+from offloadpool.api.constants import POOL_LABEL_READY, extended_resource_name, pool_label_key
+from offloadpool.api.node import new_object
 
-from .daemonset import owner_reference
 from .nodeview import ROLLOUT_ANNOTATION
 from .selection import NodeInfo
 
@@ -44,17 +37,9 @@ EXTENDED_RESOURCE_CAPACITY = "1"
 
 
 def node_object(pool_body: Mapping[str, Any], node: str, generation: int) -> dict[str, Any]:
-    """A new OffloadPoolNode for ``node``; it starts at the pool's current generation."""
-    pool = pool_body["metadata"]["name"]
-    obj = OffloadPoolNode(
-        metadata={
-            "name": node_object_name(pool, node),
-            "labels": {POOL_NAME_LABEL: pool},
-            "ownerReferences": [owner_reference(pool_body)],
-        },
-        spec=OffloadPoolNodeSpec(pool=pool, node_name=node, target_generation=generation),
-    )
-    return obj.model_dump(by_alias=True, exclude_none=True)
+    """A new OffloadPoolNode for ``node``; it starts at the pool's current generation. The
+    same body an agent creates for itself (``offloadpool.api.node.new_object``)."""
+    return new_object(dict(pool_body), node, generation)
 
 
 def advance_patch(generation: int, serving: bool) -> dict[str, Any]:

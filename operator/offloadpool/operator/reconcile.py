@@ -105,6 +105,8 @@ class Reconciler:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._leases: dict[str, tuple[float, dict[str, datetime]]] = {}
+        #: pool -> node -> when a pass first found it selected without an OffloadPoolNode
+        self._unclaimed: dict[str, dict[str, float]] = {}
 
     def _renewals(self, pool: str) -> dict[str, datetime]:
         """Lease name -> renewTime for the pool's agents (a list at most every lease_max_age)."""
@@ -125,6 +127,7 @@ class Reconciler:
             pool = self.kube.get_pool(name)
             if pool is None:
                 self._leases.pop(name, None)
+                self._unclaimed.pop(name, None)
                 return None
             result = self._pass(pool, self.nodes.values())
             result.cpu_seconds = time.thread_time() - started
@@ -170,7 +173,9 @@ class Reconciler:
             for node, view in self.node_objects.group(name).items()
         }
 
-        if not deleting:
+        if deleting:
+            self._unclaimed.pop(name, None)
+        else:
             self._sync_node_objects(pool, generation, selected, views, existing, result)
             self._roll_out(pool, generation, selected, views, now, timeout, result)
             if ds_generation is not None:
@@ -207,12 +212,24 @@ class Reconciler:
         existing: Mapping[str, NodeInfo],
         result: PassResult,
     ) -> None:
-        """One OffloadPoolNode per selected Node; none for Nodes gone or no longer selected."""
+        """One OffloadPoolNode per selected Node; none for Nodes gone or no longer selected.
+
+        A selected node's agent creates its own when it starts; a pass creates the ones still
+        missing ``node_object_grace_seconds`` after a pass first found them missing (so the
+        passes of a pool converging over a thousand new nodes write nothing for them).
+        """
         name = pool["metadata"]["name"]
         created: list[str] = []
+        unclaimed = self._unclaimed.setdefault(name, {})
+        for node in set(unclaimed) - set(selected).difference(views):
+            del unclaimed[node]
+        clock = time.monotonic()
         for node in selected:
             if node in views:
                 continue
+            if clock - unclaimed.setdefault(node, clock) < self.config.node_object_grace_seconds:
+                continue
+            del unclaimed[node]
             made = self.kube.create_node_object(nodes.node_object(pool, node, generation))
             if made is not None:
                 self.node_objects.apply(made)
