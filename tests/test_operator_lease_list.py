@@ -1,0 +1,125 @@
+"""When a pass lists the agents' heartbeat Leases again: only when a node is stale by the last
+list (and that list is old enough), since a renewTime only moves forward and an older list can
+only take a live agent for a silent one.
+
+The reconciler runs in this process against the real API server, with the operator's own
+watched indexes; the Lease is renewed by the agent's own code. The one thing added is a count
+of the Lease lists the reconciler makes (the real calls still go out).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from fixtures.wait import wait_for
+from offloadpool.agent.kube import KubeAccess
+from offloadpool.api.constants import API_VERSION, GROUP, NODE_PLURAL, POOL_KIND, POOL_PLURAL, VERSION
+from offloadpool.api.node import new_object
+from offloadpool.operator.config import OperatorConfig
+from offloadpool.operator.events import Event
+from offloadpool.operator.kube import MERGE, Kube
+from offloadpool.operator.nodeview import NodeView
+from offloadpool.operator.reconcile import Reconciler, lease_max_age
+from offloadpool.operator.runtime import node_info, node_key, node_object_key
+from offloadpool.operator.watched import WatchedKind
+
+pytestmark = pytest.mark.controlplane
+
+TIMEOUT = 6.0
+CONFIG = OperatorConfig(namespace="default", heartbeat_timeout_seconds=TIMEOUT, resync_seconds=2)
+
+
+class CountingKube(Kube):
+    lists = 0
+
+    def list_agent_leases(self, namespace: str, pool: str) -> Any:
+        self.lists += 1
+        return super().list_agent_leases(namespace, pool)
+
+
+def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds_installed: Any) -> None:
+    assert lease_max_age(CONFIG) == 1.0
+    api = crds_installed.api_client()
+    kube = CountingKube(api)
+    tag = uuid.uuid4().hex[:6]
+    node, pool = f"lease-list-{tag}", f"lease-{tag}"
+    nodes = WatchedKind("nodes", kube.core.list_node, node_info, node_key, lambda *a: None).start()
+    objects: WatchedKind[NodeView] = WatchedKind(
+        "offloadpoolnodes", kube.list_all_node_objects, NodeView.from_body, node_object_key, lambda *a: None
+    ).start()
+    events: list[Event] = []
+    reconciler = Reconciler(kube, CONFIG, lambda _pool, event: events.append(event), nodes, objects)
+    try:
+        kube.core.create_node(
+            {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"lease-list": tag}}}
+        )
+        body = kube.custom.create_cluster_custom_object(
+            GROUP,
+            VERSION,
+            POOL_PLURAL,
+            {
+                "apiVersion": API_VERSION,
+                "kind": POOL_KIND,
+                "metadata": {"name": pool},
+                "spec": {"capacity": "4Mi", "medium": "Memory", "nodeSelector": {"lease-list": tag}},
+            },
+        )
+        kube.custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, new_object(body, node, 1))
+        # Ready, with a status heartbeat long past: the Lease alone says the agent is alive
+        kube.custom.patch_cluster_custom_object_status(
+            GROUP,
+            VERSION,
+            NODE_PLURAL,
+            f"{pool}.{node}",
+            {
+                "status": {
+                    "phase": "Ready",
+                    "observedGeneration": 1,
+                    "bytesTotal": 4 << 20,
+                    "heartbeat": "2020-01-01T00:00:00Z",
+                }
+            },
+            _content_type=MERGE,
+        )
+        agent = KubeAccess(api, pool, f"{pool}.{node}", "default")
+        wait_for("indexed", lambda: (objects.group(pool).get(node) or NodeView(node)).phase == "Ready")
+
+        def ready() -> int:
+            result = reconciler.run(pool)
+            assert result is not None
+            return int(result.status["readyNodes"])
+
+        renewed0 = time.monotonic()
+        agent.renew_lease(40, body)
+        assert (ready(), kube.lists) == (1, 1), "the first pass lists"
+
+        time.sleep(1.5)  # the list is older than lease_max_age, but nobody is stale by it
+        assert (ready(), kube.lists) == (1, 1), "listed again though no node was stale by the last list"
+
+        agent.renew_lease(40, body)
+        renewed1 = time.monotonic()
+        time.sleep(max(0.0, renewed0 + TIMEOUT + 0.3 - time.monotonic()))
+        assert (ready(), kube.lists) == (1, 2), (
+            "stale by the last list: listed again, and live by the new one"
+        )
+
+        time.sleep(max(0.0, renewed1 + TIMEOUT + 0.3 - time.monotonic()))
+        assert (ready(), kube.lists) == (0, 3), "no renewal for longer than the timeout: unresponsive"
+        assert ready() == 0 and kube.lists == 3, "a stale node made a list sooner than lease_max_age"
+    finally:
+        nodes.stop()
+        objects.stop()
+        for call in (
+            lambda: kube.custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool),
+            lambda: kube.core.delete_node(node),
+        ):
+            try:
+                call()
+            except client.ApiException:
+                pass
+        api.close()
