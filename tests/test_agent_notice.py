@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
@@ -60,3 +61,17 @@ def test_a_pool_status_change_wakes_nothing_a_spec_change_or_deletion_does(tmp_p
         assert a.wake.is_set(), obj
         a.wake.clear()
     assert a._seen["p"] is None, "a deleted pool is remembered as absent"
+
+
+def test_a_step_reads_only_what_no_event_brought_and_not_what_it_will_create(tmp_path: Path) -> None:
+    """A pool delivered by its watch is not read again; nor is a never-seen OffloadPoolNode the
+    step is about to create (its create is the read). Every read here would fail: the client
+    points at no API server (it says "No host specified" when asked for anything)."""
+    access = kube.KubeAccess(client.ApiClient(client.Configuration()), "p", "p.n1", "ns")
+    a = Agent(access, tmp_path, metrics=AgentMetrics("p", "n1", CollectorRegistry()), reread_seconds=60)
+    pool = {"metadata": {"name": "p", "uid": "u1", "generation": 1, "resourceVersion": "5"}}
+    a.notice(pool)
+    assert a._observe() == (pool, None)
+    a.notice({**pool, "metadata": {**pool["metadata"], "deletionTimestamp": "2026-12-01T00:00:00Z"}})
+    with pytest.raises(Exception, match="No host specified"):
+        a._observe()  # a deleted pool's agent creates nothing: it must read the object

@@ -138,3 +138,35 @@ def test_an_agent_without_create_permission_is_refused_once_and_waits(
         )
     assert refused.value.status == 403
     assert w.pool_nodes(pool) == {}, "nothing was created"
+
+
+def test_a_create_refused_for_another_reason_is_tried_again_soon_and_spread(world: World) -> None:
+    """A new pool's agents all start at once, and a busy API server refuses many creates (429
+    from priority and fairness): the agent comes back after 1 s, doubling, with up to half
+    again at random, not a whole retry period later. Here the refusal is the API server's
+    own 422 (a node name no object may carry): the same path as a 429 without a Retry-After."""
+    from prometheus_client import CollectorRegistry
+
+    from offloadpool.agent.loop import Agent
+    from offloadpool.agent.metrics import AgentMetrics
+
+    w = world
+    pool = w.create_pool("retry", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"none": "x"}})
+    node = "Not_A_Node"
+    registry = CollectorRegistry()
+    agent = Agent(
+        KubeAccess(w.cp.api_client(), pool, f"{pool}.{node}", NAMESPACE),
+        w.tmp,
+        metrics=AgentMetrics(pool, node, registry),
+        retry_seconds=30,
+        watches=False,
+    )
+    delays = [agent.step() for _ in range(3)]
+    assert 1.0 <= delays[0] <= 1.5 and 2.0 <= delays[1] <= 3.0 and 4.0 <= delays[2] <= 6.0, delays
+    assert (
+        registry.get_sample_value(
+            "offloadpool_agent_errors_total", {"pool": pool, "node": node, "reason": "CreatePoolNode"}
+        )
+        == 3.0
+    )
+    assert not agent._create_refused, "a refusal other than RBAC's stopped the agent trying"

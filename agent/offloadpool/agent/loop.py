@@ -11,8 +11,10 @@ only when they outlast its progress interval.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from kubernetes.client.rest import ApiException
 from offloadpool.agent import kube
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.reconcile import Action, Decision, decide
-from offloadpool.agent.status_writer import StatusWriter
+from offloadpool.agent.status_writer import RETRY_FIRST_SECONDS, StatusWriter, retry_after
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
 from offloadpool.api.conversion import SpecError
 from offloadpool.api.media import is_hugetlbfs
@@ -97,7 +99,8 @@ class Agent:
         #: events noticed per object name: a read that raced an event must not replace it
         self._noticed: dict[str, int] = {}
         self._seen_lock = threading.Lock()
-        self._read_at = float("-inf")
+        #: when a read or a watch event last brought each object (monotonic)
+        self._fresh: dict[str, float] = {}
         self.status = StatusWriter(access.patch_status, kube.now)
         self.wake = threading.Event()
         self.stop = threading.Event()
@@ -109,6 +112,9 @@ class Agent:
         #: to make again) or may not create it (RBAC of an older release): see ``_create_pool_node``
         self._pool_node_seen = False
         self._create_refused = False
+        self._create_failures = 0
+        #: a step's wish to come again sooner than the retry period (a refused create)
+        self._soon = 0.0
         self._last_event: tuple[str, str] | None = None
         self._failures = 0
         self._renewed = float("-inf")
@@ -212,6 +218,7 @@ class Agent:
             before = self._seen.get(name)
             self._seen[name] = None if deleted else obj
             self._noticed[name] = self._noticed.get(name, 0) + 1
+            self._fresh[name] = time.monotonic()
         if (
             name == self.access.pool
             and before is not None
@@ -224,25 +231,38 @@ class Agent:
     def _observe(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The pool and our OffloadPoolNode: as their watches last delivered them, or read.
 
-        Read when the last read is older than ``reread_seconds`` or either object was never
-        seen. A read is what ``notice`` keeps too, so a late event of an older version is the
-        only way to go back in time, and the next event or read corrects it.
+        Each is read when never seen, or when neither a read nor a watch event brought it for
+        ``reread_seconds`` (a missed event costs at most that). A read is what ``notice`` keeps
+        too, so a late event of an older version is the only way to go back in time, and the
+        next event or read corrects it. Our OffloadPoolNode is not read while the step is about
+        to create it (``_may_create``): a new pool's agent makes one request instead of a read
+        that finds nothing and then the create; the create's 409 reads it.
         """
-        names = (self.access.pool, self.access.node_object)
-        if time.monotonic() - self._read_at >= self.reread_seconds or any(n not in self._seen for n in names):
-            read_at = time.monotonic()
-            with self._seen_lock:
-                noticed = dict(self._noticed)
-            read = {names[0]: self.access.get_pool(), names[1]: self.access.get_pool_node()}
-            with self._seen_lock:
-                for name, obj in read.items():
-                    if self._noticed.get(name) == noticed.get(name):  # no event during the read
-                        self._seen[name] = obj
-            self._read_at = read_at
-        pool_node, written = self._seen.get(names[1]), self.status.written_object
+        pool_name, node_name = self.access.pool, self.access.node_object
+        if self._due(pool_name):
+            self._read(pool_name, self.access.get_pool)
+        pool = self._seen.get(pool_name)
+        if self._due(node_name) and not (node_name not in self._seen and self._may_create(pool)):
+            self._read(node_name, self.access.get_pool_node)
+        pool_node, written = self._seen.get(node_name), self.status.written_object
         if pool_node is not None and written is not None and _revision(written) > _revision(pool_node):
             pool_node = written  # our own later write: its event is not kept (or not here yet)
-        return self._seen.get(names[0]), pool_node
+        return pool, pool_node
+
+    def _due(self, name: str) -> bool:
+        with self._seen_lock:
+            fresh = self._fresh.get(name, float("-inf"))
+            return name not in self._seen or time.monotonic() - fresh >= self.reread_seconds
+
+    def _read(self, name: str, get: Callable[[], dict[str, Any] | None]) -> None:
+        with self._seen_lock:
+            noticed = self._noticed.get(name)
+        read_at = time.monotonic()
+        obj = get()
+        with self._seen_lock:
+            if self._noticed.get(name) == noticed:  # no event during the read
+                self._seen[name] = obj
+            self._fresh[name] = max(self._fresh.get(name, float("-inf")), read_at)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -260,6 +280,7 @@ class Agent:
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> float:
         """Observe, decide, act; return seconds until the next step unless woken earlier."""
+        self._soon = 0.0
         try:
             pool, pool_node = self._observe()
         except ApiException as exc:
@@ -286,6 +307,13 @@ class Agent:
         }[decision.action]
         return act(decision)
 
+    def _may_create(self, pool: dict[str, Any] | None) -> bool:
+        """Whether this step creates our OffloadPoolNode if it is missing (``_create_pool_node``)."""
+        if pool is None or self._pool_node_seen or self._create_refused:
+            return False
+        meta = pool.get("metadata") or {}
+        return not meta.get("deletionTimestamp") and bool(meta.get("uid"))
+
     def _create_pool_node(self, pool: dict[str, Any]) -> dict[str, Any] | None:
         """Create this node's OffloadPoolNode, as node-feature-discovery's workers create their
         NodeFeature objects: the operator would otherwise make one per selected node in its
@@ -295,12 +323,12 @@ class Agent:
         that disappeared after it was seen was removed by the operator (the node was
         deselected or is going) and is the operator's to make again, which it does for every
         selected node whose agent has not within ``--node-object-grace``. Refused by RBAC (a
-        release before agents could create it): logged once, the operator makes it.
+        release before agents could create it): logged once, the operator makes it. Refused
+        otherwise (a new pool's agents all start at once, and the API server's priority and
+        fairness answers 429 to many): tried again after its Retry-After, or 1 s doubling up
+        to the retry period, each with up to half again at random so the retries spread.
         """
-        meta = pool.get("metadata") or {}
-        if self._pool_node_seen or self._create_refused:
-            return None
-        if meta.get("deletionTimestamp") or not meta.get("uid"):
+        if not self._may_create(pool):
             return None
         try:
             made = self.access.create_pool_node(pool)
@@ -308,15 +336,19 @@ class Agent:
             log.warning("cannot create the OffloadPoolNode: %s %s", exc.status, exc.reason)
             self.metrics.error("CreatePoolNode")
             self._create_refused = exc.status == 403
+            self._create_failures += 1
+            delay = max(retry_after(exc), RETRY_FIRST_SECONDS * 2 ** (self._create_failures - 1))
+            self._soon = min(self.retry_seconds, delay * random.uniform(1.0, 1.5))
             return None
-        if made is not None:
-            with self._seen_lock:
-                self._seen[self.access.node_object] = made
+        self._create_failures = 0
+        with self._seen_lock:
+            self._seen[self.access.node_object] = made
+            self._fresh[self.access.node_object] = time.monotonic()
         return made
 
     def _idle(self, d: Decision) -> float:
         log.debug("%s: %s", d.reason, d.message)
-        return self.retry_seconds
+        return self._soon or self.retry_seconds
 
     def _beat(self, **fields: Any) -> None:
         n = self.engines_attached()
