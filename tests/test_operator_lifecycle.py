@@ -286,3 +286,26 @@ def test_rollout_node_by_node_survives_kill9(world: World, offloadpool_operator:
     assert w.apps.read_namespaced_daemon_set(ds_name, NAMESPACE).metadata.generation == ds_generation
     log = offloadpool_operator.log(200000).split("--- operator run 2")[1]
     assert "created" not in log and f"advanced {a}" not in log, log[-3000:]
+
+
+def test_a_daemonset_deleted_by_hand_is_made_again(
+    world: World, offloadpool_operator: OperatorProcess
+) -> None:
+    """Passes do not read the DaemonSet back while its rendering is unchanged, for at most a
+    resync (5 s here): one deleted by hand is made again within two resyncs, with no event."""
+    w = world
+    node = w.add_node("n", {"offloadpool-test/group": w.name("g")})
+    pool = w.create_pool("ds", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"none": node}})
+    name = f"offloadpool-agent-{pool}"
+
+    def uid() -> str | None:
+        try:
+            return str(w.apps.read_namespaced_daemon_set(name, NAMESPACE).metadata.uid)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return None
+
+    first = wait_for("DaemonSet", uid)
+    w.apps.delete_namespaced_daemon_set(name, NAMESPACE)
+    wait_for("DaemonSet made again", lambda: uid() not in (None, first), timeout=30)

@@ -112,6 +112,8 @@ class Reconciler:
         self._leases: dict[str, tuple[float, dict[str, datetime]]] = {}
         #: pool -> (the Lease list, node -> (view, view with its renewal)): see ``_renewed``
         self._merged: dict[str, tuple[Mapping[str, datetime], dict[str, tuple[NodeView, NodeView]]]] = {}
+        #: pool -> (DaemonSet rendering applied, its generation, when): see ``_apply_daemonset``
+        self._daemonsets: dict[str, tuple[str, int, float]] = {}
         #: pool -> node -> when a pass first found it selected without an OffloadPoolNode
         self._unclaimed: dict[str, dict[str, float]] = {}
 
@@ -166,6 +168,7 @@ class Reconciler:
                 self._leases.pop(name, None)
                 self._merged.pop(name, None)
                 self._unclaimed.pop(name, None)
+                self._daemonsets.pop(name, None)
                 return None
             result = self._pass(pool, self.nodes.values())
             result.cpu_seconds = time.thread_time() - started
@@ -192,7 +195,7 @@ class Reconciler:
 
         ds_generation: int | None = None
         if not deleting:
-            outcome, ds_generation = self.kube.apply_daemonset(daemonset.render(pool, self.config))
+            outcome, ds_generation = self._apply_daemonset(pool)
             if outcome != "unchanged":
                 result.writes.append(f"{outcome} DaemonSet {daemonset.daemonset_name(name)}")
                 self.emit(
@@ -236,6 +239,26 @@ class Reconciler:
             for event in transitions(before, agg.status, agg.failed_nodes):
                 self.emit(pool, event)
         return result
+
+    def _apply_daemonset(self, pool: Mapping[str, Any]) -> tuple[str, int | None]:
+        """``Kube.apply_daemonset``, unless this process applied the same rendering less than a
+        resync ago: then "unchanged" without reading the DaemonSet back (a read per pass, two a
+        second while a large pool converges). One deleted by hand is so made again within two
+        resyncs, as before by the next."""
+        body = daemonset.render(pool, self.config)
+        rendered = body["metadata"]["annotations"][daemonset.HASH_ANNOTATION]
+        name = pool["metadata"]["name"]
+        last = self._daemonsets.get(name)
+        if (
+            last is not None
+            and last[0] == rendered
+            and time.monotonic() - last[2] < self.config.resync_seconds
+        ):
+            return "unchanged", last[1]
+        outcome, generation = self.kube.apply_daemonset(body)
+        if generation is not None:
+            self._daemonsets[name] = (rendered, generation, time.monotonic())
+        return outcome, generation
 
     def _sync_node_objects(
         self,
