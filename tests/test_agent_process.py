@@ -221,16 +221,7 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     assert first.spec.holder_identity == name and first.spec.lease_duration_seconds == 4
     obj0 = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
     written = obj0["metadata"]["resourceVersion"]
-    renewals = {first.spec.renew_time}
-    wait_for(
-        "three Lease renewals",
-        lambda: (
-            renewals.add(coordination.read_namespaced_lease(name, "default").spec.renew_time)
-            or len(renewals) >= 3
-        ),
-        timeout=30,
-        interval=0.2,
-    )
+    wait_renewals(coordination, name, 3, {first.spec.renew_time})
     obj1 = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
     assert obj1["metadata"]["resourceVersion"] == written, (
         "an unchanged status was written again",
@@ -308,17 +299,8 @@ def test_agent_creates_its_node_object_once_and_never_brings_back_a_removed_one(
     assert populated == 16 * MiB
     custom.delete_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)
     wait_for("deleted", lambda: not exists(custom, name))
-    coordination = client.CoordinationV1Api(custom.api_client)
-    renewals: set[Any] = set()
-    wait_for(  # a step renews the Lease each heartbeat (1 s): three steps without the object
-        "three Lease renewals",
-        lambda: (
-            renewals.add(coordination.read_namespaced_lease(name, "default").spec.renew_time)
-            or len(renewals) >= 4
-        ),
-        timeout=30,
-        interval=0.2,
-    )
+    # a step renews the Lease each heartbeat (1 s): three steps without the object
+    wait_renewals(client.CoordinationV1Api(custom.api_client), name, 4)
     assert not exists(custom, name), "the agent brought back an object the operator had removed"
     assert agent.proc.poll() is None, "the agent died without its object"
 
@@ -340,6 +322,22 @@ def test_agent_creates_its_node_object_once_and_never_brings_back_a_removed_one(
 def populated_bytes(agent: AgentRun) -> float:
     values = metric_values(agent.metrics())
     return sum(v for (metric, _), v in values.items() if metric == "offloadpool_populated_bytes_total")
+
+
+def wait_renewals(
+    coordination: client.CoordinationV1Api, name: str, count: int, seen: set[Any] | None = None
+) -> None:
+    """Until ``count`` different renewTimes of the Lease have been seen (``seen`` counts)."""
+    renewals = set() if seen is None else seen
+    wait_for(
+        f"{count} Lease renewals",
+        lambda: (
+            renewals.add(coordination.read_namespaced_lease(name, "default").spec.renew_time)
+            or len(renewals) >= count
+        ),
+        timeout=30,
+        interval=0.2,
+    )
 
 
 def exists(custom: client.CustomObjectsApi, name: str) -> bool:
