@@ -10,6 +10,7 @@ subresource.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field
@@ -77,7 +78,7 @@ def status_patch(**fields: Any) -> dict[str, Any]:
     return OffloadPoolNodeStatus.model_validate(fields).model_dump(by_alias=True, exclude_unset=True)
 
 
-def pool_owner_reference(pool_body: dict[str, Any]) -> dict[str, Any]:
+def pool_owner_reference(pool_body: Mapping[str, Any]) -> dict[str, Any]:
     """The pool as controlling owner, so garbage collection removes the object with the pool.
 
     Without ``blockOwnerDeletion``: setting it needs ``update`` on the pool's finalizers where
@@ -94,7 +95,7 @@ def pool_owner_reference(pool_body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def new_object(pool_body: dict[str, Any], node: str, generation: int) -> dict[str, Any]:
+def new_object(pool_body: Mapping[str, Any], node: str, generation: int) -> dict[str, Any]:
     """A new OffloadPoolNode for ``node``, allowed to apply ``generation`` (the pool's current
     one: a node without a region has nothing to roll out from)."""
     pool = pool_body["metadata"]["name"]

@@ -78,7 +78,7 @@ def pod_node(pod: Mapping[str, Any]) -> str | None:
 
 def owner_reference(pool_body: Mapping[str, Any]) -> dict[str, Any]:
     """The pool as controlling owner, so garbage collection removes the object with the pool."""
-    return {**pool_owner_reference(dict(pool_body)), "blockOwnerDeletion": True}
+    return {**pool_owner_reference(pool_body), "blockOwnerDeletion": True}
 
 
 def resources(spec: Mapping[str, Any], config: OperatorConfig) -> dict[str, dict[str, str]]:

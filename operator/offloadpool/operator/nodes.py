@@ -23,23 +23,15 @@ while a pool converges, and one watch event less for every consumer of Node even
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from offloadpool.api.constants import POOL_LABEL_READY, extended_resource_name, pool_label_key
-from offloadpool.api.node import new_object
 
 from .nodeview import ROLLOUT_ANNOTATION
 from .selection import NodeInfo
 
 #: Capacity advertised per node: one engine per node per pool.
 EXTENDED_RESOURCE_CAPACITY = "1"
-
-
-def node_object(pool_body: Mapping[str, Any], node: str, generation: int) -> dict[str, Any]:
-    """A new OffloadPoolNode for ``node``; it starts at the pool's current generation. The
-    same body an agent creates for itself (``offloadpool.api.node.new_object``)."""
-    return new_object(dict(pool_body), node, generation)
 
 
 def advance_patch(generation: int, serving: bool) -> dict[str, Any]:

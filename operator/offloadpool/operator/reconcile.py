@@ -33,6 +33,7 @@ from typing import Any
 
 from offloadpool.api.base import now as utcnow
 from offloadpool.api.constants import node_object_name
+from offloadpool.api.node import new_object
 
 from . import daemonset, nodes, rollout
 from .aggregate import aggregate
@@ -69,6 +70,22 @@ class PassResult:
     @property
     def paced_cpu_seconds(self) -> float:
         return max(0.0, self.cpu_seconds - self.write_cpu_seconds)
+
+
+@dataclass
+class PoolMemory:
+    """What one pool's passes keep for the next in this process (all of it derived from the
+    cluster, so a restarted operator starts without it): a cache, never a source of truth."""
+
+    #: the last list of the pool's Leases (Lease name -> renewTime) and when it was made
+    leases: dict[str, datetime] | None = None
+    leases_listed_at: float = float("-inf")
+    #: node -> (view, view with its renewal from ``leases``): see ``Reconciler._renewed``
+    renewed: dict[str, tuple[NodeView, NodeView]] = field(default_factory=dict)
+    #: (DaemonSet rendering applied, its generation, when): see ``Reconciler._apply_daemonset``
+    daemonset: tuple[str, int, float] | None = None
+    #: node -> when a pass first found it selected without an OffloadPoolNode
+    unclaimed: dict[str, float] = field(default_factory=dict)
 
 
 #: Names listed in one NodeSelected Event at most (the rest are counted).
@@ -109,13 +126,7 @@ class Reconciler:
         self.clock = clock
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        self._leases: dict[str, tuple[float, dict[str, datetime]]] = {}
-        #: pool -> (the Lease list, node -> (view, view with its renewal)): see ``_renewed``
-        self._merged: dict[str, tuple[Mapping[str, datetime], dict[str, tuple[NodeView, NodeView]]]] = {}
-        #: pool -> (DaemonSet rendering applied, its generation, when): see ``_apply_daemonset``
-        self._daemonsets: dict[str, tuple[str, int, float]] = {}
-        #: pool -> node -> when a pass first found it selected without an OffloadPoolNode
-        self._unclaimed: dict[str, dict[str, float]] = {}
+        self._memory: dict[str, PoolMemory] = {}
 
     def _views(self, pool: str, now: datetime) -> dict[str, NodeView]:
         """The pool's OffloadPoolNodes by node, each with its agent's last Lease renewal.
@@ -123,30 +134,26 @@ class Reconciler:
         The last list of the pool's Leases is reused unless a node is stale by it and the list
         is at least ``lease_max_age`` old (see the module's docstring).
         """
-        objects = self.node_objects.group(pool)
-        listed = self._leases.get(pool)
-        if listed is not None:
-            views = self._renewed(pool, objects, listed[1])
+        objects, memory = self.node_objects.group(pool), self._memory[pool]
+        if memory.leases is not None:
+            views = self._renewed(pool, objects, memory)
             timeout = self.config.heartbeat_timeout_seconds
-            if time.monotonic() - listed[0] < lease_max_age(self.config) or not any(
+            if time.monotonic() - memory.leases_listed_at < lease_max_age(self.config) or not any(
                 view.stale(now, timeout) for view in views.values()
             ):
                 return views
-        listed = (time.monotonic(), self.kube.list_agent_leases(self.config.namespace, pool))
-        self._leases[pool] = listed
-        return self._renewed(pool, objects, listed[1])
+        memory.leases_listed_at = time.monotonic()
+        memory.leases = self.kube.list_agent_leases(self.config.namespace, pool)
+        memory.renewed = {}
+        return self._renewed(pool, objects, memory)
 
-    def _renewed(
-        self, pool: str, objects: Mapping[str, NodeView], renewals: Mapping[str, datetime]
-    ) -> dict[str, NodeView]:
-        """Each view with its renewal (``NodeView.renewed``), remembered for as long as the
-        view and the list are the same objects: most of a pool's views and its list outlast
-        many passes, and making each again was a tenth of a pass at 1,000 nodes."""
-        made = self._merged.get(pool)
-        if made is None or made[0] is not renewals:
-            made = (renewals, {})
-            self._merged[pool] = made
-        memo, views = made[1], {}
+    @staticmethod
+    def _renewed(pool: str, objects: Mapping[str, NodeView], memory: PoolMemory) -> dict[str, NodeView]:
+        """Each view with its renewal from the last Lease list (``NodeView.renewed``),
+        remembered for as long as the view is the same object and the list the same: most of a
+        pool's views and its list outlast many passes, and making each again was a tenth of a
+        pass at 1,000 nodes."""
+        renewals, memo, views = memory.leases or {}, memory.renewed, {}
         for node, view in objects.items():
             hit = memo.get(node)
             if hit is None or hit[0] is not view:  # memo holds the view: its id stays unique
@@ -165,11 +172,9 @@ class Reconciler:
             started, written = time.thread_time(), self.kube.write_cpu_seconds()
             pool = self.kube.get_pool(name)
             if pool is None:
-                self._leases.pop(name, None)
-                self._merged.pop(name, None)
-                self._unclaimed.pop(name, None)
-                self._daemonsets.pop(name, None)
+                self._memory.pop(name, None)
                 return None
+            self._memory.setdefault(name, PoolMemory())
             result = self._pass(pool, self.nodes.values())
             result.cpu_seconds = time.thread_time() - started
             result.write_cpu_seconds = self.kube.write_cpu_seconds() - written
@@ -211,7 +216,7 @@ class Reconciler:
         views = self._views(name, now)
 
         if deleting:
-            self._unclaimed.pop(name, None)
+            self._memory[name].unclaimed.clear()
         else:
             self._sync_node_objects(pool, generation, selected, views, existing, result)
             self._roll_out(pool, generation, selected, views, now, timeout, result)
@@ -247,8 +252,8 @@ class Reconciler:
         resyncs, as before by the next."""
         body = daemonset.render(pool, self.config)
         rendered = body["metadata"]["annotations"][daemonset.HASH_ANNOTATION]
-        name = pool["metadata"]["name"]
-        last = self._daemonsets.get(name)
+        memory = self._memory[pool["metadata"]["name"]]
+        last = memory.daemonset
         if (
             last is not None
             and last[0] == rendered
@@ -257,7 +262,7 @@ class Reconciler:
             return "unchanged", last[1]
         outcome, generation = self.kube.apply_daemonset(body)
         if generation is not None:
-            self._daemonsets[name] = (rendered, generation, time.monotonic())
+            memory.daemonset = (rendered, generation, time.monotonic())
         return outcome, generation
 
     def _sync_node_objects(
@@ -277,7 +282,7 @@ class Reconciler:
         """
         name = pool["metadata"]["name"]
         created: list[str] = []
-        unclaimed = self._unclaimed.setdefault(name, {})
+        unclaimed = self._memory[name].unclaimed
         for node in set(unclaimed) - set(selected).difference(views):
             del unclaimed[node]
         clock = time.monotonic()
@@ -287,7 +292,7 @@ class Reconciler:
             if clock - unclaimed.setdefault(node, clock) < self.config.node_object_grace_seconds:
                 continue
             del unclaimed[node]
-            made = self.kube.create_node_object(nodes.node_object(pool, node, generation))
+            made = self.kube.create_node_object(new_object(pool, node, generation))
             if made is not None:
                 self.node_objects.apply(made)
                 created.append(node)
