@@ -5,7 +5,8 @@ open file description of the pool's files exists (a mapping keeps the one it was
 only then does it scan every process (``holders.scans()`` counts those scans). Real processes
 on real tmpfs and hugetlbfs regions: a holder in its own mount namespace that opens a pool file
 through a private bind mount (as a pod does), one that maps and closes its fd (stock vLLM),
-one that holds only the lease. Each is counted while there and not after.
+one that holds only the lease. Each is counted while there and not after. Releasing or
+rebuilding a pool (``exclusive_unused``) scans only when the probe finds a file open or mapped.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from offloadpool.region import holders
 from offloadpool.region.lease import lease_path
 from offloadpool.region.manifest import MANIFEST_NAME
 from offloadpool.region.provision import provision
+from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
 from test_region_holders import first_file, start_holder, stop
 
@@ -95,3 +97,26 @@ def test_this_process_holding_a_file_open_is_not_an_engine(region_root):
         scans = holders.scans()
         assert holders.count(pool_dir) == 0 and holders.scans() == scans + 1  # the scan can
     assert holders.count(pool_dir) == 0
+
+
+def test_release_and_rebuild_of_an_idle_pool_scan_nothing_but_a_holder_still_stops_them(
+    region_root, processes, tmp_path
+):
+    """``exclusive_unused`` (taken by release and by a rebuild) skips the scan only when the
+    probe says no file is open or mapped: a stock-vLLM-like mapper, which takes no lease,
+    still stops a release and is named."""
+    req, pool_dir = region(region_root, "gate")
+    mapper = start_holder(processes, tmp_path, first_file(req, region_root), "map")
+    scans = holders.scans()
+    with pytest.raises(holders.PoolInUse, match=r"maps the pool's memory"):
+        release(region_root, "gate")
+    assert holders.scans() > scans, "a mapped pool was released without looking for its holder"
+    assert (pool_dir / MANIFEST_NAME).exists(), "the refused release touched the pool"
+    stop(mapper)
+
+    scans = holders.scans()
+    rebuilt = provision(PoolRequest(name="gate", capacity=2 * req.capacity, medium="Memory"), region_root)
+    assert not rebuilt.reused and rebuilt.manifest.total_bytes == 2 * req.capacity
+    release(region_root, "gate")
+    assert holders.scans() == scans, "an idle pool's rebuild or release scanned every process"
+    assert not pool_dir.exists()

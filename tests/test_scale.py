@@ -41,7 +41,6 @@ from typing import Any
 
 import pytest
 from kubernetes import client, watch
-from kubernetes import config as kconfig
 from prometheus_client import CollectorRegistry
 
 from fixtures.cluster import mounts_under, release_everything
@@ -101,10 +100,8 @@ def run_one(op: OperatorProcess, nodes: int) -> dict[str, Any]:
     pool = cluster.name("scale")
 
     token = cp.token_for(op.namespace, "offloadpool-agent", expiration_seconds=3600)
-    agent_cfg = client.Configuration()
-    kconfig.load_kube_config(
-        str(cp.kubeconfig_for_token(token, work / "agent.kubeconfig")), client_configuration=agent_cfg
-    )
+    # the agent's own client configuration (throttled requests sent again, as a real agent's)
+    agent_cfg = kube.configuration(str(cp.kubeconfig_for_token(token, work / "agent.kubeconfig")))
     # One client per agent, as on a real node: a thousand agent threads sharing one client's
     # connection pool queue on its lock (and a pool smaller than the threads discards
     # connections, so requests beyond it pay a new TLS handshake) — the harness's cost, not an

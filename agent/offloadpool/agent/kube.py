@@ -13,6 +13,7 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+from urllib3.util.retry import Retry
 
 from offloadpool.api import base
 from offloadpool.api.constants import (
@@ -35,17 +36,57 @@ EVENT_NAMESPACE = "default"
 log = logging.getLogger(__name__)
 
 
-def api_client(kubeconfig: str | None = None) -> client.ApiClient:
-    """In-cluster configuration when running in a pod, else the given (or default) kubeconfig."""
+#: How often one request refused with 429 is sent again before the refusal is the caller's.
+THROTTLED_RETRIES = 5
+
+
+def throttled_retries() -> Retry:
+    """Send a request the API server refused with 429 again after its Retry-After, as
+    client-go does for every verb (a 429 from API priority and fairness or max-in-flight means
+    the request was not processed, so a create or patch is as safe to repeat as a read).
+
+    A new pool's agents all make their first writes at once, and they share one ServiceAccount,
+    which priority and fairness treats as one flow: at 1,000 nodes the API server refused
+    hundreds of Lease and OffloadPoolNode writes, and an agent that waited for its next step
+    to try again took a heartbeat period or more each time (docs/scale.md). Connection
+    failures are retried as urllib3's default does; a read that failed mid-way is not (the
+    request may have been carried out: the agent's loop decides what to do next).
+    """
+    return Retry(
+        total=None,
+        connect=3,
+        read=0,
+        redirect=3,
+        status=THROTTLED_RETRIES,
+        other=0,
+        allowed_methods=None,  # every verb: only 429 is retried on a status, see above
+        status_forcelist=frozenset({429}),
+        respect_retry_after_header=True,
+        backoff_factor=0.5,  # only where a 429 came without Retry-After
+        backoff_jitter=0.5,
+        raise_on_status=False,  # the last 429 becomes the client's ApiException, as before
+    )
+
+
+def configuration(kubeconfig: str | None = None) -> client.Configuration:
+    """In-cluster configuration when running in a pod, else the given (or default) kubeconfig;
+    throttled requests retried (``throttled_retries``)."""
+    cfg = client.Configuration()
+    loaded = False
     if kubeconfig is None:
         try:
-            config.load_incluster_config()
-            return client.ApiClient()
+            config.load_incluster_config(client_configuration=cfg)
+            loaded = True
         except config.ConfigException:
             pass
-    cfg = client.Configuration()
-    config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    return client.ApiClient(cfg)
+    if not loaded:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    cfg.retries = throttled_retries()
+    return cfg
+
+
+def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    return client.ApiClient(configuration(kubeconfig))
 
 
 def now() -> str:
@@ -121,10 +162,10 @@ class KubeAccess:
         """
         stamp = micro_now()
         if not self._lease_exists:
-            self._lease_exists = True
-            if self._create_lease(stamp, duration_seconds, pool):
+            created = self._create_lease(stamp, duration_seconds, pool)  # a refusal raises here
+            self._lease_exists = True  # made now, or there already (a restarted agent)
+            if created:
                 return
-            # there already (a restarted agent): renew it
         try:
             self.coordination.patch_namespaced_lease(
                 self.node_object, self.namespace, {"spec": {"renewTime": stamp}}, _content_type=MERGE

@@ -113,7 +113,8 @@ class Agent:
         self._pool_node_seen = False
         self._create_refused = False
         self._create_failures = 0
-        #: a step's wish to come again sooner than the retry period (a refused create)
+        self._lease_failures = 0
+        #: a step's wish to come again sooner than it would (a refused create or Lease write)
         self._soon = 0.0
         self._last_event: tuple[str, str] | None = None
         self._failures = 0
@@ -281,6 +282,10 @@ class Agent:
     def step(self) -> float:
         """Observe, decide, act; return seconds until the next step unless woken earlier."""
         self._soon = 0.0
+        delay = self._step()
+        return min(delay, self._soon) if self._soon else delay
+
+    def _step(self) -> float:
         try:
             pool, pool_node = self._observe()
         except ApiException as exc:
@@ -337,8 +342,7 @@ class Agent:
             self.metrics.error("CreatePoolNode")
             self._create_refused = exc.status == 403
             self._create_failures += 1
-            delay = max(retry_after(exc), RETRY_FIRST_SECONDS * 2 ** (self._create_failures - 1))
-            self._soon = min(self.retry_seconds, delay * random.uniform(1.0, 1.5))
+            self._again(exc, self._create_failures)
             return None
         self._create_failures = 0
         with self._seen_lock:
@@ -346,9 +350,18 @@ class Agent:
             self._fresh[self.access.node_object] = time.monotonic()
         return made
 
+    def _again(self, exc: ApiException, failures: int) -> None:
+        """Come back for a refused write after the server's Retry-After, or 1 s doubling per
+        failure in a row, each with up to half again at random so the agents' retries spread
+        (the client already sent a throttled request again several times: ``kube.throttled_retries``);
+        never later than the retry period."""
+        delay = max(retry_after(exc), RETRY_FIRST_SECONDS * 2 ** (failures - 1))
+        soon = min(self.retry_seconds, delay * random.uniform(1.0, 1.5))
+        self._soon = min(self._soon, soon) if self._soon else soon
+
     def _idle(self, d: Decision) -> float:
         log.debug("%s: %s", d.reason, d.message)
-        return self._soon or self.retry_seconds
+        return self.retry_seconds
 
     def _beat(self, **fields: Any) -> None:
         n = self.engines_attached()
@@ -374,16 +387,21 @@ class Agent:
 
     def _renew_lease(self, pool: dict[str, Any]) -> None:
         """Renew the heartbeat Lease, at most twice per heartbeat period (steps also run on
-        watch events). A failure is only logged: the next step tries again."""
+        watch events). A failure is logged and the step goes on; the next step comes
+        soon (``_again``), not a heartbeat period later, and tries again: the Lease is how the
+        operator tells a live agent from a silent one."""
         now = time.monotonic()
         if now - self._renewed < self.heartbeat_seconds / 2:
             return
         try:
             self.access.renew_lease(max(1, round(self.heartbeat_seconds * LEASE_PERIODS)), pool)
             self._renewed = now
+            self._lease_failures = 0
         except ApiException as exc:
             log.warning("cannot renew the heartbeat Lease: %s %s", exc.status, exc.reason)
             self.metrics.error("LeaseRenew")
+            self._lease_failures += 1
+            self._again(exc, self._lease_failures)
 
     def _provision(self, d: Decision) -> float:
         req = d.request

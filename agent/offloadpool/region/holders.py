@@ -318,6 +318,12 @@ def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -
     that never take it. Raises PoolInUse (a LeaseHeld) naming the holders. A process that
     opens a file after the scan and before the caller's unmount is not seen: the window is
     the caller's own work under the lease, which is why callers scan last, right before it.
+
+    With the exclusive lease taken no engine holds the lease, so when no file of the pool is
+    open or mapped anywhere (``open_anywhere``) nothing holds the pool and the scan of every
+    process is skipped: a release or a rebuild on a node with thousands of processes or open
+    files paid for it, nearly always to find nobody (at 1,000 simulated nodes in one process,
+    minutes of deletion).
     """
     try:
         lease = Lease.exclusive(pool_dir)
@@ -327,7 +333,7 @@ def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -
             raise PoolInUse(pool_dir, holders) from None
         raise  # a holder this proc cannot see (another pid namespace): the lease's own message
     try:
-        holders = find_holders(pool_dir, proc=proc)
+        holders = [] if open_anywhere(pool_dir) is False else find_holders(pool_dir, proc=proc)
     except BaseException:
         lease.close()
         raise
