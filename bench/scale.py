@@ -28,6 +28,7 @@ COLUMNS = [
     ("seconds_to_converge", "s to converge"),
     ("operator_cpu_ms_per_node_to_converge", "operator CPU-ms / node to converge"),
     ("api_writes_per_node_to_converge", "API writes / node to converge"),
+    ("api_requests_refused_per_node_to_converge", "requests refused 429 / node"),
     ("operator_cpu_percent_steady", "operator CPU % steady"),
     ("api_writes_per_second_steady", "API writes/s steady (all clients)"),
     ("operator_peak_rss_mib", "operator peak RSS MiB"),

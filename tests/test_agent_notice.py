@@ -75,3 +75,18 @@ def test_a_step_reads_only_what_no_event_brought_and_not_what_it_will_create(tmp
     a.notice({**pool, "metadata": {**pool["metadata"], "deletionTimestamp": "2026-12-01T00:00:00Z"}})
     with pytest.raises(Exception, match="No host specified"):
         a._observe()  # a deleted pool's agent creates nothing: it must read the object
+
+
+def test_an_object_read_absent_long_ago_is_not_read_again_before_its_create(tmp_path: Path) -> None:
+    """An agent started before its pool read its OffloadPoolNode absent; when the pool comes
+    (long after: the read is stale), the step creates the object without reading it again."""
+    access = kube.KubeAccess(client.ApiClient(client.Configuration()), "p", "p.n1", "ns")
+    a = Agent(access, tmp_path, metrics=AgentMetrics("p", "n1", CollectorRegistry()), reread_seconds=60)
+    a._seen["p.n1"] = None  # what the read at start found
+    a._fresh["p.n1"] = float("-inf")  # ... so long ago that a read is due
+    pool = {"metadata": {"name": "p", "uid": "u1", "generation": 1, "resourceVersion": "5"}}
+    a.notice(pool)
+    assert a._observe() == (pool, None)
+    a._pool_node_seen = True  # seen once and gone since (the operator removed it): not ours to make
+    with pytest.raises(Exception, match="No host specified"):
+        a._observe()

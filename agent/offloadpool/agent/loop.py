@@ -236,14 +236,15 @@ class Agent:
         ``reread_seconds`` (a missed event costs at most that). A read is what ``notice`` keeps
         too, so a late event of an older version is the only way to go back in time, and the
         next event or read corrects it. Our OffloadPoolNode is not read while the step is about
-        to create it (``_may_create``): a new pool's agent makes one request instead of a read
-        that finds nothing and then the create; the create's 409 reads it.
+        to create it (``_may_create``: never seen, or last seen absent): a new pool's agent makes
+        one request instead of a read that finds nothing and then the create; the create's 409
+        reads it.
         """
         pool_name, node_name = self.access.pool, self.access.node_object
         if self._due(pool_name):
             self._read(pool_name, self.access.get_pool)
         pool = self._seen.get(pool_name)
-        if self._due(node_name) and not (node_name not in self._seen and self._may_create(pool)):
+        if self._due(node_name) and not (self._seen.get(node_name) is None and self._may_create(pool)):
             self._read(node_name, self.access.get_pool_node)
         pool_node, written = self._seen.get(node_name), self.status.written_object
         if pool_node is not None and written is not None and _revision(written) > _revision(pool_node):

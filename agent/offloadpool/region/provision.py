@@ -302,8 +302,11 @@ def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
     say("Provisioning")
 
     mnt = pool_dir / MOUNT_NAME
-    mnt.mkdir(mode=0o755, exist_ok=True)
-    existing = mounts.mount_at(mnt)
+    try:
+        mnt.mkdir(mode=0o755)
+        existing = None  # a directory made just now is no mount point: no mount table to read
+    except FileExistsError:
+        existing = mounts.mount_at(mnt)
     if existing is not None and "shared:" not in existing.propagation:
         mounts.make_shared(mnt)  # an earlier run was killed between mount(2) and MS_SHARED
     if existing is None:
