@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -108,6 +109,20 @@ def named(nodes: Sequence[str]) -> str:
     return f"{shown} and {more} more" if more > 0 else shown
 
 
+#: how many of a pass's writes its log line names one by one
+WRITES_NAMED = 5
+
+
+def summary(writes: Sequence[str], named: int = WRITES_NAMED) -> str:
+    """A pass's writes in one readable line: the first few, then how many more of each kind
+    ("unmarked node" ×995) — a pass over a thousand nodes used to log a thousand names."""
+    if len(writes) <= named:
+        return "; ".join(writes)
+    kinds = Counter(" ".join(w.split()[:2]) for w in writes[named:])
+    more = ", ".join(f"{kind} ×{n}" for kind, n in kinds.most_common())
+    return "; ".join(writes[:named]) + f"; and {len(writes) - named} more: {more}"
+
+
 class Reconciler:
     def __init__(
         self,
@@ -179,7 +194,7 @@ class Reconciler:
             result.cpu_seconds = time.thread_time() - started
             result.write_cpu_seconds = self.kube.write_cpu_seconds() - written
             if result.writes:
-                writes = "; ".join(result.writes)
+                writes = summary(result.writes)
                 log.info(
                     "pool %s: %s (pass: %.0f CPU-ms, %.0f of them writing)",
                     name,
