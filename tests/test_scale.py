@@ -12,7 +12,9 @@ Each real agent watches its own pool and OffloadPoolNode. A thousand agents in o
 cannot each hold two watches on this machine, so one watch over the pool's OffloadPoolNodes
 hands each event to the agent whose object changed (``Agent.notice``, what its own watch
 does); agents otherwise step only every heartbeat. Without it they would poll, and the
-polling would be what is measured.
+polling would be what is measured. For the same reason the agents' regions are built at most
+``REGIONS_AT_ONCE`` at a time (a node builds on its own CPU) and the GIL switch interval is
+``HARNESS_SWITCH_SECONDS`` while they run (see each).
 
 The test asserts convergence (all Ready, pool Ready N/N), that a steady pool makes no
 OffloadPoolNode status writes (liveness is the Leases'), and that deletion releases every
