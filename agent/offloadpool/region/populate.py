@@ -137,10 +137,18 @@ class _Prefault:
         self.t0 = time.perf_counter()
 
     def run(self, all_units: list[Unit], workers: int) -> float:
-        """Populate every share in its own thread; the seconds it took. Re-raises the first error."""
+        """Populate every share in its own thread; the seconds it took. Re-raises the first error.
+
+        One share is populated in the calling thread: a small pool (one unit) paid a thread's
+        start and join for nothing; placement is per mapping (mbind), not per thread.
+        """
+        parts = shares(all_units, workers)
+        if len(parts) == 1:
+            self.work(parts[0])
         threads = [
             threading.Thread(target=self.work, args=(s,), name=f"populate-{i}", daemon=True)
-            for i, s in enumerate(shares(all_units, workers))
+            for i, s in enumerate(parts)
+            if len(parts) > 1
         ]
         for t in threads:
             t.start()
