@@ -105,6 +105,19 @@ def test_chart_rbac_rules_are_the_deploy_rules(rendered: list[dict[str, Any]], k
     assert by_kind_and_app(rendered, kind, app)["rules"] == by_kind_and_app(deploy_docs(), kind, app)["rules"]
 
 
+def test_chart_flowschema_is_the_deploy_flowschema(rendered: list[dict[str, Any]]) -> None:
+    """The operator's FlowSchema: the same level, precedence and rules, for the release's
+    operator ServiceAccount."""
+    chart = by_kind_and_app(rendered, "FlowSchema", "offloadpool-operator")["spec"]
+    plain = by_kind_and_app(deploy_docs(), "FlowSchema", "offloadpool-operator")["spec"]
+    ((subject,),) = [[s for s in r["subjects"]] for r in chart["rules"]]
+    account = by_kind_and_app(rendered, "ServiceAccount", "offloadpool-operator")["metadata"]
+    assert subject["serviceAccount"] == {"name": account["name"], "namespace": account["namespace"]}
+    for rule in plain["rules"]:
+        rule["subjects"][0]["serviceAccount"] = subject["serviceAccount"]
+    assert chart == plain
+
+
 @pytest.mark.controlplane
 def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], control_plane: Any) -> None:
     dep = by_kind_and_app(rendered, "Deployment", "offloadpool-operator")

@@ -99,3 +99,40 @@ def test_webhook_configurations_allowed(operator_rbac: Any, control_plane: Any, 
 @pytest.mark.parametrize(("who", "what"), WEBHOOK_DENIED)
 def test_webhook_configurations_denied(operator_rbac: Any, control_plane: Any, who: str, what: str) -> None:
     assert can(control_plane, who, what) == "no"
+
+
+def test_the_operators_requests_are_on_the_workload_high_level(
+    operator_rbac: Any, control_plane: Any
+) -> None:
+    """deploy/flowschema-operator.yaml: the API server classifies the operator's requests onto
+    workload-high (its answers name the level), the agents' stay on workload-low."""
+    from kubernetes import client
+
+    from fixtures.wait import wait_for
+    from offloadpool.agent import kube
+
+    admin = control_plane.api_client()
+    operator = kube.api_client(str(operator_rbac))
+    agent_token = control_plane.token_for(NAMESPACE, "offloadpool-agent")
+    try:
+        flow = client.FlowcontrolApiserverV1Api(admin)
+        high = flow.read_priority_level_configuration("workload-high").metadata.uid
+        low = flow.read_priority_level_configuration("workload-low").metadata.uid
+
+        def level(api: client.ApiClient) -> str:
+            _, _, headers = client.CustomObjectsApi(api).list_cluster_custom_object_with_http_info(
+                "offloadpool.io", "v1alpha1", "offloadpools", limit=1
+            )
+            return str(headers.get("X-Kubernetes-Pf-Prioritylevel-Uid"))
+
+        wait_for(
+            "the operator's FlowSchema in force", lambda: level(operator) == high, timeout=60, interval=0.5
+        )
+        agent_cfg = client.Configuration()
+        agent_cfg.host, agent_cfg.ssl_ca_cert = admin.configuration.host, admin.configuration.ssl_ca_cert
+        agent_cfg.api_key = {"authorization": f"Bearer {agent_token}"}
+        with client.ApiClient(agent_cfg) as agent:
+            assert level(agent) == low
+    finally:
+        operator.close()
+        admin.close()
