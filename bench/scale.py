@@ -2,7 +2,7 @@
 """Scale benchmark: one pool over 200, 500 and 1,000 simulated nodes, in one run.
 
 Runs tests/test_scale.py (real control plane, real operator process, in-process agents with
-real 4 MiB tmpfs regions and heartbeat Leases) for each node count against one operator, and
+real 64 KiB tmpfs regions and heartbeat Leases) for each node count against one operator, and
 prints per count: seconds to converge, operator CPU-ms and API writes (all clients) per node to
 converge, steady-state operator CPU % and API writes per second, operator peak RSS; plus the
 ratio of each cost between consecutive counts (doubling the nodes should at most double each cost).

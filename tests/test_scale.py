@@ -4,7 +4,7 @@ Real Node objects; the real operator process (its own RBAC) creates the DaemonSe
 DaemonSet controller then creates the pods, left unscheduled:
 starting that many agent processes would measure this 2-core machine, not the operator). The
 agents run in this one process instead — the real ``offloadpool.agent.loop.Agent``, one per
-node, each with its own host root, its own real 4 MiB tmpfs region, its own OffloadPoolNode (which
+node, each with its own host root, its own real 64 KiB tmpfs region, its own OffloadPoolNode (which
 it creates, as a real agent does when it starts) and heartbeat Lease, talking to the API
 server with the agent ServiceAccount's token.
 
