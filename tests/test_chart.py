@@ -132,6 +132,7 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
         "ClusterRoleBinding",
         "CustomResourceDefinition",
         "Deployment",
+        "FlowSchema",
         "MutatingWebhookConfiguration",
         "Role",
         "RoleBinding",

@@ -73,7 +73,7 @@ HEARTBEAT_SECONDS = 10.0
 #: Real agents are one process per node, with a handful of threads.
 HARNESS_SWITCH_SECONDS = 0.1
 #: Regions built or released at once in this process. A node builds its region on its own
-#: CPU, in milliseconds for 4 MiB; a thousand builds interleaved on this machine's two cores
+#: CPU, in milliseconds for a small region; a thousand builds interleaved on this machine's two cores
 #: each took seconds to tens of seconds of wall time, so every agent also wrote the transient
 #: phases (Provisioning, Populating, progress) a real node is done with before they are due:
 #: three more status writes per node, and the regions all finished late together instead of
@@ -87,7 +87,7 @@ WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
 _REQUESTS = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$", re.M)
 
 
-def one_at_a_time(work: Callable[..., Any], gate: threading.BoundedSemaphore) -> Callable[..., Any]:
+def through_gate(work: Callable[..., Any], gate: threading.BoundedSemaphore) -> Callable[..., Any]:
     """``work`` (the agent's own provision or release) run by at most the gate's count of
     threads at once (``REGIONS_AT_ONCE``)."""
 
@@ -126,7 +126,7 @@ def test_pool_converges_at_scale(
     op = offloadpool_operator
     on_its_own_cpu = threading.BoundedSemaphore(REGIONS_AT_ONCE)
     for name in ("provision", "release"):
-        monkeypatch.setattr(loop, name, one_at_a_time(getattr(loop, name), on_its_own_cpu))
+        monkeypatch.setattr(loop, name, through_gate(getattr(loop, name), on_its_own_cpu))
     if WARMUP_NODES:
         print(f"\nSCALE WARMUP {json.dumps(run_one(op, WARMUP_NODES, warmup=True))}")
     reports: list[dict[str, Any]] = []

@@ -145,15 +145,15 @@ class _Prefault:
         parts = shares(all_units, workers)
         if len(parts) == 1:
             self.work(parts[0])
-        threads = [
-            threading.Thread(target=self.work, args=(s,), name=f"populate-{i}", daemon=True)
-            for i, s in enumerate(parts)
-            if len(parts) > 1
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        else:
+            threads = [
+                threading.Thread(target=self.work, args=(s,), name=f"populate-{i}", daemon=True)
+                for i, s in enumerate(parts)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         seconds = time.perf_counter() - self.t0
         if self.errors:
             raise self.errors[0]
