@@ -5,11 +5,15 @@ only lists those Leases."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from fixtures.operator_world import NAMESPACE
+from fixtures.wait import wait_for
+from offloadpool.agent import kube
 
 pytestmark = pytest.mark.controlplane
 
@@ -102,18 +106,16 @@ def test_webhook_configurations_denied(operator_rbac: Any, control_plane: Any, w
 
 
 def test_the_operators_requests_are_on_the_workload_high_level(
-    operator_rbac: Any, control_plane: Any
+    operator_rbac: Any, control_plane: Any, tmp_path: Path
 ) -> None:
     """deploy/flowschema-operator.yaml: the API server classifies the operator's requests onto
     workload-high (its answers name the level), the agents' stay on workload-low."""
-    from kubernetes import client
-
-    from fixtures.wait import wait_for
-    from offloadpool.agent import kube
-
     admin = control_plane.api_client()
     operator = kube.api_client(str(operator_rbac))
     agent_token = control_plane.token_for(NAMESPACE, "offloadpool-agent")
+    agent = kube.api_client(
+        str(control_plane.kubeconfig_for_token(agent_token, tmp_path / "agent.kubeconfig"))
+    )
     try:
         flow = client.FlowcontrolApiserverV1Api(admin)
         high = flow.read_priority_level_configuration("workload-high").metadata.uid
@@ -128,11 +130,8 @@ def test_the_operators_requests_are_on_the_workload_high_level(
         wait_for(
             "the operator's FlowSchema in force", lambda: level(operator) == high, timeout=60, interval=0.5
         )
-        agent_cfg = client.Configuration()
-        agent_cfg.host, agent_cfg.ssl_ca_cert = admin.configuration.host, admin.configuration.ssl_ca_cert
-        agent_cfg.api_key = {"authorization": f"Bearer {agent_token}"}
-        with client.ApiClient(agent_cfg) as agent:
-            assert level(agent) == low
+        assert level(agent) == low
     finally:
+        agent.close()
         operator.close()
         admin.close()
