@@ -41,15 +41,27 @@ def test_flags_reach_the_config() -> None:
                 "0",
                 "--agent-memory-overhead",
                 "1Gi",
+                "--write-concurrency",
+                "3",
             ]
         )
     )
-    assert (cfg.namespace, cfg.agent_image, cfg.heartbeat_timeout_seconds, cfg.agent_memory_overhead) == (
-        "ops",
-        "img:1",
-        0.0,
-        "1Gi",
+    assert (
+        cfg.namespace,
+        cfg.agent_image,
+        cfg.heartbeat_timeout_seconds,
+        cfg.agent_memory_overhead,
+        cfg.write_concurrency,
+    ) == ("ops", "img:1", 0.0, "1Gi", 3)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_write_concurrency_must_be_a_whole_number_of_at_least_one(value: str) -> None:
+    out = subprocess.run(
+        [EXE, "--standalone", "--write-concurrency", value], capture_output=True, text=True, timeout=60
     )
+    assert out.returncode == 2, out
+    assert f"argument --write-concurrency: {value!r} is not a whole number of at least 1" in out.stderr
 
 
 @pytest.mark.controlplane

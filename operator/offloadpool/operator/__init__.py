@@ -13,6 +13,7 @@ Modules, one concept each:
 - ``aggregate``   OffloadPoolNode statuses -> pool status and conditions, pure;
 - ``events``      Kubernetes Events derived from status transitions;
 - ``reconcile``   one pass over one pool, computed from current state only;
+- ``writes``      a pass's writes of one step sent several at once;
 - ``handlers``    the kopf handlers that trigger passes;
 - ``admission``   what a pod labelled ``offloadpool.io/pool`` gets, and refusals, pure;
 - ``admission_handlers`` the kopf mutating/validating handlers (only with ``--webhook``);

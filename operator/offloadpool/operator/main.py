@@ -18,6 +18,17 @@ from . import webhook
 from .config import OperatorConfig, default_namespace
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1, or a usage error that says so."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults = OperatorConfig()
     env = os.environ.get
@@ -64,6 +75,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "does (0: the operator at once)",
     )
     p.add_argument(
+        "--write-concurrency",
+        type=positive_int,
+        default=defaults.write_concurrency,
+        help="writes of one step of a pass (Node marks, OffloadPoolNodes) sent at once (1: in turn)",
+    )
+    p.add_argument(
         "--liveness",
         default=env("OFFLOADPOOL_LIVENESS", "http://0.0.0.0:8080/healthz"),
         help="kopf liveness endpoint URL ('' to disable)",
@@ -87,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         resync_seconds=args.resync,
         deletion_retry_seconds=args.deletion_retry,
         node_object_grace_seconds=args.node_object_grace,
+        write_concurrency=args.write_concurrency,
     )
 
 

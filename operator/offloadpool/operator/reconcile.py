@@ -30,7 +30,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from offloadpool.api.base import now as utcnow
 from offloadpool.api.constants import node_object_name
@@ -44,8 +45,11 @@ from .kube import Kube
 from .nodeview import NodeView
 from .selection import NodeInfo, selected_nodes
 from .watched import WatchedKind
+from .writes import Batch, ParallelWrites
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Posts one Event about a pool (kopf.event in the operator; a list in tests).
 EventSink = Callable[[Mapping[str, Any], Event], None]
@@ -62,9 +66,10 @@ class PassResult:
     unreleased: tuple[str, ...] = ()
     #: Human-readable list of the writes made ("created OffloadPoolNode p.n1", ...).
     writes: list[str] = field(default_factory=list)
-    #: CPU the pass took in its thread, and the part of it spent writing. The daemon paces
-    #: passes by the difference: reading the indexes and aggregating is O(nodes) per pass,
-    #: whereas each write is one change that must be made once, however the passes fall.
+    #: CPU the pass took (in its thread, and in the threads that sent its writes several at a
+    #: time: ``writes``), and the part of it spent writing. The daemon paces passes by the
+    #: difference: reading the indexes and aggregating is O(nodes) per pass, whereas each write
+    #: is one change that must be made once, however the passes fall.
     cpu_seconds: float = 0.0
     write_cpu_seconds: float = 0.0
 
@@ -142,6 +147,15 @@ class Reconciler:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._memory: dict[str, PoolMemory] = {}
+        self.writes = ParallelWrites(config.write_concurrency)
+
+    def _send(self, calls: Sequence[Callable[[], T]], result: PassResult) -> Batch[T]:
+        """Writes of one step of a pass, several at once (``writes``); their CPU in other
+        threads counts as the pass's writing."""
+        batch = self.writes.send(calls)
+        result.cpu_seconds += batch.offloaded_cpu_seconds
+        result.write_cpu_seconds += batch.offloaded_cpu_seconds
+        return batch
 
     def _views(self, pool: str, now: datetime) -> dict[str, NodeView]:
         """The pool's OffloadPoolNodes by node, each with its agent's last Lease renewal.
@@ -191,8 +205,8 @@ class Reconciler:
                 return None
             self._memory.setdefault(name, PoolMemory())
             result = self._pass(pool, self.nodes.values())
-            result.cpu_seconds = time.thread_time() - started
-            result.write_cpu_seconds = self.kube.write_cpu_seconds() - written
+            result.cpu_seconds += time.thread_time() - started
+            result.write_cpu_seconds += self.kube.write_cpu_seconds() - written
             if result.writes:
                 writes = summary(result.writes)
                 log.info(
@@ -301,15 +315,22 @@ class Reconciler:
         for node in set(unclaimed) - set(selected).difference(views):
             del unclaimed[node]
         clock = time.monotonic()
-        for node in selected:
-            if node in views:
-                continue
-            if clock - unclaimed.setdefault(node, clock) < self.config.node_object_grace_seconds:
-                continue
+        due = [
+            node
+            for node in selected
+            if node not in views
+            and clock - unclaimed.setdefault(node, clock) >= self.config.node_object_grace_seconds
+        ]
+        batch = self._send(
+            [partial(self.kube.create_node_object, new_object(pool, node, generation)) for node in due],
+            result,
+        )
+        for node, outcome in zip(due, batch.outcomes, strict=True):
+            if outcome.error is not None:
+                continue  # still unclaimed: the next pass tries again
             del unclaimed[node]
-            made = self.kube.create_node_object(new_object(pool, node, generation))
-            if made is not None:
-                self.node_objects.apply(made)
+            if outcome.answer is not None:
+                self.node_objects.apply(outcome.answer)
                 created.append(node)
                 result.writes.append(f"created OffloadPoolNode {node_object_name(name, node)}")
             views[node] = NodeView(node=node, target_generation=generation)
@@ -341,6 +362,7 @@ class Reconciler:
                     ),
                 )
             del views[node]
+        batch.raise_first()
 
     def _roll_out(
         self,
@@ -432,12 +454,19 @@ class Reconciler:
     def _sync_node_marks(
         self, pool: str, ready: frozenset[str], existing: Mapping[str, NodeInfo], result: PassResult
     ) -> None:
-        """Label and extended resource on exactly the Nodes where the pool is Ready."""
+        """Label and extended resource on exactly the Nodes where the pool is Ready (several
+        Nodes at once: a pass may find hundreds of agents newly Ready)."""
+        todo: list[tuple[str, bool, dict[str, Any]]] = []
         for info in existing.values():
             is_ready = info.name in ready
             if not is_ready and not nodes.carries_pool(pool, info):
                 continue
             patch = nodes.marks_patch(pool, info, is_ready)
             if patch:
-                self.nodes.apply(self.kube.patch_node_status(info.name, patch))
-                result.writes.append(f"{'marked' if is_ready else 'unmarked'} node {info.name}")
+                todo.append((info.name, is_ready, patch))
+        batch = self._send([partial(self.kube.patch_node_status, n, patch) for n, _, patch in todo], result)
+        for (node, is_ready, _), outcome in zip(todo, batch.outcomes, strict=True):
+            if outcome.error is None:
+                self.nodes.apply(outcome.answer)
+                result.writes.append(f"{'marked' if is_ready else 'unmarked'} node {node}")
+        batch.raise_first()
