@@ -4,8 +4,10 @@
 Runs tests/test_scale.py (real control plane, real operator process, in-process agents with
 real 64 KiB tmpfs regions and heartbeat Leases) for each node count against one operator, and
 prints per count: seconds to converge, operator CPU-ms and API writes (all clients) per node to
-converge, steady-state operator CPU % and API writes per second, operator peak RSS; plus the
-ratio of each cost between consecutive counts (doubling the nodes should at most double each cost).
+converge, steady-state operator CPU % and API writes per second, operator peak RSS; the ratio
+of each cost between consecutive counts (doubling the nodes should at most double each cost);
+and where the machine's CPU went while each pool converged (CPU-ms per node of the agents, the
+API server, etcd, the controller manager and the operator).
 
     .venv/bin/python bench/scale.py [--nodes 200,500,1000] [--steady-seconds 30]
                                     [--json FILE] [--png FILE]
@@ -63,6 +65,18 @@ def table(reports: list[dict[str, Any]]) -> str:
                 f"{total_b / total_a if total_a else float('nan'):.2f} | "
                 f"{ratio('operator_cpu_percent_steady')} | {ratio('api_writes_per_second_steady')} |"
             )
+    lines += [
+        "",
+        "Where the machine's CPU went from the pool's creation to its Ready N/N (CPU-ms per node, "
+        "by process; busy: all of them over the machine's cores):",
+        "",
+    ]
+    names = list(reports[0]["cpu_ms_per_node_to_converge_by_process"])
+    lines += ["| nodes | " + " | ".join(names) + " | machine busy % |", "|" + "---:|" * (len(names) + 2)]
+    for r in reports:
+        by = r["cpu_ms_per_node_to_converge_by_process"]
+        cells = " | ".join(str(by.get(name, "")) for name in names)
+        lines.append(f"| {r['nodes']} | {cells} | {r['machine_cpu_busy_percent_to_converge']} |")
     return "\n".join(lines)
 
 

@@ -785,6 +785,20 @@ class ControlPlane:
         """Process (and process group) ids of the running components."""
         return [p.proc.pid for p in self._procs]
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU (user + system) each running component has used so far, by name: what a
+        benchmark on this machine's few cores shares with the code it measures."""
+        tick = os.sysconf("SC_CLK_TCK")
+        used: dict[str, float] = {}
+        for p in self._procs:
+            try:
+                with open(f"/proc/{p.proc.pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:  # stopped meanwhile
+                continue
+            used[p.name] = (int(fields[11]) + int(fields[12])) / tick
+        return used
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ({p.log_path}) ---\n{p.log_tail()}" for p in self._procs)
 
