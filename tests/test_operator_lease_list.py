@@ -14,19 +14,17 @@ import uuid
 from typing import Any
 
 import pytest
-from kubernetes import client
 
+from fixtures.reconciler_world import create_pool_over, remove_pool_over, start_indexes
 from fixtures.wait import wait_for
 from offloadpool.agent.kube import KubeAccess
-from offloadpool.api.constants import API_VERSION, GROUP, NODE_PLURAL, POOL_KIND, POOL_PLURAL, VERSION
+from offloadpool.api.constants import GROUP, NODE_PLURAL, VERSION
 from offloadpool.api.node import new_object
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.events import Event
 from offloadpool.operator.kube import MERGE, Kube
 from offloadpool.operator.nodeview import NodeView
 from offloadpool.operator.reconcile import Reconciler, lease_max_age
-from offloadpool.operator.runtime import node_info, node_key, node_object_key
-from offloadpool.operator.watched import WatchedKind
 
 pytestmark = pytest.mark.controlplane
 
@@ -48,27 +46,11 @@ def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds
     kube = CountingKube(api)
     tag = uuid.uuid4().hex[:6]
     node, pool = f"lease-list-{tag}", f"lease-{tag}"
-    nodes = WatchedKind("nodes", kube.core.list_node, node_info, node_key, lambda *a: None).start()
-    objects: WatchedKind[NodeView] = WatchedKind(
-        "offloadpoolnodes", kube.list_all_node_objects, NodeView.from_body, node_object_key, lambda *a: None
-    ).start()
+    nodes, objects = start_indexes(kube)
     events: list[Event] = []
     reconciler = Reconciler(kube, CONFIG, lambda _pool, event: events.append(event), nodes, objects)
     try:
-        kube.core.create_node(
-            {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"lease-list": tag}}}
-        )
-        body = kube.custom.create_cluster_custom_object(
-            GROUP,
-            VERSION,
-            POOL_PLURAL,
-            {
-                "apiVersion": API_VERSION,
-                "kind": POOL_KIND,
-                "metadata": {"name": pool},
-                "spec": {"capacity": "4Mi", "medium": "Memory", "nodeSelector": {"lease-list": tag}},
-            },
-        )
+        body = create_pool_over(kube, pool, [node], "lease-list", tag)
         kube.custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, new_object(body, node, 1))
         # Ready, with a status heartbeat long past: the Lease alone says the agent is alive
         kube.custom.patch_cluster_custom_object_status(
@@ -114,12 +96,5 @@ def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds
     finally:
         nodes.stop()
         objects.stop()
-        for call in (
-            lambda: kube.custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool),
-            lambda: kube.core.delete_node(node),
-        ):
-            try:
-                call()
-            except client.ApiException:
-                pass
+        remove_pool_over(kube, pool, [node])
         api.close()

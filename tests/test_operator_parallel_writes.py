@@ -1,5 +1,6 @@
-"""A pass's writes of one step go out several at once (``--write-concurrency``), every answer
-reaches the index, and a failed write neither stops the others nor is forgotten.
+"""A pass's writes of one step — Node marks, OffloadPoolNodes it makes, rollout advances — go
+out several at once (``--write-concurrency``), every answer reaches the index, and a failed
+write neither stops the others nor is forgotten.
 
 The reconciler runs in this process against the real API server, with the operator's own
 watched indexes. What is added to its API access: a count of the writes in flight (the real
@@ -20,12 +21,11 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from fixtures.reconciler_world import create_pool_over, remove_pool_over, start_indexes
 from fixtures.wait import wait_for
 from offloadpool.api.constants import (
-    API_VERSION,
     GROUP,
     NODE_PLURAL,
-    POOL_KIND,
     POOL_PLURAL,
     VERSION,
     pool_label_key,
@@ -35,7 +35,6 @@ from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.kube import MERGE, Kube
 from offloadpool.operator.nodeview import NodeView
 from offloadpool.operator.reconcile import Reconciler
-from offloadpool.operator.runtime import node_info, node_key, node_object_key
 from offloadpool.operator.watched import WatchedKind
 
 pytestmark = pytest.mark.controlplane
@@ -82,6 +81,9 @@ class ObservedKube(Kube):
 
     def create_node_object(self, body: Any) -> Any:
         return self._observed(super().create_node_object, body)
+
+    def patch_node_object(self, name: str, patch: Any) -> Any:
+        return self._observed(super().patch_node_object, name, patch)
 
 
 @dataclass
@@ -131,42 +133,15 @@ def pool(crds_installed: Any) -> Iterator[Pool]:
     tag = uuid.uuid4().hex[:6]
     names = [f"parallel-{tag}-{i:02d}" for i in range(NODES)]
     name = f"parallel-{tag}"
-    node_index = WatchedKind("nodes", kube.core.list_node, node_info, node_key, lambda *a: None).start()
-    objects: WatchedKind[NodeView] = WatchedKind(
-        "offloadpoolnodes", kube.list_all_node_objects, NodeView.from_body, node_object_key, lambda *a: None
-    ).start()
+    node_index, objects = start_indexes(kube)
     try:
-        for node in names:
-            kube.core.create_node(
-                {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"parallel": tag}}}
-            )
-        body = kube.custom.create_cluster_custom_object(
-            GROUP,
-            VERSION,
-            POOL_PLURAL,
-            {
-                "apiVersion": API_VERSION,
-                "kind": POOL_KIND,
-                "metadata": {"name": name},
-                "spec": {"capacity": "4Mi", "medium": "Memory", "nodeSelector": {"parallel": tag}},
-            },
-        )
+        body = create_pool_over(kube, name, names, "parallel", tag)
         wait_for("the Nodes indexed", lambda: sum(v.name in names for v in node_index.values()) == NODES)
         yield Pool(name, body, names, admin, node_index, objects)
     finally:
         node_index.stop()
         objects.stop()
-        calls = [lambda: kube.custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, name)]
-        calls += [lambda n=n: kube.core.delete_node(n) for n in names]
-        calls += [
-            lambda n=n: kube.custom.delete_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, f"{name}.{n}")
-            for n in names
-        ]
-        for call in calls:
-            try:
-                call()
-            except client.ApiException:
-                pass
+        remove_pool_over(kube, name, names)
         admin.close()
 
 
@@ -227,3 +202,26 @@ def test_a_pass_makes_the_missing_offloadpoolnodes_several_at_once(pool: Pool) -
     ]
     again = reconciler.run(pool.name)
     assert again is not None and not [w for w in again.writes if w.startswith("created")], again.writes
+
+
+def test_a_pass_advances_the_nodes_not_ready_to_a_new_generation_several_at_once(pool: Pool) -> None:
+    custom = client.CustomObjectsApi(pool.admin)
+    for node in pool.nodes:  # made at generation 1; no agent has reported (not Ready)
+        custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, new_object(pool.body, node, 1))
+    changed = custom.patch_cluster_custom_object(
+        GROUP, VERSION, POOL_PLURAL, pool.name, {"spec": {"capacity": "8Mi"}}, _content_type=MERGE
+    )
+    assert changed["metadata"]["generation"] == 2
+    wait_for("the OffloadPoolNodes indexed", lambda: len(pool.objects.group(pool.name)) == NODES)
+    kube = ObservedKube(pool.admin, rendezvous=True)
+    reconciler = pool.reconciler(kube, config(4))
+    result = reconciler.run(pool.name)
+    assert result is not None
+    advanced = [w for w in result.writes if w.startswith("advanced")]
+    assert sorted(advanced) == [f"advanced {n} to generation 2" for n in pool.nodes], result.writes
+    assert 2 <= kube.most_in_flight <= 4
+    listed = custom.list_cluster_custom_object(GROUP, VERSION, NODE_PLURAL)
+    targets = {o["spec"]["nodeName"]: o["spec"].get("targetGeneration") for o in listed["items"]}
+    assert [targets.get(n) for n in pool.nodes] == [2] * NODES
+    again = reconciler.run(pool.name)
+    assert again is not None and not [w for w in again.writes if w.startswith("advanced")], again.writes

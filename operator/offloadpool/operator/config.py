@@ -48,9 +48,9 @@ class OperatorConfig:
     pass_cpu_share: float = 0.05
     #: The longest such pause (a pass is never put off longer than this by its own cost).
     max_pass_pause_seconds: float = 5.0
-    #: Writes of one step of a pass (Node marks, OffloadPoolNodes made) in flight at once: a
-    #: pass that finds hundreds of nodes Ready no longer waits for each answer in turn
-    #: (``writes``). 1: one after another.
+    #: Writes of one step of a pass (Node marks, OffloadPoolNodes made, rollout advances) in
+    #: flight at once: a pass that finds hundreds of nodes Ready no longer waits for each answer
+    #: in turn (``writes``). 1: one after another.
     write_concurrency: int = 8
     #: Delay between checks while a deleted pool waits for its nodes to release.
     deletion_retry_seconds: float = 3.0

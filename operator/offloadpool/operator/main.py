@@ -78,7 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--write-concurrency",
         type=positive_int,
         default=defaults.write_concurrency,
-        help="writes of one step of a pass (Node marks, OffloadPoolNodes) sent at once (1: in turn)",
+        help="writes of one step of a pass (Node marks, OffloadPoolNodes, rollout advances) sent at "
+        "once (1: in turn)",
     )
     p.add_argument(
         "--liveness",

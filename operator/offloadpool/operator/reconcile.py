@@ -374,15 +374,25 @@ class Reconciler:
         timeout: float,
         result: PassResult,
     ) -> None:
-        """Advance targetGeneration where the rollout allows it now (see ``rollout``)."""
+        """Advance targetGeneration where the rollout allows it now (see ``rollout``): at most
+        one serving node, but every node not Ready at once, so several at a time (``writes``)."""
         name = pool["metadata"]["name"]
         step = rollout.plan(generation, views, selected, now=now, heartbeat_timeout=timeout)
-        for adv in step.advance:
-            self.node_objects.apply(
-                self.kube.patch_node_object(
-                    node_object_name(name, adv.node), nodes.advance_patch(generation, adv.serving)
+        batch = self._send(
+            [
+                partial(
+                    self.kube.patch_node_object,
+                    node_object_name(name, adv.node),
+                    nodes.advance_patch(generation, adv.serving),
                 )
-            )
+                for adv in step.advance
+            ],
+            result,
+        )
+        for adv, outcome in zip(step.advance, batch.outcomes, strict=True):
+            if outcome.error is not None:
+                continue
+            self.node_objects.apply(outcome.answer)
             view = views[adv.node]
             views[adv.node] = replace(
                 view,
@@ -397,6 +407,7 @@ class Reconciler:
                         "Normal", "RolloutAdvanced", f"generation {generation} released to node {adv.node}"
                     ),
                 )
+        batch.raise_first()
 
     def _replace_outdated_agents(
         self,
