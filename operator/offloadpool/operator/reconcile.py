@@ -315,22 +315,20 @@ class Reconciler:
         for node in set(unclaimed) - set(selected).difference(views):
             del unclaimed[node]
         clock = time.monotonic()
-        due = [
-            node
-            for node in selected
-            if node not in views
-            and clock - unclaimed.setdefault(node, clock) >= self.config.node_object_grace_seconds
-        ]
+        due: list[str] = []
+        for node in selected:
+            if node in views:
+                continue
+            if clock - unclaimed.setdefault(node, clock) >= self.config.node_object_grace_seconds:
+                due.append(node)
         batch = self._send(
             [partial(self.kube.create_node_object, new_object(pool, node, generation)) for node in due],
             result,
         )
-        for node, outcome in zip(due, batch.outcomes, strict=True):
-            if outcome.error is not None:
-                continue  # still unclaimed: the next pass tries again
+        for node, made in batch.answered(due):  # a failed create stays unclaimed: tried next pass
             del unclaimed[node]
-            if outcome.answer is not None:
-                self.node_objects.apply(outcome.answer)
+            if made is not None:
+                self.node_objects.apply(made)
                 created.append(node)
                 result.writes.append(f"created OffloadPoolNode {node_object_name(name, node)}")
             views[node] = NodeView(node=node, target_generation=generation)
@@ -389,10 +387,8 @@ class Reconciler:
             ],
             result,
         )
-        for adv, outcome in zip(step.advance, batch.outcomes, strict=True):
-            if outcome.error is not None:
-                continue
-            self.node_objects.apply(outcome.answer)
+        for adv, answer in batch.answered(step.advance):
+            self.node_objects.apply(answer)
             view = views[adv.node]
             views[adv.node] = replace(
                 view,
@@ -476,8 +472,7 @@ class Reconciler:
             if patch:
                 todo.append((info.name, is_ready, patch))
         batch = self._send([partial(self.kube.patch_node_status, n, patch) for n, _, patch in todo], result)
-        for (node, is_ready, _), outcome in zip(todo, batch.outcomes, strict=True):
-            if outcome.error is None:
-                self.nodes.apply(outcome.answer)
-                result.writes.append(f"{'marked' if is_ready else 'unmarked'} node {node}")
+        for (node, is_ready, _), answer in batch.answered(todo):
+            self.nodes.apply(answer)
+            result.writes.append(f"{'marked' if is_ready else 'unmarked'} node {node}")
         batch.raise_first()

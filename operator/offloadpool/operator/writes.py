@@ -17,12 +17,13 @@ write failed one at a time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class Batch(Generic[T]):
 
     outcomes: list[Outcome[T]]
     offloaded_cpu_seconds: float = 0.0
+
+    def answered(self, items: Sequence[K]) -> Iterator[tuple[K, T | None]]:
+        """Each item (what the write of the same place in the list was for) whose write
+        succeeded, with its answer, in order."""
+        for item, outcome in zip(items, self.outcomes, strict=True):
+            if outcome.error is None:
+                yield item, outcome.answer
 
     def raise_first(self) -> None:
         """Raise the first failure, if any (after the caller took in what succeeded)."""
