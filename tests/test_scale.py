@@ -206,8 +206,7 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
             args=(custom, pool, {a.access.node_object: a for a in agents}, stop_watch),
             daemon=True,
         ).start()
-        cpu0, (writes_start, refused_start) = op.cpu_seconds(), api_writes(cp)
-        machine0 = machine_cpu(op)
+        machine0, (writes_start, refused_start) = machine_cpu(op), api_writes(cp)
         t0 = time.monotonic()
         cluster.create_pool("scale", {"capacity": REGION, "medium": "Memory"})
 
@@ -225,8 +224,8 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
 
         st = wait_for(f"pool Ready {nodes}/{nodes}", all_converged, timeout=900, interval=0.25)
         seconds = time.monotonic() - t0
-        cpu = op.cpu_seconds() - cpu0
         machine = {k: v - machine0.get(k, 0.0) for k, v in machine_cpu(op).items()}
+        cpu = machine["operator"]
         converge_writes, refused = api_writes(cp)
         converge_writes -= writes_start
         refused -= refused_start

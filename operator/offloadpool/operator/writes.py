@@ -74,11 +74,6 @@ class ParallelWrites:
         timed = list(self._executor.map(_timed, calls))
         return Batch([outcome for outcome, _ in timed], sum(cpu for _, cpu in timed))
 
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
-
 
 def _timed(call: Callable[[], T]) -> tuple[Outcome[T], float]:
     started = time.thread_time()
