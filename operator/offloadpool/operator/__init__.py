@@ -6,7 +6,8 @@ Modules, one concept each:
 
 - ``config``      what the operator is told at start (namespace, agent image, timeouts);
 - ``settings``    the kopf settings, all explicit;
-- ``selection``   which Nodes a pool selects (nodeSelector + taints/tolerations), pure;
+- ``selection``   which Nodes a pool selects (nodeSelector + taints/tolerations), pure, and
+                  ``Selection``, which keeps the answers per Node between passes;
 - ``daemonset``   the agent DaemonSet rendered from a pool, pure, plus applying it;
 - ``nodes``       OffloadPoolNode objects and the Node labels/extended resource;
 - ``rollout``     which OffloadPoolNodes may take a new pool generation now, pure;

@@ -9,12 +9,14 @@ One deliberate difference: taints under ``node.kubernetes.io/`` are ignored. The
 lifecycle controller sets them for passing conditions (not-ready, unreachable, memory-pressure,
 unschedulable, ...); the DaemonSet controller tolerates most of them itself, and a node that is
 briefly NotReady must not lose its OffloadPoolNode (and with it the pool's bookkeeping of memory
-that is still there). Pure functions, no cluster access.
+that is still there). Pure functions, no cluster access; ``Selection`` remembers their answers
+between passes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,3 +118,45 @@ def selects(spec: Mapping[str, Any], node: NodeInfo) -> bool:
 def selected_nodes(spec: Mapping[str, Any], nodes: Sequence[NodeInfo]) -> list[str]:
     """Names of the selected nodes, sorted (stable order for rollout and status)."""
     return sorted(n.name for n in nodes if selects(spec, n))
+
+
+def selection_spec(spec: Mapping[str, Any]) -> str:
+    """What of a pool's spec decides its nodes (nodeSelector, tolerations), as one comparable
+    string."""
+    return json.dumps([spec.get("nodeSelector") or {}, spec.get("tolerations") or []], sort_keys=True)
+
+
+class Selection:
+    """``selected_nodes`` for one pool, pass after pass, deciding again only for the Nodes that
+    changed.
+
+    A pass over a pool of a thousand nodes decided a thousand times which nodes the pool
+    selects, two passes a second while it converged, though nodes are selected or not by their
+    labels and taints, which seldom change. The index hands out the same ``NodeInfo`` until a
+    Node changes (frozen: a changed Node is a new value), so an answer is reused while its node
+    is the same object and the pool's selection the same string; anything else is decided
+    afresh. A cache of pure answers, so never a source of truth: a new process starts empty.
+    """
+
+    def __init__(self) -> None:
+        self._spec = ""
+        #: node name -> (the NodeInfo decided for, selected?)
+        self._answers: dict[str, tuple[NodeInfo, bool]] = {}
+
+    def selected(self, spec: Mapping[str, Any], nodes: Collection[NodeInfo]) -> list[str]:
+        """Names of the selected nodes, sorted: ``selected_nodes(spec, nodes)``."""
+        key = selection_spec(spec)
+        if key != self._spec:
+            self._spec, self._answers = key, {}
+        answers, chosen = self._answers, []
+        for node in nodes:
+            hit = answers.get(node.name)
+            if hit is None or hit[0] is not node:
+                hit = answers[node.name] = (node, selects(spec, node))
+            if hit[1]:
+                chosen.append(node.name)
+        if len(answers) > len(nodes):  # Nodes deleted since: forget them
+            alive = {node.name for node in nodes}
+            self._answers = {name: hit for name, hit in answers.items() if name in alive}
+        chosen.sort()
+        return chosen

@@ -120,6 +120,8 @@ class WatchedKind(Generic[V]):
                 self._groups.get(held[0], {}).pop(held[1], None)
             members = self._groups.setdefault(where[0], {})
             before = members.get(where[1])
+            if before is not None and before == value:
+                value = before  # the same value: keep the object the passes' memories know
             members[where[1]] = value
             self._names[name] = (*where, revision)
         if notify and self._on_change is not None and before != value:
