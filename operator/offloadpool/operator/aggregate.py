@@ -37,7 +37,7 @@ from offloadpool.api.status import (
     transition,
 )
 
-from .nodeview import NodeView
+from .nodeview import NodeView, stale_cutoff
 
 MAX_NAMES_IN_MESSAGE = 5
 
@@ -62,11 +62,13 @@ def _names(nodes: Sequence[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _problem(view: NodeView | None, node: str, now: datetime, timeout: float) -> tuple[str, str, str]:
+def _problem(
+    view: NodeView | None, node: str, now: datetime, cutoff: datetime | None
+) -> tuple[str, str, str]:
     """(severity key, reason, message) for a node that is not Ready."""
     if view is None or view.phase is None:
         return "NotReporting", "AgentNotReporting", f"no status from the agent on {node} yet"
-    if view.stale(now, timeout):
+    if view.silent_before(cutoff):
         age = int((now - view.heartbeat).total_seconds()) if view.heartbeat else 0
         return "Unresponsive", "AgentUnresponsive", f"last heartbeat {age}s ago (phase {view.phase})"
     reason = view.reason or view.phase
@@ -118,10 +120,10 @@ class _Tally:
 def _tally(
     generation: int, selected: list[str], views: Mapping[str, NodeView], now: datetime, timeout: float
 ) -> _Tally:
-    tally = _Tally(generation, selected)
+    tally, cutoff = _Tally(generation, selected), stale_cutoff(now, timeout)
     for node in selected:
         view = views.get(node)
-        if view is not None and view.phase == "Ready" and not view.stale(now, timeout):
+        if view is not None and view.phase == "Ready" and not view.silent_before(cutoff):
             tally.ready.append(node)
             tally.total_bytes += view.bytes_total
             if view.observed_generation != generation:
@@ -129,9 +131,9 @@ def _tally(
                 if view.held and view.pending_generation == generation:
                     tally.held.append(node)
             continue
-        severity, reason, message = _problem(view, node, now, timeout)
+        severity, reason, message = _problem(view, node, now, cutoff)
         tally.problems.append((severity, node, reason, message))
-        if view is not None and view.phase == "Failed" and not view.stale(now, timeout):
+        if view is not None and view.phase == "Failed" and not view.silent_before(cutoff):
             tally.failed.append(node)
             if view.observed_generation == generation and view.rollout_generation == generation:
                 tally.halted.append(node)

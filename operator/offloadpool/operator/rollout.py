@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from .nodeview import NodeView
+from .nodeview import NodeView, stale_cutoff
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,14 @@ def plan(
 ) -> RolloutPlan:
     """The advances to make now for the pool at ``generation`` over the selected nodes."""
     names = sorted(n for n in set(selected) if n in views)
+    cutoff = stale_cutoff(now, heartbeat_timeout)
     advance: list[Advance] = []
     in_flight: list[str] = []
     halted: list[str] = []
     waiting: list[str] = []
     for name in names:
         view = views[name]
-        serving = view.phase == "Ready" and not view.stale(now, heartbeat_timeout)
+        serving = view.phase == "Ready" and not view.silent_before(cutoff)
         if view.rollout_generation == generation and _at_target(view, generation):
             done = serving and view.observed_generation == generation
             if view.held and view.pending_generation == generation and serving:
