@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -210,9 +211,16 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     )
 
     # liveness is a coordination.k8s.io Lease, renewed every heartbeat (1 s here), owned by the
-    # pool; the OffloadPoolNode is not written while nothing in its status changes
+    # pool; the OffloadPoolNode is not written while nothing in its status changes. A status
+    # write shows the agent alive too: the Lease is made half a heartbeat after the last one
     coordination = client.CoordinationV1Api(env["custom"].api_client)
-    first = coordination.read_namespaced_lease(name, "default")
+    first = wait_for("the heartbeat Lease", lambda: lease_or_none(coordination, name), timeout=10)
+    status_beat = datetime.fromisoformat(st["heartbeat"].replace("Z", "+00:00"))
+    assert first.spec.acquire_time >= status_beat + timedelta(seconds=0.5), (
+        "the Lease was made before the agent's status writes had shown it alive for half a heartbeat",
+        first.spec.acquire_time,
+        status_beat,
+    )
     assert first.metadata.labels == {"offloadpool.io/pool": pool}
     owner = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)["metadata"]["uid"]
     assert [(o.kind, o.name, o.uid) for o in first.metadata.owner_references] == [
@@ -327,17 +335,31 @@ def populated_bytes(agent: AgentRun) -> float:
 def wait_renewals(
     coordination: client.CoordinationV1Api, name: str, count: int, seen: set[Any] | None = None
 ) -> None:
-    """Until ``count`` different renewTimes of the Lease have been seen (``seen`` counts)."""
+    """Until ``count`` different renewTimes of the Lease have been seen (``seen`` counts; a
+    Lease not made yet counts none)."""
     renewals = set() if seen is None else seen
+
+    def renewed() -> bool:
+        lease = lease_or_none(coordination, name)
+        if lease is not None:
+            renewals.add(lease.spec.renew_time)
+        return len(renewals) >= count
+
     wait_for(
         f"{count} Lease renewals",
-        lambda: (
-            renewals.add(coordination.read_namespaced_lease(name, "default").spec.renew_time)
-            or len(renewals) >= count
-        ),
+        renewed,
         timeout=30,
         interval=0.2,
     )
+
+
+def lease_or_none(coordination: client.CoordinationV1Api, name: str) -> Any:
+    try:
+        return coordination.read_namespaced_lease(name, "default")
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 def exists(custom: client.CustomObjectsApi, name: str) -> bool:

@@ -293,10 +293,15 @@ class Agent:
             log.warning("cannot read pool/OffloadPoolNode: %s %s", exc.status, exc.reason)
             self.metrics.error("ApiRead")
             return self.retry_seconds
-        if pool is not None:
-            self._renew_lease(pool)
-            if pool_node is None:
-                pool_node = self._create_pool_node(pool)
+        try:
+            return self._act(pool, pool_node)
+        finally:  # after the step's own status write, which may make a renewal needless
+            if pool is not None:
+                self._renew_lease(pool)
+
+    def _act(self, pool: dict[str, Any] | None, pool_node: dict[str, Any] | None) -> float:
+        if pool is not None and pool_node is None:
+            pool_node = self._create_pool_node(pool)
         self._pool_node_seen = self._pool_node_seen or pool_node is not None
         self._pool_node = pool_node
         try:
@@ -387,12 +392,17 @@ class Agent:
         return seen.get("engineIdMismatch") is not None or self.status.current.engine_id_mismatch is not None
 
     def _renew_lease(self, pool: dict[str, Any]) -> None:
-        """Renew the heartbeat Lease, at most twice per heartbeat period (steps also run on
-        watch events). A failure is logged and the step goes on; the next step comes
-        soon (``_again``), not a heartbeat period later, and tries again: the Lease is how the
-        operator tells a live agent from a silent one."""
+        """Renew the heartbeat Lease (creating it first), unless this agent showed itself alive
+        less than half a heartbeat period ago — by a renewal, or by a status write, whose
+        ``heartbeat`` the operator takes as a sign of life too (the later of the two counts).
+        So a step that wrote the status renews nothing, and a new agent, which writes its status
+        as soon as its region is built, makes its Lease a heartbeat later: on a pool that
+        converges within a heartbeat, no Lease write at all (one per node before). A failure is
+        logged and the step goes on; the next step comes soon (``_again``), not a heartbeat
+        period later, and tries again: the Lease is how the operator tells a live agent from a
+        silent one."""
         now = time.monotonic()
-        if now - self._renewed < self.heartbeat_seconds / 2:
+        if now - max(self._renewed, self.status.written_at) < self.heartbeat_seconds / 2:
             return
         try:
             self.access.renew_lease(max(1, round(self.heartbeat_seconds * LEASE_PERIODS)), pool)

@@ -92,6 +92,9 @@ class StatusWriter:
         #: the object as our last status write left it (its watch event is our own news: the
         #: agent does not wake for it, and takes it as the object's latest known state)
         self.written_object: dict[str, Any] | None = None
+        #: monotonic time of the last write that went through: it carried a heartbeat, so it
+        #: showed the agent alive as a Lease renewal does (``Agent._renew_lease``)
+        self.written_at = float("-inf")
 
     @property
     def current(self) -> OffloadPoolNodeStatus:
@@ -201,5 +204,6 @@ class StatusWriter:
                 self._retry = 0.0
                 self.exists = True
                 self.written_object = result
+                self.written_at = time.monotonic()
                 self._written.update(body)
                 return True
