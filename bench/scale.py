@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = [
     ("nodes", "nodes"),
     ("seconds_to_converge", "s to converge"),
+    ("seconds_to_last_agent_pod", "s to the last agent pod"),
+    ("operator_seconds_after_last_agent", "operator s after the last agent's Ready"),
     ("operator_cpu_ms_per_node_to_converge", "operator CPU-ms / node to converge"),
     ("api_writes_per_node_to_converge", "API writes / node to converge"),
     ("api_requests_refused_per_node_to_converge", "requests refused 429 / node"),
@@ -49,8 +51,9 @@ def table(reports: list[dict[str, Any]]) -> str:
             "",
         ]
         lines += [
-            "| from → to | nodes × | converge s × | operator CPU total × | steady CPU × | writes/s × |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| from → to | nodes × | converge s × | operator CPU total × | steady CPU × | writes/s × "
+            "| peak RSS × |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for a, b in zip(reports, reports[1:], strict=False):  # consecutive pairs
             k = b["nodes"] / a["nodes"]
@@ -63,7 +66,8 @@ def table(reports: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {a['nodes']} → {b['nodes']} | {k:.1f} | {ratio('seconds_to_converge')} | "
                 f"{total_b / total_a if total_a else float('nan'):.2f} | "
-                f"{ratio('operator_cpu_percent_steady')} | {ratio('api_writes_per_second_steady')} |"
+                f"{ratio('operator_cpu_percent_steady')} | {ratio('api_writes_per_second_steady')} | "
+                f"{ratio('operator_peak_rss_mib')} |"
             )
     lines += [
         "",
