@@ -9,7 +9,12 @@ of each cost between consecutive counts (doubling the nodes should at most doubl
 and where the machine's CPU went while each pool converged (CPU-ms per node of the agents, the
 API server, etcd, the controller manager and the operator).
 
-    .venv/bin/python bench/scale.py [--nodes 200,500,1000] [--steady-seconds 30]
+With ``--rounds R`` the counts run R times over (200, 500, 1,000, 200, 500, 1,000, ...) against
+the same operator, and every figure is the median of a count's R runs (the machine is shared
+and noisy: one 1,000-node run took 22.5-27 s on the same code); each run's time to converge and
+operator CPU per node are listed too.
+
+    .venv/bin/python bench/scale.py [--nodes 200,500,1000] [--rounds 3] [--steady-seconds 30]
                                     [--json FILE] [--png FILE]
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,6 +90,45 @@ def table(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def medians(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One report per node count (in first-run order), each number the median of that count's
+    runs (and of each process's CPU); ``runs`` keeps each run's time and operator CPU."""
+    counts = list(dict.fromkeys(r["nodes"] for r in reports))
+    out = []
+    for n in counts:
+        runs = [r for r in reports if r["nodes"] == n]
+        merged: dict[str, Any] = {}
+        for key, value in runs[0].items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                if isinstance(value, dict) and all(isinstance(v, int | float) for v in value.values()):
+                    keys = list(dict.fromkeys(k for r in runs for k in r[key]))
+                    merged[key] = {k: _median([r[key].get(k, 0) for r in runs]) for k in keys}
+                else:
+                    merged[key] = value
+                continue
+            merged[key] = _median([r[key] for r in runs])
+        merged["runs"] = [
+            {k: r[k] for k in ("seconds_to_converge", "operator_cpu_ms_per_node_to_converge")} for r in runs
+        ]
+        out.append(merged)
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
+def runs_table(merged: list[dict[str, Any]]) -> str:
+    """Each run of each count: seconds to converge / operator CPU-ms per node."""
+    lines = ["| nodes | runs: s to converge / operator CPU-ms per node |", "|---:|---|"]
+    for m in merged:
+        cells = ", ".join(
+            f"{r['seconds_to_converge']} / {r['operator_cpu_ms_per_node_to_converge']}" for r in m["runs"]
+        )
+        lines.append(f"| {m['nodes']} | {cells} |")
+    return "\n".join(lines)
+
+
 def plot(reports: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -111,6 +156,7 @@ def plot(reports: list[dict[str, Any]], path: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="200,500,1000", help="comma-separated node counts, run in order")
+    p.add_argument("--rounds", type=int, default=1, help="run the counts this many times over (medians)")
     p.add_argument("--steady-seconds", type=float, default=30.0)
     p.add_argument("--json", help="also write the reports as JSON to this file")
     p.add_argument("--png", help="write a plot to this file (needs matplotlib)")
@@ -120,7 +166,7 @@ def main() -> int:
         env = {
             **os.environ,
             "OFFLOADPOOL_SCALE_REPORT": str(report),
-            "OFFLOADPOOL_SCALE_NODES": args.nodes,
+            "OFFLOADPOOL_SCALE_NODES": ",".join([args.nodes] * max(1, args.rounds)),
             "OFFLOADPOOL_SCALE_STEADY_SECONDS": str(args.steady_seconds),
         }
         # no per-test timeout: 1,000 in-process agents on a small machine take their time
@@ -149,11 +195,15 @@ def main() -> int:
                 f"scale test failed (rc={rc}) after {len(reports)} of the counts; reporting those",
                 file=sys.stderr,
             )
+    merged = medians(reports)
     if args.json:
-        Path(args.json).write_text(json.dumps(reports, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"medians": merged, "runs": reports}, indent=2) + "\n")
     if args.png:
-        plot(reports, args.png)
-    print(table(reports))
+        plot(merged, args.png)
+    print(table(merged))
+    if any(len(m["runs"]) > 1 for m in merged):
+        print("\nMedians of each count's runs above; the runs:\n")
+        print(runs_table(merged))
     return 0
 
 

@@ -28,6 +28,18 @@ def test_needs_standalone_or_peering() -> None:
     assert out.returncode == 2 and "not allowed with" in out.stderr
 
 
+def test_the_import_time_heap_is_out_of_the_collectors_sight_before_kopf_runs() -> None:
+    """``main`` freezes what it imported (gc.freeze) before it hands over to kopf: a full
+    collection then walks only what the operator made since (kopf.run stands in here)."""
+    code = (
+        "import gc, kopf; kopf.run = lambda **kw: print(gc.get_freeze_count(), flush=True); "
+        "from offloadpool.operator.main import main; main(['--standalone'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[0]) > 20_000, out.stdout
+
+
 def test_flags_reach_the_config() -> None:
     cfg = config_from_args(
         parse_args(

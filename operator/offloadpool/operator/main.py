@@ -9,6 +9,7 @@ cluster-wide: pools, OffloadPoolNodes and Nodes are cluster-scoped; the agent Da
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -135,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # agents heartbeating that is most of the log and a good part of the CPU. The
         # operator's own INFO lines (the writes each pass makes) stay.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    # Everything imported so far (kopf, the kubernetes client's thousands of model classes,
+    # pydantic) lives as long as the process: out of the collector's sight, a full collection
+    # no longer walks those ~70,000 objects (30 ms each here) while a big pool converges.
+    gc.freeze()
     kopf.run(
         clusterwide=True,
         standalone=args.standalone,
