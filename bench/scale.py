@@ -42,6 +42,7 @@ COLUMNS = [
     ("operator_cpu_percent_steady", "operator CPU % steady"),
     ("api_writes_per_second_steady", "API writes/s steady (all clients)"),
     ("operator_peak_rss_mib", "operator peak RSS MiB"),
+    ("operator_rss_mib_before", "operator RSS MiB before the pool"),
     ("offloadpoolnodes_created_by_operator", "OffloadPoolNodes the operator made"),
 ]
 

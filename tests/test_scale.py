@@ -221,6 +221,8 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
         # clients — are not walked by every full collection (1.1 s of collections at 1,000
         # nodes, most of them walking those).
         gc.freeze()
+        op.reset_peak_rss()  # the peak of this count, not of an earlier (larger) one
+        rss_before = op.rss_bytes()
         machine0, (writes_start, refused_start) = machine_cpu(op), api_writes(cp)
         t0 = time.monotonic()
         cluster.create_pool("scale", {"capacity": REGION, "medium": "Memory"})
@@ -291,6 +293,8 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
                 k: round(v / elapsed, 2) for k, v in writes.most_common()
             },
             "operator_peak_rss_mib": round(op.peak_rss_bytes() / (1 << 20), 1),
+            # before the pool: what the operator kept from the counts before (a leak shows here)
+            "operator_rss_mib_before": round(rss_before / (1 << 20), 1),
             "offloadpoolnodes_created_by_operator": made_by_operator,
         }
         print(f"\nSCALE REPORT {json.dumps(report)}")
