@@ -196,6 +196,14 @@ class Reconciler:
             views[node] = hit[1]
         return views
 
+    def forget(self, pool: str) -> None:
+        """Drop the memory of a deleted pool's passes (``PoolMemory``: its Lease list, its
+        nodes' views, selection and marks — O(nodes)). A pool is gone for good once its
+        deletion is done; one made again under the same name starts afresh. The lock stays: a
+        pass still finishing holds it."""
+        with self._lock(pool):
+            self._memory.pop(pool, None)
+
     def _lock(self, pool: str) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault(pool, threading.Lock())

@@ -164,8 +164,12 @@ class Runtime:
         return (after.heartbeat - before.heartbeat).total_seconds() > timeout / 2
 
     def forget(self, pool: str) -> None:
+        """Drop what this process keeps for a pool whose deletion is done (its passes' memory
+        too: a thousand nodes' worth of it stayed behind each deleted pool)."""
         self._triggers.pop(pool, None)
         self._pool_seen.pop(pool, None)
+        if self.reconciler is not None:
+            self.reconciler.forget(pool)
 
     def pool_changed(self, name: str, body: Mapping[str, Any]) -> bool:
         """True when a pool event carries something a pass acts on: a new spec (generation),
