@@ -15,14 +15,12 @@ from typing import Any
 
 import pytest
 
-from fixtures.reconciler_world import create_pool_over, remove_pool_over, start_indexes
+from fixtures.reconciler_world import create_pool_over, remove_pool_over, report_ready, start_indexes
 from fixtures.wait import wait_for
 from offloadpool.agent.kube import KubeAccess
-from offloadpool.api.constants import GROUP, NODE_PLURAL, VERSION
-from offloadpool.api.node import new_object
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.events import Event
-from offloadpool.operator.kube import MERGE, Kube
+from offloadpool.operator.kube import Kube
 from offloadpool.operator.nodeview import NodeView
 from offloadpool.operator.reconcile import Reconciler, lease_max_age
 
@@ -51,23 +49,8 @@ def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds
     reconciler = Reconciler(kube, CONFIG, lambda _pool, event: events.append(event), nodes, objects)
     try:
         body = create_pool_over(kube, pool, [node], "lease-list", tag)
-        kube.custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, new_object(body, node, 1))
         # Ready, with a status heartbeat long past: the Lease alone says the agent is alive
-        kube.custom.patch_cluster_custom_object_status(
-            GROUP,
-            VERSION,
-            NODE_PLURAL,
-            f"{pool}.{node}",
-            {
-                "status": {
-                    "phase": "Ready",
-                    "observedGeneration": 1,
-                    "bytesTotal": 4 << 20,
-                    "heartbeat": "2020-01-01T00:00:00Z",
-                }
-            },
-            _content_type=MERGE,
-        )
+        report_ready(kube.custom, body, [node], heartbeat="2020-01-01T00:00:00Z")
         agent = KubeAccess(api, pool, f"{pool}.{node}", "default")
         wait_for("indexed", lambda: (objects.group(pool).get(node) or NodeView(node)).phase == "Ready")
 

@@ -21,7 +21,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from fixtures.reconciler_world import create_pool_over, remove_pool_over, start_indexes
+from fixtures.reconciler_world import create_pool_over, remove_pool_over, report_ready, start_indexes
 from fixtures.wait import wait_for
 from offloadpool.api.constants import (
     GROUP,
@@ -102,17 +102,7 @@ class Pool:
 
     def make_ready(self) -> None:
         """Each node's OffloadPoolNode, Ready, as its agent would have made and reported it."""
-        custom = client.CustomObjectsApi(self.admin)
-        for node in self.nodes:
-            custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, new_object(self.body, node, 1))
-            custom.patch_cluster_custom_object_status(
-                GROUP,
-                VERSION,
-                NODE_PLURAL,
-                f"{self.name}.{node}",
-                {"status": {"phase": "Ready", "observedGeneration": 1, "bytesTotal": 4 << 20}},
-                _content_type=MERGE,
-            )
+        report_ready(client.CustomObjectsApi(self.admin), self.body, self.nodes)
         wait_for(
             "the OffloadPoolNodes indexed Ready",
             lambda: sum(v.phase == "Ready" for v in self.objects.group(self.name).values()) == NODES,

@@ -21,14 +21,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fixtures.reconciler_world import create_pool_over, remove_pool_over, start_indexes
+from fixtures.reconciler_world import create_pool_over, remove_pool_over, report_ready, start_indexes
 from fixtures.wait import wait_for
-from offloadpool.api.constants import GROUP, NODE_PLURAL, VERSION, pool_label_key
-from offloadpool.api.node import new_object
+from offloadpool.api.constants import pool_label_key
 from offloadpool.operator import nodes as node_marks
 from offloadpool.operator import selection
 from offloadpool.operator.config import OperatorConfig
-from offloadpool.operator.kube import MERGE, Kube
+from offloadpool.operator.kube import Kube
 from offloadpool.operator.reconcile import Reconciler
 from offloadpool.operator.runtime import Runtime
 from offloadpool.operator.selection import NodeInfo, Selection, selected_nodes
@@ -118,16 +117,7 @@ def world(crds_installed: Any) -> Iterator[tuple[Kube, Reconciler, str, list[str
     reconciler = Reconciler(kube, config, lambda _pool, _event: None, index, objects)
     try:
         body = create_pool_over(kube, pool, names, "memory", tag)
-        for node in names:
-            kube.custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, new_object(body, node, 1))
-            kube.custom.patch_cluster_custom_object_status(
-                GROUP,
-                VERSION,
-                NODE_PLURAL,
-                f"{pool}.{node}",
-                {"status": {"phase": "Ready", "observedGeneration": 1, "bytesTotal": 4 << 20}},
-                _content_type=MERGE,
-            )
+        report_ready(kube.custom, body, names)
         wait_for(
             "the Nodes and OffloadPoolNodes indexed Ready",
             lambda: (
