@@ -76,14 +76,10 @@ class NodeView:
             return self
         return replace(self, heartbeat=renew_time)
 
-    def stale(self, now: datetime, timeout_seconds: float) -> bool:
-        """The agent reported once but has not written a heartbeat for too long."""
-        return self.silent_before(stale_cutoff(now, timeout_seconds))
-
     def silent_before(self, cutoff: datetime | None) -> bool:
-        """``stale`` with its cutoff (``stale_cutoff``) worked out once for a whole pass: one
-        comparison per node instead of a subtraction and a conversion, several per node per
-        pass."""
+        """The agent reported once but has not written a heartbeat since ``cutoff``
+        (``stale_cutoff``: worked out once for a whole pass, so one comparison per node instead
+        of a subtraction and a conversion, several per node per pass)."""
         return (
             cutoff is not None
             and self.phase is not None
