@@ -392,7 +392,7 @@ def start_agents_with_pods(
 ) -> None:
     """Start each node's agent when the DaemonSet controller makes its pod, as a kubelet would
     (the pods stay unscheduled here: there are no kubelets), and note when (``started``)."""
-    selector = ",".join(f"{k}={v}" for k, v in selector_labels(pool).items())
+    selector = agent_pod_selector(pool)
     while not stop.is_set():
         try:  # a watch without a resourceVersion lists first: a watch again misses no pod
             resp = core.list_namespaced_pod(
@@ -425,12 +425,17 @@ def agent_pods_made(cluster: ClusterClient, namespace: str, pool: str, nodes: in
 
 def agent_pods_gone(cluster: ClusterClient, namespace: str, pool: str) -> None:
     """Wait until the garbage collector has removed the deleted pool's agent pods."""
-    selector = ",".join(f"{k}={v}" for k, v in selector_labels(pool).items())
+    selector = agent_pod_selector(pool)
 
     def gone() -> bool:
         return not cluster.core.list_namespaced_pod(namespace, label_selector=selector, limit=1).items
 
     wait_for("the deleted pool's agent pods removed", gone, timeout=600, interval=1)
+
+
+def agent_pod_selector(pool: str) -> str:
+    """The label selector of the pool's agent pods, as the API takes it."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(pool).items())
 
 
 def op_debounce() -> float:
