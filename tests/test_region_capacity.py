@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,4 +62,65 @@ def test_cli_reports_shortfall_with_exit_code(region_root, hugepage_baseline):
     assert out.returncode == 1
     assert "insufficient capacity" in out.stderr and "short by" in out.stderr
     assert list(region_root.iterdir()) == []
+    assert hugepage_totals() == hugepage_baseline
+
+
+#: Run in a mount namespace of its own: makes that namespace full (fs.mount-max = its mounts)
+#: and provisions; prints the refusal and exits 3, or exits 0 if the pool was built.
+_FULL_NAMESPACE = r"""
+import sys
+from pathlib import Path
+from offloadpool.region.errors import CapacityError
+from offloadpool.region.provision import provision
+from offloadpool.region.request import PoolRequest
+
+root, medium, limit = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+used = Path("/proc/self/mountinfo").read_text().count("\n")
+Path("/proc/sys/fs/mount-max").write_text(str(used))
+try:
+    provision(PoolRequest(name="full", capacity=4 << 20, medium=medium), root)
+except CapacityError as exc:
+    print(f"used={used}")
+    print(exc)
+    sys.exit(3)
+finally:
+    Path("/proc/sys/fs/mount-max").write_text(limit)
+"""
+
+
+@pytest.mark.parametrize("medium", ["Memory", "HugePages-2Mi"])
+def test_full_mount_namespace_is_refused_by_name_with_nothing_left(region_root, hugepage_baseline, medium):
+    """fs.mount-max reached: the kernel's refusal of the pool's mount (ENOSPC) is reported as
+    the limit, and the half-begun pool is gone — its directory, and for huge pages what it
+    added to the kernel's pool. (The limit is no longer counted ahead of every provision: that
+    read the whole mount table each time.) The sysctl is global, so it is lowered only for the
+    provision and put back whatever happens."""
+    limit = Path("/proc/sys/fs/mount-max").read_text().strip()
+    try:
+        out = subprocess.run(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                sys.executable,
+                "-c",
+                _FULL_NAMESPACE,
+                str(region_root),
+                medium,
+                limit,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        Path("/proc/sys/fs/mount-max").write_text(limit)
+    assert out.returncode == 3, (out.returncode, out.stdout, out.stderr)
+    used = re.search(r"used=(\d+)", out.stdout)
+    assert used, out.stdout
+    assert f"already has {used.group(1)} mounts and fs.mount-max is {used.group(1)}" in out.stdout, out.stdout
+    assert "ENOSPC" in out.stdout, out.stdout
+    assert list(region_root.iterdir()) == []
+    assert mounts.mounts_under(region_root) == []
     assert hugepage_totals() == hugepage_baseline

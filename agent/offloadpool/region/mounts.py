@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-from offloadpool.region.errors import RegionError
+from offloadpool.region.errors import CapacityError, RegionError
 
 MS_REC = 0x4000
 MS_SHARED = 1 << 20
@@ -96,12 +98,34 @@ def mount(fstype: str, target: str | os.PathLike[str], options: str, source: str
     )
     if rc != 0:
         err = ctypes.get_errno()
+        if err == errno.ENOSPC:
+            raise mount_limit_error(target)
         raise RegionError(f"mount -t {fstype} -o {options} {target} failed: {os.strerror(err)} (errno {err})")
     try:
         make_shared(target)
     except RegionError:
         umount(target)
         raise
+
+
+def mount_limit_error(target: str | os.PathLike[str]) -> CapacityError:
+    """mount(2)'s ENOSPC: the mount namespace holds ``fs.mount-max`` mounts already.
+
+    The kernel counts a namespace's mounts as it adds one, so the refusal itself is the check:
+    counting them first meant reading the whole mount table at every provision (a line per
+    container mount on a node, a pool per simulated node in the scale test: 1 ms per thousand),
+    and that count could be stale by the time of the mount. The table is read here only to
+    put the numbers in the message."""
+    try:
+        limit = Path("/proc/sys/fs/mount-max").read_text().strip()
+        used = str(Path("/proc/self/mountinfo").read_text().count("\n"))
+    except OSError:
+        limit = used = "?"
+    return CapacityError(
+        f"the pool needs its own mount at {target}, but this mount namespace already has {used} "
+        f"mounts and fs.mount-max is {limit} (mount(2): ENOSPC); raise fs.mount-max or unmount "
+        "what is no longer used"
+    )
 
 
 def make_shared(target: str | os.PathLike[str]) -> None:
