@@ -14,6 +14,7 @@ import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
+from fixtures.wait import wait_for
 from offloadpool.agent import kube
 from offloadpool.agent.loop import Agent
 from offloadpool.agent.metrics import AgentMetrics
@@ -90,3 +91,21 @@ def test_an_object_read_absent_long_ago_is_not_read_again_before_its_create(tmp_
     a._pool_node_seen = True  # seen once and gone since (the operator removed it): not ours to make
     with pytest.raises(Exception, match="No host specified"):
         a._observe()
+
+
+def test_a_stopped_agent_leaves_no_status_thread_behind(tmp_path: Path) -> None:
+    """The status writer's flusher thread ends with the agent's loop: it used to wait for work
+    for ever, one idle thread per stopped agent (the scale test stops thousands in one
+    process). Here the refused write (the client points nowhere) is what starts the flusher:
+    it is to retry it."""
+    a = agent(tmp_path).start()
+    wait_for("the status writer's flusher started", lambda: a.status._flusher is not None, timeout=60)
+    flusher = a.status._flusher
+    assert flusher is not None and flusher.is_alive()
+    a.stop.set()
+    a.wake.set()
+    assert a.thread is not None
+    a.thread.join(timeout=60)
+    assert not a.thread.is_alive()
+    flusher.join(timeout=10)
+    assert not flusher.is_alive(), "the stopped agent's status flusher thread still runs"

@@ -278,6 +278,7 @@ class Agent:
                 delay = self.retry_seconds
             self.wake.wait(delay)
             self.wake.clear()
+        self.status.close()
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> float:

@@ -84,6 +84,7 @@ class StatusWriter:
         self._dirty: dict[str, Any] = {}
         self._kick = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._closed = False
         self._due: float | None = None  # monotonic time the deferred changes in _dirty are written
         self._retry = 0.0  # seconds before the next retry of a failed write (0: none failed)
         self.progress_interval = progress_interval
@@ -142,7 +143,7 @@ class StatusWriter:
         unless a write is already due sooner (or carries it first). Called with ``_lock`` held."""
         if self._due is None:
             self._due = time.monotonic() + (self.progress_interval if delay is None else delay)
-        if self._flusher is None:
+        if self._flusher is None and not self._closed:
             self._flusher = threading.Thread(target=self._flush_deferred, name="status-deferred", daemon=True)
             self._flusher.start()
         self._kick.set()
@@ -152,13 +153,24 @@ class StatusWriter:
         """resourceVersion of ``written_object``."""
         return ((self.written_object or {}).get("metadata") or {}).get("resourceVersion")
 
+    def close(self) -> None:
+        """Let the flusher thread end (the agent has stopped): deferred changes stay unwritten,
+        as when the process exits. The flusher otherwise waits for work for ever, one idle
+        thread per stopped agent — a thread each of the scale test's thousands of agents left
+        behind in its process."""
+        with self._lock:
+            self._closed = True
+        self._kick.set()
+
     def _flush_deferred(self) -> None:
         while True:
             self._kick.wait()
             self._kick.clear()
             while True:
                 with self._lock:
-                    due = self._due
+                    due, closed = self._due, self._closed
+                if closed:
+                    return
                 if due is None:
                     break  # a write carried the deferred changes already
                 wait = due - time.monotonic()
