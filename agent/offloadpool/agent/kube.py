@@ -82,6 +82,11 @@ def configuration(kubeconfig: str | None = None) -> client.Configuration:
     if not loaded:
         config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
     cfg.retries = throttled_retries()
+    # The proxy from the environment, taken once: otherwise the client takes it again at every
+    # request (both loaders' token-refresh hooks set ``host``, whose setter calls
+    # urllib.request.getproxies(), which reads the whole environment) — 0.1 ms a request with
+    # 35 variables, and a pod's environment holds seven per Service of its namespace.
+    cfg.proxy = cfg.proxy
     return cfg
 
 
