@@ -10,12 +10,12 @@ the pool's id, yet it creates, maps and unlinks ``vllm_offload_<its id>.mmap`` t
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fixtures.host import private_mounts_python
 from fixtures.wait import wait_for
 from offloadpool.api.pods import compat_files
 from test_agent_process import create, env, start_agent, status  # noqa: F401  (env: the fixture)
@@ -51,19 +51,7 @@ def start_engine(
 ) -> subprocess.Popen[str]:
     shm.mkdir(parents=True)
     proc = subprocess.Popen(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            sys.executable,
-            "-c",
-            MISMATCHED_ENGINE,
-            str(shm),
-            str(pool_file),
-            pool_name,
-            engine_id,
-        ],
+        private_mounts_python(MISMATCHED_ENGINE, str(shm), str(pool_file), pool_name, engine_id),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from fixtures.host import hugepage_totals
+from fixtures.host import hugepage_totals, private_mounts_python
 from offloadpool.region import mounts
 from offloadpool.region.capacity import meminfo
 from offloadpool.region.errors import CapacityError
@@ -98,18 +97,7 @@ def test_full_mount_namespace_is_refused_by_name_with_nothing_left(region_root, 
     limit = Path("/proc/sys/fs/mount-max").read_text().strip()
     try:
         out = subprocess.run(
-            [
-                "unshare",
-                "--mount",
-                "--propagation",
-                "private",
-                sys.executable,
-                "-c",
-                _FULL_NAMESPACE,
-                str(region_root),
-                medium,
-                limit,
-            ],
+            private_mounts_python(_FULL_NAMESPACE, str(region_root), medium, limit),
             capture_output=True,
             text=True,
             timeout=120,

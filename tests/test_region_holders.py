@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from fixtures.host import cli
+from fixtures.host import cli, private_mounts_python
 from offloadpool.region import mounts
 from offloadpool.region.holders import PoolInUse, find_holders
 from offloadpool.region.lease import LeaseHeld
@@ -63,20 +62,9 @@ def start_holder(
     private.parent.mkdir()
     private.touch()  # the bind mount's target; on the host it stays this empty file
     proc = processes(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            sys.executable,
-            "-c",
-            HOLDER,
-            str(src),
-            str(private),
-            how,
-            str(lease_dir) if lease_dir else "-",
-            PATTERN.decode(),
-        ],
+        private_mounts_python(
+            HOLDER, str(src), str(private), how, str(lease_dir) if lease_dir else "-", PATTERN.decode()
+        ),
         stdin=subprocess.PIPE,
     )
     line = proc.stdout.readline().split()
