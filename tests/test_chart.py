@@ -125,6 +125,7 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["offloadpool-operator"] and "--standalone" in c["args"]
     assert "--agent-service-account=offloadpool-agent" in c["args"]
+    assert {"--heartbeat-timeout=60", "--agent-heartbeat=10"} <= set(c["args"])
     assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
     kinds = sorted({d["kind"] for d in rendered})
     assert kinds == [
@@ -483,6 +484,7 @@ def test_rendered_chart_is_accepted_by_the_api_server(
             "at '/webhook/certManager/issuerRef/kind': value must be one of 'Issuer', 'ClusterIssuer'",
         ),
         ("agent.memoryOverhead=lots", "at '/agent/memoryOverhead'"),
+        ("agent.heartbeatSeconds=0", "at '/agent/heartbeatSeconds'"),
         (
             "metrics.serviceMonitor.interval=soon",
             "at '/metrics/serviceMonitor/interval': 'soon' does not match pattern",
@@ -512,6 +514,27 @@ def test_helm_install_refuses_invalid_values_and_clashing_ports(control_plane: A
     assert out.returncode != 0 and "webhook.port and operator.livenessPort are both 9443" in out.stderr, (
         out.stderr
     )
+    # a timeout shorter than three agent heartbeats: nodes would flap between Ready and not
+    out = control_plane.helm("template", "op", str(CHART), "--set", "agent.heartbeatSeconds=30", check=False)
+    assert (
+        out.returncode != 0
+        and (
+            "operator.heartbeatTimeoutSeconds 60 is shorter than 3 agent heartbeats "
+            "(agent.heartbeatSeconds 30, so at least 90)"
+        )
+        in out.stderr
+    ), out.stderr
+    for fine in (
+        ("agent.heartbeatSeconds=20",),
+        ("agent.heartbeatSeconds=30", "operator.heartbeatTimeoutSeconds=0"),
+    ):
+        sets = [a for v in fine for a in ("--set", v)]
+        args = by_kind_and_app(
+            docs_of(control_plane.helm("template", "op", str(CHART), *sets).stdout),
+            "Deployment",
+            "offloadpool-operator",
+        )["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert f"--agent-heartbeat={fine[0].split('=')[1]}" in args
 
 
 def kubectl_json(cp: Any, *args: str) -> dict[str, Any]:

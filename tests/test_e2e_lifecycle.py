@@ -164,6 +164,11 @@ def hugetlb_mount(path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+#: the operator's --agent-heartbeat in test_pool_on_three_of_four_nodes (the default is 10)
+AGENT_HEARTBEAT = 4
+
+
+@pytest.mark.operator_args("--agent-heartbeat", str(AGENT_HEARTBEAT))
 def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
     label = {f"e2e.offloadpool.io/gpu-{e2e.tag}": "true"}
     gpu = e2e.add_nodes(3, label)
@@ -198,6 +203,15 @@ def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
         agent = e2e.cluster.agent(n.name)
         assert agent.argv[1:] == ["--pool", pool] and agent.env["NODE_NAME"] == n.name
         assert agent.get("/readyz")[0] == 200
+        # the operator's --agent-heartbeat reached the agent through its pod, and the agent
+        # renews its Lease on it: the Lease says four heartbeats (16 s; 40 s by default)
+        assert agent.env["OFFLOADPOOL_HEARTBEAT_SECONDS"] == str(AGENT_HEARTBEAT)
+        lease = wait_for(
+            f"{n.name}'s heartbeat Lease",
+            lambda n=n: e2e.lease(e2e.operator.namespace, f"{pool}.{n.name}"),
+            60,
+        )
+        assert lease["spec"]["leaseDurationSeconds"] == 4 * AGENT_HEARTBEAT, lease
     assert not e2e.pool_dir(other, pool).exists() and not e2e.cluster.agents_on(other.name)
     # the pods' readiness probes (/readyz on the agents' port) make the DaemonSet tell the same story
     wait_for(

@@ -62,7 +62,8 @@ def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
         env["POOL_NAME"]["value"],
         env["OFFLOADPOOL_ROOT"]["value"],
         env["OFFLOADPOOL_HTTP_PORT"]["value"],
-    ) == ("kv", "/var/lib/offloadpool", "9475")
+        env["OFFLOADPOOL_HEARTBEAT_SECONDS"]["value"],
+    ) == ("kv", "/var/lib/offloadpool", "9475", "10")
     assert agent["volumeMounts"] == [
         {"name": "host-root", "mountPath": "/var/lib/offloadpool", "mountPropagation": "Bidirectional"}
     ]
@@ -86,6 +87,22 @@ def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
         True,
     )
     assert ds["metadata"]["name"] == "offloadpool-agent-kv" and ds["metadata"]["namespace"] == NAMESPACE
+
+
+def test_the_agents_heartbeat_is_the_operators_setting_and_the_agent_reads_it() -> None:
+    """The operator's --agent-heartbeat reaches the agents through their DaemonSet's environment,
+    under the name the agent's configuration reads."""
+    from offloadpool.agent.config import load as load_agent_config
+
+    for seconds, text in ((2.5, "2.5"), (30.0, "30")):
+        ds = render(
+            with_medium("Memory"), OperatorConfig(**{**CONFIG.__dict__, "agent_heartbeat_seconds": seconds})
+        )
+        (agent,) = ds["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in agent["env"]}
+        assert env["OFFLOADPOOL_HEARTBEAT_SECONDS"] == text
+        loaded = load_agent_config(agent["args"], environ={**env, "NODE_NAME": "n1"})
+        assert loaded.heartbeat_seconds == seconds
 
 
 def test_render_hash_follows_content() -> None:

@@ -55,6 +55,8 @@ def test_flags_reach_the_config() -> None:
                 "1Gi",
                 "--write-concurrency",
                 "3",
+                "--agent-heartbeat",
+                "2.5",
             ]
         )
     )
@@ -64,7 +66,41 @@ def test_flags_reach_the_config() -> None:
         cfg.heartbeat_timeout_seconds,
         cfg.agent_memory_overhead,
         cfg.write_concurrency,
-    ) == ("ops", "img:1", 0.0, "1Gi", 3)
+        cfg.agent_heartbeat_seconds,
+    ) == ("ops", "img:1", 0.0, "1Gi", 3, 2.5)
+    assert cfg.problem() is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--heartbeat-timeout", "25"],
+            "--heartbeat-timeout 25 is shorter than 3 agent heartbeats (--agent-heartbeat 10, so at "
+            "least 30): a renewal a little late would make a healthy node unready",
+        ),
+        (
+            ["--agent-heartbeat", "30"],
+            "--heartbeat-timeout 60 is shorter than 3 agent heartbeats (--agent-heartbeat 30, "
+            "so at least 90)",
+        ),
+        (["--agent-heartbeat", "0"], "--agent-heartbeat must be positive, got 0"),
+        (["--heartbeat-timeout", "-1"], "--heartbeat-timeout must be 0 (never) or positive, got -1"),
+    ],
+)
+def test_a_timeout_shorter_than_three_agent_heartbeats_is_refused_before_starting(
+    flags: list[str], message: str
+) -> None:
+    """Nodes would flap between Ready and unresponsive: said at once, nothing started (the
+    exit comes before kopf is even imported, so no API server is needed to show it)."""
+    out = subprocess.run([EXE, "--standalone", *flags], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    assert f"offloadpool-operator: {message}" in out.stderr, out.stderr
+
+
+def test_a_timeout_of_three_heartbeats_or_none_is_accepted() -> None:
+    for flags in (["--heartbeat-timeout", "30"], ["--heartbeat-timeout", "0", "--agent-heartbeat", "120"]):
+        assert config_from_args(parse_args(["--standalone", *flags])).problem() is None
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "many"])

@@ -14,11 +14,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.api.constants import AGENT_HTTP_PORT, HOST_ROOT, node_object_name
+from offloadpool.api.constants import (
+    AGENT_HTTP_PORT,
+    DEFAULT_HEARTBEAT_SECONDS,
+    HEARTBEAT_ENV,
+    HOST_ROOT,
+    node_object_name,
+)
 
 DEFAULT_ROOT = HOST_ROOT
 DEFAULT_HTTP_PORT = AGENT_HTTP_PORT
-DEFAULT_HEARTBEAT_SECONDS = 10.0
 
 
 class ConfigError(ValueError):
@@ -66,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-seconds",
         type=float,
-        help="status heartbeat period (env OFFLOADPOOL_HEARTBEAT_SECONDS, default 10)",
+        help=f"Lease renewal and step period (env {HEARTBEAT_ENV}, set by the operator's DaemonSet "
+        f"from its --agent-heartbeat; default {DEFAULT_HEARTBEAT_SECONDS:g})",
     )
     p.add_argument(
         "--retry-seconds",
@@ -103,9 +109,7 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         # a flag arrives typed, the environment as text: both read through their text
         port = int(str(pick(args.http_port, "OFFLOADPOOL_HTTP_PORT", DEFAULT_HTTP_PORT)))
-        heartbeat = float(
-            str(pick(args.heartbeat_seconds, "OFFLOADPOOL_HEARTBEAT_SECONDS", DEFAULT_HEARTBEAT_SECONDS))
-        )
+        heartbeat = float(str(pick(args.heartbeat_seconds, HEARTBEAT_ENV, DEFAULT_HEARTBEAT_SECONDS)))
         retry = float(str(pick(args.retry_seconds, "OFFLOADPOOL_RETRY_SECONDS", 5.0)))
         workers = int(str(pick(args.workers, "OFFLOADPOOL_WORKERS", 0)))
     except (TypeError, ValueError) as exc:

@@ -26,7 +26,7 @@ from offloadpool.agent import kube
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.reconcile import Action, Decision, decide
 from offloadpool.agent.status_writer import RETRY_FIRST_SECONDS, StatusWriter, retry_after
-from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
+from offloadpool.api.constants import DEFAULT_HEARTBEAT_SECONDS, GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
 from offloadpool.api.conversion import SpecError
 from offloadpool.api.media import is_hugetlbfs
 from offloadpool.region import engine_id_mismatch, holders
@@ -72,7 +72,7 @@ class Agent:
         root: Path,
         *,
         metrics: AgentMetrics,
-        heartbeat_seconds: float = 10.0,
+        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
         retry_seconds: float = 5.0,
         workers: int = 0,
         watches: bool = True,

@@ -56,6 +56,14 @@ AGENT_HTTP_PORT = 9475
 #: Renewals are cheap writes nobody watches, so a heartbeat never wakes the operator; the
 #: OffloadPoolNode's status is written only when something in it changes.
 LEASE_API_VERSION = "coordination.k8s.io/v1"
+#: How often an agent renews its Lease (and steps without events), as the kubelet renews its
+#: node Lease; the operator's DaemonSet passes its ``--agent-heartbeat`` to every agent in
+#: this variable. A cluster of N nodes takes N / period renewals a second from the agents.
+HEARTBEAT_ENV = "OFFLOADPOOL_HEARTBEAT_SECONDS"
+DEFAULT_HEARTBEAT_SECONDS = 10.0
+#: The operator's heartbeat timeout must span at least this many agent heartbeats: a renewal
+#: a little late (a busy API server, a step that provisions) must not make a node unready.
+MIN_HEARTBEATS_PER_TIMEOUT = 3
 
 
 def pool_name_error(name: str) -> str | None:

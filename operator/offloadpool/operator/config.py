@@ -10,7 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from offloadpool.api.constants import AGENT_HTTP_PORT, HOST_ROOT
+from offloadpool.api.constants import (
+    AGENT_HTTP_PORT,
+    DEFAULT_HEARTBEAT_SECONDS,
+    HOST_ROOT,
+    MIN_HEARTBEATS_PER_TIMEOUT,
+)
 
 
 @dataclass(frozen=True)
@@ -20,6 +25,8 @@ class OperatorConfig:
     ``namespace`` is where the agent DaemonSets live (the operator's own namespace).
     ``heartbeat_timeout_seconds``: an agent whose last heartbeat is older than this is treated
     as unresponsive (its node stops counting as Ready); 0 disables the check.
+    ``agent_heartbeat_seconds``: how often the agents renew their Leases (passed to them in
+    their DaemonSet); the timeout must span ``MIN_HEARTBEATS_PER_TIMEOUT`` of them.
     ``resync_seconds``: a pool is re-reconciled at least this often even without events, which
     is what notices stale heartbeats and repairs objects someone deleted by hand.
     ``node_object_grace_seconds``: agents create their own OffloadPoolNode when they start; the
@@ -38,6 +45,9 @@ class OperatorConfig:
     host_root: str = HOST_ROOT
     http_port: int = AGENT_HTTP_PORT
     heartbeat_timeout_seconds: float = 60.0
+    #: The agents' heartbeat: N nodes cost N / this Lease renewals a second, for ever. A big
+    #: cluster may renew less often (with a timeout to match), as it may its kubelets.
+    agent_heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS
     resync_seconds: float = 15.0
     node_object_grace_seconds: float = 30.0
     #: Pause after an event before a pass, so a burst of agent updates costs one pass.
@@ -54,6 +64,25 @@ class OperatorConfig:
     write_concurrency: int = 8
     #: Delay between checks while a deleted pool waits for its nodes to release.
     deletion_retry_seconds: float = 3.0
+
+    def problem(self) -> str | None:
+        """What makes these settings unusable, in words (None: nothing): said before the
+        operator starts, not found later as nodes that flap between Ready and unresponsive."""
+        if not self.agent_heartbeat_seconds > 0:
+            return f"--agent-heartbeat must be positive, got {self.agent_heartbeat_seconds:g}"
+        if self.heartbeat_timeout_seconds < 0:
+            return (
+                f"--heartbeat-timeout must be 0 (never) or positive, got {self.heartbeat_timeout_seconds:g}"
+            )
+        least = MIN_HEARTBEATS_PER_TIMEOUT * self.agent_heartbeat_seconds
+        if 0 < self.heartbeat_timeout_seconds < least:
+            return (
+                f"--heartbeat-timeout {self.heartbeat_timeout_seconds:g} is shorter than "
+                f"{MIN_HEARTBEATS_PER_TIMEOUT} agent heartbeats (--agent-heartbeat "
+                f"{self.agent_heartbeat_seconds:g}, so at least {least:g}): a renewal a little late "
+                "would make a healthy node unready"
+            )
+        return None
 
     def pass_pause(self, pass_cpu_seconds: float) -> float:
         """Seconds to wait after a wake-up before the next pass, given the last pass's CPU

@@ -33,7 +33,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from offloadpool.api.constants import POOL_NAME_LABEL
+from offloadpool.api.constants import HEARTBEAT_ENV, POOL_NAME_LABEL
 from offloadpool.api.media import SCHEDULING_RESOURCE, is_hugetlbfs
 from offloadpool.api.node import pool_owner_reference
 from offloadpool.api.quantity import format_quantity, parse_quantity
@@ -107,6 +107,7 @@ def _env(pool: str, config: OperatorConfig) -> list[dict[str, Any]]:
         {"name": "POOL_NAME", "value": pool},
         {"name": "OFFLOADPOOL_ROOT", "value": config.host_root},
         {"name": "OFFLOADPOOL_HTTP_PORT", "value": str(config.http_port)},
+        {"name": HEARTBEAT_ENV, "value": f"{config.agent_heartbeat_seconds:g}"},
     ]
 
 

@@ -65,6 +65,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds without an agent heartbeat before its node stops counting as Ready (0: never)",
     )
     p.add_argument(
+        "--agent-heartbeat",
+        type=float,
+        default=float(env("OFFLOADPOOL_AGENT_HEARTBEAT_SECONDS", defaults.agent_heartbeat_seconds)),
+        help="seconds between an agent's Lease renewals (given to the agents; at most a third of "
+        "--heartbeat-timeout)",
+    )
+    p.add_argument(
         "--resync", type=float, default=defaults.resync_seconds, help="seconds between passes without events"
     )
     p.add_argument("--deletion-retry", type=float, default=defaults.deletion_retry_seconds)
@@ -103,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         agent_memory_overhead=args.agent_memory_overhead,
         agent_priority_class=args.agent_priority_class,
         heartbeat_timeout_seconds=args.heartbeat_timeout,
+        agent_heartbeat_seconds=args.agent_heartbeat,
         resync_seconds=args.resync,
         deletion_retry_seconds=args.deletion_retry,
         node_object_grace_seconds=args.node_object_grace,
@@ -118,12 +126,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    config = config_from_args(args)
+    if (problem := config.problem()) is not None:
+        print(f"offloadpool-operator: {problem}", file=sys.stderr)
+        return 2
     import kopf
 
     from . import handlers  # noqa: F401  (registers the handlers)
     from .runtime import Runtime
 
-    memo = kopf.Memo(runtime=Runtime(config_from_args(args)))
+    memo = kopf.Memo(runtime=Runtime(config))
     if args.webhook:
         from . import admission_handlers  # noqa: F401  (registers the admission handlers)
 
