@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
+
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "offloadpool"
 #: The chart's copies of crds/ (rendered by templates/crds.yaml; not the chart's crds/ folder,
@@ -515,18 +517,23 @@ def test_helm_install_refuses_invalid_values_and_clashing_ports(control_plane: A
         out.stderr
     )
     # a timeout shorter than three agent heartbeats: nodes would flap between Ready and not
-    out = control_plane.helm("template", "op", str(CHART), "--set", "agent.heartbeatSeconds=30", check=False)
+    # (the chart's check and the operator's are the one rule: MIN_HEARTBEATS_PER_TIMEOUT)
+    least = 60 // MIN_HEARTBEATS_PER_TIMEOUT  # the largest heartbeat the default 60 s spans
+    out = control_plane.helm(
+        "template", "op", str(CHART), "--set", f"agent.heartbeatSeconds={least + 1}", check=False
+    )
     assert (
         out.returncode != 0
         and (
-            "operator.heartbeatTimeoutSeconds 60 is shorter than 3 agent heartbeats "
-            "(agent.heartbeatSeconds 30, so at least 90)"
+            f"operator.heartbeatTimeoutSeconds 60 is shorter than {MIN_HEARTBEATS_PER_TIMEOUT} agent "
+            f"heartbeats (agent.heartbeatSeconds {least + 1}, so at least "
+            f"{MIN_HEARTBEATS_PER_TIMEOUT * (least + 1)})"
         )
         in out.stderr
     ), out.stderr
     for fine in (
-        ("agent.heartbeatSeconds=20",),
-        ("agent.heartbeatSeconds=30", "operator.heartbeatTimeoutSeconds=0"),
+        (f"agent.heartbeatSeconds={least}",),
+        (f"agent.heartbeatSeconds={least + 1}", "operator.heartbeatTimeoutSeconds=0"),
     ):
         sets = [a for v in fine for a in ("--set", v)]
         args = by_kind_and_app(
