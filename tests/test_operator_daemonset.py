@@ -3,6 +3,8 @@ pods created by the real DaemonSet controller on the selected Nodes only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from kubernetes import client
 
@@ -95,9 +97,7 @@ def test_the_agents_heartbeat_is_the_operators_setting_and_the_agent_reads_it() 
     from offloadpool.agent.config import load as load_agent_config
 
     for seconds, text in ((2.5, "2.5"), (30.0, "30")):
-        ds = render(
-            with_medium("Memory"), OperatorConfig(**{**CONFIG.__dict__, "agent_heartbeat_seconds": seconds})
-        )
+        ds = render(with_medium("Memory"), replace(CONFIG, agent_heartbeat_seconds=seconds))
         (agent,) = ds["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in agent["env"]}
         assert env["OFFLOADPOOL_HEARTBEAT_SECONDS"] == text
