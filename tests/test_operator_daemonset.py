@@ -96,7 +96,7 @@ def test_the_agents_heartbeat_is_the_operators_setting_and_the_agent_reads_it() 
     under the name the agent's configuration reads."""
     from offloadpool.agent.config import load as load_agent_config
 
-    for seconds, text in ((2.5, "2.5"), (30.0, "30")):
+    for seconds, text in ((2.5, "2.5"), (30.0, "30"), (12.3456789, "12.3456789")):
         ds = render(with_medium("Memory"), replace(CONFIG, agent_heartbeat_seconds=seconds))
         (agent,) = ds["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in agent["env"]}

@@ -107,7 +107,7 @@ def _env(pool: str, config: OperatorConfig) -> list[dict[str, Any]]:
         {"name": "POOL_NAME", "value": pool},
         {"name": "OFFLOADPOOL_ROOT", "value": config.host_root},
         {"name": "OFFLOADPOOL_HTTP_PORT", "value": str(config.http_port)},
-        {"name": HEARTBEAT_ENV, "value": f"{config.agent_heartbeat_seconds:g}"},
+        {"name": HEARTBEAT_ENV, "value": f"{config.agent_heartbeat_seconds:.15g}"},  # 10.0: "10"
     ]
 
 
