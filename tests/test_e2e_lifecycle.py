@@ -246,9 +246,13 @@ def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
                 out.setdefault(e["involvedObject"]["kind"], set()).add(e["reason"])
         return out
 
+    # Events are posted after the writes they report: wait for the one asserted on, not for
+    # the first of its kind.
     events = wait_for(
-        "events from the operator (pool) and the agents (OffloadPoolNodes)",
-        lambda: (ev := events_by_kind()).get("OffloadPool") and ev.get("OffloadPoolNode") and ev,
+        "events from the operator (pool) and the agents' Ready (OffloadPoolNodes)",
+        lambda: (
+            (ev := events_by_kind()).get("OffloadPool") and "Ready" in ev.get("OffloadPoolNode", ()) and ev
+        ),
         30,
     )
     assert "Ready" in events["OffloadPoolNode"], events

@@ -108,6 +108,13 @@ def wait_phase(
 
 
 def wait_log(real_node: RealNode, namespace: str, name: str, needle: str, timeout: float = 120) -> str:
+    """The log of a running pod once ``needle`` is in it.
+
+    A log is read while the container still writes: only what comes before ``needle`` is
+    certain to be there, so wait for the last line the caller asserts on (a marker the
+    script echoes after its other output), never an earlier one.
+    """
+
     def found() -> str | None:
         out = real_node.kubectl("logs", name, "-n", namespace, check=False)
         return out.stdout if out.returncode == 0 and needle in out.stdout else None
@@ -201,7 +208,7 @@ def test_hugepages_pod_is_admitted_uses_its_hugetlbfs_volume_and_what_its_cgroup
 ) -> None:
     size = 4 * MiB
     script = (
-        f"hugetouch /hp/data {size} && grep -w /hp /proc/mounts && "
+        f"hugetouch /hp/data {size} && grep -w /hp /proc/mounts && echo mounts-listed && "
         "i=0; while [ ! -e /hp/done ] && [ $i -lt 600 ]; do sleep 0.2; i=$((i+1)); done; "
         "[ -e /hp/done ]"
     )
@@ -217,7 +224,8 @@ def test_hugepages_pod_is_admitted_uses_its_hugetlbfs_volume_and_what_its_cgroup
         volumes=[{"name": "hp", "emptyDir": {"medium": "HugePages-2Mi"}}],
     )
     create(real_node, namespace, manifest)
-    log = wait_log(real_node, namespace, "huge", "written and verified")
+    log = wait_log(real_node, namespace, "huge", "mounts-listed")
+    assert "written and verified" in log
     assert "hugetlbfs" in log and "pagesize=2M" in log, log
     obj = pod_json(real_node, namespace, "huge")
     assert obj["status"]["qosClass"] == "Guaranteed"
