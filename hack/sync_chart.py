@@ -10,14 +10,19 @@ script writes them instead:
 - ``deploy/rbac-operator.yaml`` and ``deploy/rbac-agent.yaml`` become
   ``templates/rbac-operator.yaml`` and ``templates/rbac-agent.yaml``: the same documents, rules
   and comments, with the names, the namespace and the labels of the release (Helm expressions),
-  and the admission webhook's rule only when ``webhook.enabled``.
+  and the admission webhook's rule only when ``webhook.enabled``;
+- ``deploy/policy-agent.yaml`` (the ValidatingAdmissionPolicy that holds each agent to its own
+  node) becomes ``templates/policy-agent.yaml`` the same way, the agent ServiceAccount's user
+  name made the release's, the whole file only when ``agent.nodeRestriction.enabled``.
 
 ``--check`` writes nothing and exits 1 naming every file that is not what it would write (the
 test command runs it; tests/test_chart.py also renders the chart and compares the rules).
 
-The RBAC conversion works on lines, not on parsed YAML, so the comments that explain each rule
+The conversion works on lines, not on parsed YAML, so the comments that explain each rule
 survive into the chart. It knows the few shapes deploy/ uses (metadata name/namespace/labels,
-roleRef, subjects, rules) and refuses anything else it would have to guess at.
+roleRef, subjects, rules, a policy's policyName and block scalars, the ServiceAccount's user
+name) and refuses anything else it would have to guess at, such as deploy/'s namespace left
+anywhere else.
 
 Standard library only: it runs before any virtual environment exists.
 """
@@ -54,6 +59,21 @@ class Component:
     source: Path
     target: Path
     service_account: str  # Helm expression for the ServiceAccount's name
+    condition: str = ""  # a value the whole file is rendered under, if any
+
+    @property
+    def user_name(self) -> str:
+        """The ServiceAccount's user name in deploy/ (what a policy matches requests by)."""
+        return f"system:serviceaccount:{DEPLOY_NAMESPACE}:{self.app}"
+
+    @property
+    def chart_user_name(self) -> str:
+        return f"system:serviceaccount:{{{{ .Release.Namespace }}}}:{self.service_account}"
+
+    @property
+    def chart_name(self) -> str:
+        """The name of the chart's objects for what deploy/ names ``app``."""
+        return f"{FULLNAME}-{self.app.removeprefix('offloadpool-')}"
 
 
 COMPONENTS = (
@@ -69,9 +89,18 @@ COMPONENTS = (
         TEMPLATES / "rbac-agent.yaml",
         "{{ .Values.agent.serviceAccountName }}",
     ),
+    Component(
+        "offloadpool-agent",
+        DEPLOY / "policy-agent.yaml",
+        TEMPLATES / "policy-agent.yaml",
+        "{{ .Values.agent.serviceAccountName }}",
+        condition=".Values.agent.nodeRestriction.enabled",
+    ),
 )
 
 _KEY = re.compile(r"^(?P<indent> *)(?P<dash>- )?(?P<key>[A-Za-z./-]+):(?: (?P<value>.*))?$")
+#: a value continued on the lines below (a CEL expression written over several lines)
+_BLOCK_SCALARS = {">", ">-", "|", "|-"}
 
 
 class ShapeError(ValueError):
@@ -79,11 +108,13 @@ class ShapeError(ValueError):
 
 
 def rbac_template(component: Component, text: str) -> str:
-    """The chart template for one deploy/rbac-*.yaml (see the module docstring)."""
+    """The chart template for one deploy/ file (see the module docstring)."""
     out = [
         f"# Generated from deploy/{component.source.name} by hack/sync_chart.py: edit that file, then run",
         "# `python3 hack/sync_chart.py`. The chart renders the same rules (tests/test_chart.py).",
     ]
+    if component.condition:
+        out.append(f"{{{{- if {component.condition} }}}}")
     lines = text.splitlines()
     start = 0
     while start < len(lines) and (lines[start].startswith("#") or not lines[start].strip()):
@@ -92,8 +123,15 @@ def rbac_template(component: Component, text: str) -> str:
     section = ""  # the top-level key the current line is under
     pending_comments: list[str] = []
     open_condition = ""  # the value an open {{ if }} around the current rule tests
+    block_indent = -1  # the indent of the key whose block scalar the next lines may continue
     for number, line in enumerate(lines[start:], start + 1):
         where = f"{component.source.relative_to(REPO)}:{number}"
+        if block_indent >= 0 and line.strip() and len(line) - len(line.lstrip()) > block_indent:
+            out += pending_comments
+            pending_comments = []
+            out.append(_checked(line.replace(component.user_name, component.chart_user_name), where))
+            continue
+        block_indent = -1
         if line == "---":
             out += _close(open_condition) + pending_comments + [line]
             open_condition, pending_comments, kind, section = "", [], "", ""
@@ -124,8 +162,19 @@ def rbac_template(component: Component, text: str) -> str:
         out += pending_comments
         pending_comments = []
         out.append(_line(component, kind, section, line, key, value, where))
+        if value in _BLOCK_SCALARS:
+            block_indent = indent
     out += _close(open_condition) + pending_comments
+    if component.condition:
+        out.append("{{- end }}")
     return "\n".join(out) + "\n"
+
+
+def _checked(line: str, where: str) -> str:
+    """``line``, unless deploy/'s namespace is still in it (the chart's is the release's)."""
+    if DEPLOY_NAMESPACE in line:
+        raise ShapeError(f"{where}: {DEPLOY_NAMESPACE!r} where the chart has no equivalent: {line!r}")
+    return line
 
 
 def _close(condition: str) -> list[str]:
@@ -137,6 +186,8 @@ def _line(
 ) -> str:
     """One line of deploy/ as the chart writes it."""
     indent = line[: len(line) - len(line.lstrip())]
+    if component.user_name in line:
+        return _checked(line.replace(component.user_name, component.chart_user_name), where)
     if key == "namespace" and section in ("metadata", "subjects"):
         if value != DEPLOY_NAMESPACE:
             raise ShapeError(f"{where}: namespace {value!r}, expected {DEPLOY_NAMESPACE!r}")
@@ -145,17 +196,17 @@ def _line(
         if value != component.app:
             raise ShapeError(f"{where}: name {value!r}, expected {component.app!r}")
         account = (section == "metadata" and kind == "ServiceAccount") or section == "subjects"
-        new = (
-            component.service_account
-            if account
-            else f"{FULLNAME}-{component.app.removeprefix('offloadpool-')}"
-        )
+        new = component.service_account if account else component.chart_name
         return line.replace(f"name: {value}", f"name: {new}")
+    if key == "policyName":
+        if value != component.app:
+            raise ShapeError(f"{where}: policyName {value!r}, expected {component.app!r}")
+        return line.replace(f"policyName: {value}", f"policyName: {component.chart_name}")
     if key == "app.kubernetes.io/part-of":
         return f"{indent}{LABELS}"
     if key.startswith("app.kubernetes.io/") and key != "app.kubernetes.io/name":
         raise ShapeError(f"{where}: label {key} has no chart equivalent")
-    return line
+    return _checked(line, where)
 
 
 def expected_files() -> dict[Path, bytes]:

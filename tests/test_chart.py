@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fixtures.operator_process import wait_agent_policy_in_force
 from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,6 +122,50 @@ def test_chart_flowschema_is_the_deploy_flowschema(rendered: list[dict[str, Any]
 
 
 @pytest.mark.controlplane
+def test_chart_agent_policy_is_the_deploy_policy(rendered: list[dict[str, Any]], control_plane: Any) -> None:
+    """The policy that holds each agent to its own node (deploy/policy-agent.yaml) is rendered by
+    default, the same policy for the release's agent ServiceAccount, bound to the release's
+    policy; ``agent.nodeRestriction.enabled=false`` leaves both out."""
+    plain = deploy_docs()
+    for namespace, account, args in (
+        ("offloadpool-system", "offloadpool-agent", []),
+        ("gpu-pools", "kv-agent", ["--set", "agent.serviceAccountName=kv-agent"]),
+    ):
+        docs = (
+            rendered
+            if args == []
+            else docs_of(
+                control_plane.helm("template", "op", str(CHART), "--namespace", namespace, *args).stdout
+            )
+        )
+        policy = by_kind_and_app(docs, "ValidatingAdmissionPolicy", "offloadpool-agent")
+        binding = by_kind_and_app(docs, "ValidatingAdmissionPolicyBinding", "offloadpool-agent")
+        want = by_kind_and_app(plain, "ValidatingAdmissionPolicy", "offloadpool-agent")["spec"]
+        (condition,) = want["matchConditions"]
+        condition["expression"] = condition["expression"].replace(
+            "system:serviceaccount:offloadpool-system:offloadpool-agent",
+            f"system:serviceaccount:{namespace}:{account}",
+        )
+        assert policy["spec"] == want
+        assert (
+            f"'system:serviceaccount:{namespace}:{account}'"
+            in policy["spec"]["matchConditions"][0]["expression"]
+        )
+        assert policy["metadata"]["name"] == "op-agent"
+        assert binding["spec"] == {"policyName": "op-agent", "validationActions": ["Deny"]}
+    off = docs_of(
+        control_plane.helm(
+            "template", "op", str(CHART), "--set", "agent.nodeRestriction.enabled=false"
+        ).stdout
+    )
+    assert not [d for d in off if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    refused = control_plane.helm(
+        "template", "op", str(CHART), "--set", "agent.nodeRestriction=on", check=False
+    )
+    assert refused.returncode != 0 and "nodeRestriction" in refused.stderr, refused.stderr
+
+
+@pytest.mark.controlplane
 def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], control_plane: Any) -> None:
     dep = by_kind_and_app(rendered, "Deployment", "offloadpool-operator")
     assert dep["spec"]["strategy"] == {"type": "Recreate"} and dep["spec"]["replicas"] == 1
@@ -141,6 +186,8 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
         "RoleBinding",
         "Service",
         "ServiceAccount",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
         "ValidatingWebhookConfiguration",
     ]
     peered = docs_of(
@@ -185,6 +232,8 @@ def test_helm_install_into_a_fresh_namespace(crds_installed: Any) -> None:
 
         assert can(agent, "patch", "offloadpoolnodes", "--subresource=status")
         assert not can(agent, "patch", "nodes")
+        # the release's policy holds its agents to their nodes: a token naming none is refused
+        wait_agent_policy_in_force(cp, ns, "offloadpool-agent")
         assert can(operator, "patch", "nodes", "--subresource=status")
         assert can(operator, "create", "daemonsets", "-n", ns)
         assert not can(operator, "create", "daemonsets", "-n", "default")

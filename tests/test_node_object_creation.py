@@ -51,7 +51,7 @@ def test_agent_creates_its_own_the_operator_the_one_left_after_the_grace(
     assert pool_obj is not None
 
     # n0's agent starts and creates its object, with the agent's code and credentials
-    access = KubeAccess(w.agent.api_client, pool, f"{pool}.{with_agent}", NAMESPACE)
+    access = KubeAccess(w.agent(with_agent).api_client, pool, f"{pool}.{with_agent}", NAMESPACE)
     made = access.create_pool_node(pool_obj)
     assert made is not None
     assert made["metadata"]["labels"] == {POOL_NAME_LABEL: pool}

@@ -1,7 +1,8 @@
 """RBAC split, asked of the real authorizer: only the operator writes Nodes; the agent reads
 pools and OffloadPoolNodes, creates OffloadPoolNodes (its own, when it starts) and writes only
-OffloadPoolNode status, Events and its heartbeat Lease (in its own namespace); the operator
-only lists those Leases."""
+OffloadPoolNode status, Events and its heartbeat Lease (in its own namespace), with the verbs it
+uses and no others; the operator only lists those Leases. (Which node's objects an agent may
+write is the admission policy's: tests/test_agent_node_authority.py.)"""
 
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ ALLOWED = [
     (AGENT, "list offloadpoolnodes"),
     (AGENT, "create offloadpoolnodes"),
     (AGENT, "patch offloadpoolnodes --subresource=status"),
-    (AGENT, "update offloadpoolnodes --subresource=status"),
     (AGENT, "create events -n default"),
     (AGENT, f"create leases -n {NAMESPACE}"),
     (AGENT, f"patch leases -n {NAMESPACE}"),
@@ -53,6 +53,11 @@ DENIED = [
     (AGENT, "get secrets -n default"),
     (AGENT, "create leases -n default"),
     (AGENT, f"delete leases -n {NAMESPACE}"),
+    # what the agent never calls (agent/offloadpool/agent/kube.py)
+    (AGENT, "update offloadpoolnodes --subresource=status"),
+    (AGENT, "patch events -n default"),
+    (AGENT, "create events.events.k8s.io -n default"),
+    (AGENT, f"get leases -n {NAMESPACE}"),
     (OPERATOR, f"patch leases -n {NAMESPACE}"),
     (OPERATOR, "patch offloadpoolnodes --subresource=status"),
     (OPERATOR, "create daemonsets -n default"),

@@ -45,6 +45,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from kubernetes import client, watch
 from kubernetes.watch.watch import iter_resp_lines
 from prometheus_client import CollectorRegistry
 
+from fixtures import node_tokens
 from fixtures.cluster import mounts_under, release_everything
 from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import OperatorProcess
@@ -177,15 +179,8 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
     names = [f"scale-{tag}-{i:04d}" for i in range(nodes)]
     pool = cluster.name("scale")
 
-    token = cp.token_for(op.namespace, "offloadpool-agent", expiration_seconds=3600)
-    # the agent's own client configuration (throttled requests sent again, as a real agent's)
-    agent_cfg = kube.configuration(str(cp.kubeconfig_for_token(token, work / "agent.kubeconfig")))
-    # One client per agent, as on a real node: a thousand agent threads sharing one client's
-    # connection pool queue on its lock (and a pool smaller than the threads discards
-    # connections, so requests beyond it pay a new TLS handshake) — the harness's cost, not an
-    # agent's.
-    agent_cfg.connection_pool_maxsize = 2
     agent_apis: list[client.ApiClient] = []
+    tokens: list[node_tokens.NodeToken] = []
     agents: list[Agent] = []
     stop_watch = threading.Event()
     try:
@@ -197,7 +192,22 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
                     "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **label}},
                 }
             )
-        for name in names:
+        # each agent's token names its node, as a kubelet's does (deploy/policy-agent.yaml
+        # refuses an agent's write of any other node's objects): made before the count starts
+        with ThreadPoolExecutor(8) as pool_of_requests:
+            tokens += pool_of_requests.map(
+                lambda n: node_tokens.node_token(cp, core, op.namespace, "offloadpool-agent", n), names
+            )
+        for name, token in zip(names, tokens, strict=True):
+            # the agent's own client configuration (throttled requests sent again, as a real
+            # agent's); one client per agent, as on a real node: a thousand agent threads
+            # sharing one client's connection pool queue on its lock (and a pool smaller than
+            # the threads discards connections, so requests beyond it pay a new TLS handshake)
+            # — the harness's cost, not an agent's.
+            agent_cfg = kube.configuration(
+                str(cp.kubeconfig_for_token(token.token, work / f"{name}.kubeconfig"))
+            )
+            agent_cfg.connection_pool_maxsize = 2
             agent_apis.append(client.ApiClient(agent_cfg))
             access = kube.KubeAccess(agent_apis[-1], pool, f"{pool}.{name}", op.namespace)
             agents.append(
@@ -336,6 +346,7 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
         try:
             cluster.delete_pools()  # a pool the test did not see deleted: finalizer stripped
+            node_tokens.end(core, tokens)
             for name in names:
                 try:
                     core.delete_node(name)
