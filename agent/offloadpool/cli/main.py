@@ -31,7 +31,7 @@ def default_root() -> str:
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
-    from offloadpool.api.media import LAYOUTS, MEDIA
+    from offloadpool.api.media import LAYOUTS, MEDIA, SCRUB_POLICIES
 
     g = p.add_argument_group("pool fields (override the file)")
     g.add_argument("--name")
@@ -47,6 +47,11 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uid", type=int)
     g.add_argument("--gid", type=int)
     g.add_argument("--mode", help='file mode, e.g. "0660"')
+    g.add_argument(
+        "--scrub",
+        choices=SCRUB_POLICIES,
+        help="when to zero the memory before another consumer gets it (default OnConsumerChange)",
+    )
     g.add_argument("--engine-id", help="also expose vllm_offload_<ID>.mmap for stock vLLM")
 
 
