@@ -235,7 +235,7 @@ class _Zeroing:
                     return
                 first = run[0]
                 length = sum(u.bytes for u in run)
-                self.zero(first.segment, first.offset, length)
+                self.zero_run(first.segment, first.offset, length)
                 with self.lock:
                     self.done += length
                     done = self.done
@@ -245,7 +245,7 @@ class _Zeroing:
             self.errors.append(exc)
             self.stop.set()
 
-    def zero(self, segment: int, offset: int, length: int) -> None:
+    def zero_run(self, segment: int, offset: int, length: int) -> None:
         addr = self.maps[segment][0] + offset
         if self.method == "memset":
             vm.memset(addr, 0, length)
