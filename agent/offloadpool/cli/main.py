@@ -6,6 +6,7 @@
     offloadpool demo [--capacity SIZE] [--keep]
     offloadpool bench populate [--capacity SIZE] [--ranks R] [--reps N] [--json]
     offloadpool bench startup [--capacity SIZE] [--reps N] [--backend B] [--json]
+    offloadpool bench scrub [--capacity SIZE] [--reps N] [--media M,...] [--json]
     offloadpool hold-lease POOL_DIR [--ready-file PATH]   (the webhook's lease sidecar)
 
 Exit codes: 0 done, 1 error (message on stderr), 2 bad usage/input, 3 the pool is held by an
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     from offloadpool.bench.startup import add_arguments as add_startup_arguments
 
     add_startup_arguments(bs)
+    bz = bsub.add_parser("scrub", help="zeroing a pool (each scrub method) against its pre-fault")
+    from offloadpool.bench.scrub import add_arguments as add_scrub_arguments
+
+    add_scrub_arguments(bz)
 
     h = sub.add_parser(
         "hold-lease", help="hold a pool's shared lease until SIGTERM (the pod's lease sidecar)"
@@ -146,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             from offloadpool.bench.startup import run_cli as startup_cli
 
             return startup_cli(args)
+        if args.command == "bench" and args.bench == "scrub":
+            from offloadpool.bench.scrub import run_cli as scrub_cli
+
+            return scrub_cli(args)
         if args.command == "bench":
             from offloadpool.bench.populate import run_cli
 
