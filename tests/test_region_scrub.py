@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fixtures.host import cli
+from offloadpool.region import mounts
 from offloadpool.region import record as records
 from offloadpool.region.manifest import MANIFEST_NAME
 from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.scrub import Due, scrub_needed
 from offloadpool.region.status import pool_state
@@ -78,12 +83,25 @@ def tenant(op: str, pool_dir: Path, uid: int, **kw):
     return json.loads(out.stdout)
 
 
-def traversable(root: Path) -> None:
-    """Let other uids reach the pool directories (pytest makes its temporary dirs 0700)."""
-    for p in (root, *root.parents):
-        if p == Path("/tmp") or p == Path("/"):
-            break
-        os.chmod(p, os.stat(p).st_mode | 0o111)
+@pytest.fixture
+def shared_root(hugepage_baseline: dict) -> Iterator[Path]:
+    """A pool root other uids can reach. Not under pytest's temporary tree: pytest makes
+    ``/tmp/pytest-of-root`` 0700 again whenever a session starts (another run on the machine)."""
+    base = Path(tempfile.mkdtemp(prefix="offloadpool-scrub-"))
+    os.chmod(base, 0o711)
+    root = base / "root"
+    root.mkdir(mode=0o755)
+    try:
+        yield root
+    finally:
+        for child in root.iterdir():
+            try:
+                release(root, child.name, force=True)
+            except Exception:  # the raw cleanup below
+                pass
+        for m in reversed(mounts.mounts_under(base)):
+            mounts.umount(m.target, lazy=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def provision(root: Path, medium: str, uid: int, scrub: str, *extra: str, check: bool = True):
@@ -140,16 +158,15 @@ MEDIA = ("Memory", "HugePages-2Mi", "MemoryTHP")
     ],
 )
 @pytest.mark.parametrize("medium", MEDIA)
-def test_what_the_next_consumer_reads(region_root, medium, policy, next_uid, zeroed):
-    traversable(region_root)
-    pool_dir = region_root / NAME
-    provision(region_root, medium, A, policy)
+def test_what_the_next_consumer_reads(shared_root, medium, policy, next_uid, zeroed):
+    pool_dir = shared_root / NAME
+    provision(shared_root, medium, A, policy)
     tenant("write", pool_dir, A)  # A attaches, writes, exits
     assert all(r["patterns"] == 3 for r in tenant("read", pool_dir, A))
     before, used = files(pool_dir), used_bytes(pool_dir / "mnt")
     assert used >= 64 * MiB
 
-    result = json.loads(provision(region_root, medium, next_uid, policy).stdout)
+    result = json.loads(provision(shared_root, medium, next_uid, policy).stdout)
 
     assert result["reused"], "the region is reused, never rebuilt, for a consumer change"
     seen = tenant("read", pool_dir, next_uid)
@@ -167,19 +184,18 @@ def test_what_the_next_consumer_reads(region_root, medium, policy, next_uid, zer
     rec = records.load(pool_dir)
     assert rec is not None and rec.scrub_pending == "" and rec.consumer["uid"] == next_uid
     assert load_manifest(pool_dir).uid == next_uid
-    assert bool(rec.scrub) == zeroed and pool_state(region_root, NAME).phase == "Ready"
+    assert bool(rec.scrub) == zeroed and pool_state(shared_root, NAME).phase == "Ready"
 
 
 @pytest.mark.parametrize("medium", ("Memory", "HugePages-2Mi"))
-def test_scrub_waits_for_holders_and_withholds_the_pool(region_root, medium):
-    traversable(region_root)
-    pool_dir = region_root / NAME
-    provision(region_root, medium, A, "OnConsumerChange")
+def test_scrub_waits_for_holders_and_withholds_the_pool(shared_root, medium):
+    pool_dir = shared_root / NAME
+    provision(shared_root, medium, A, "OnConsumerChange")
     tenant("write", pool_dir, A)
     holder = tenant("hold", pool_dir, A)
     assert holder.stdout.readline().strip() == "held"
 
-    refused = provision(region_root, medium, B, "OnConsumerChange", check=False)
+    refused = provision(shared_root, medium, B, "OnConsumerChange", check=False)
 
     assert refused.returncode == 3, refused.stderr  # held: nothing touched, the change pending
     assert "consumers changed (uid 1001 -> 1002" in refused.stderr
@@ -189,7 +205,7 @@ def test_scrub_waits_for_holders_and_withholds_the_pool(region_root, medium):
     assert {v[3:] for v in files(pool_dir).values()} == {(0, 0o600)}
     assert all(r.get("denied") for r in tenant("read", pool_dir, B)), "B opened A's memory"
     assert all(r.get("denied") for r in tenant("read", pool_dir, A)), "withheld from new opens"
-    state = pool_state(region_root, NAME)
+    state = pool_state(shared_root, NAME)
     assert state.phase == "Scrubbing" and "consumers changed" in state.message
     rec = records.load(pool_dir)
     assert rec is not None and rec.scrub_pending.startswith("consumers changed")
@@ -197,40 +213,38 @@ def test_scrub_waits_for_holders_and_withholds_the_pool(region_root, medium):
     # the holder leaves: the next provision zeroes and hands the pool to B
     holder.stdin.close()
     holder.wait(timeout=30)
-    provision(region_root, medium, B, "OnConsumerChange")
+    provision(shared_root, medium, B, "OnConsumerChange")
     assert all(r["zero"] for r in tenant("read", pool_dir, B))
     assert load_manifest(pool_dir).uid == B
     assert records.load(pool_dir).scrub_pending == ""
 
 
-def test_always_leaves_an_attached_tenancy_alone(region_root):
+def test_always_leaves_an_attached_tenancy_alone(shared_root):
     """Always zeroes between holders, never under one: a provision while A is attached keeps A's data."""
-    traversable(region_root)
-    pool_dir = region_root / NAME
-    provision(region_root, "Memory", A, "Always")
+    pool_dir = shared_root / NAME
+    provision(shared_root, "Memory", A, "Always")
     tenant("write", pool_dir, A)
     holder = tenant("hold", pool_dir, A)
     assert holder.stdout.readline().strip() == "held"
-    provision(region_root, "Memory", A, "Always")
+    provision(shared_root, "Memory", A, "Always")
     assert all(r["patterns"] == 3 for r in tenant("read", pool_dir, A))
     assert (pool_dir / MANIFEST_NAME).exists()
     holder.stdin.close()
     holder.wait(timeout=30)
-    provision(region_root, "Memory", A, "Always")
+    provision(shared_root, "Memory", A, "Always")
     assert all(r["zero"] for r in tenant("read", pool_dir, A))
 
 
 @pytest.mark.parametrize("point", ["scrub:zeroed-run", "scrub:zeroed"])
 @pytest.mark.parametrize("medium", ("Memory", "HugePages-2Mi"))
-def test_kill_mid_scrub_leaves_the_pool_withheld_until_the_next_provision(region_root, medium, point):
-    traversable(region_root)
-    pool_dir = region_root / NAME
-    provision(region_root, medium, A, "OnConsumerChange")
+def test_kill_mid_scrub_leaves_the_pool_withheld_until_the_next_provision(shared_root, medium, point):
+    pool_dir = shared_root / NAME
+    provision(shared_root, medium, A, "OnConsumerChange")
     tenant("write", pool_dir, A)
     args = [
         "provision",
         "--root",
-        str(region_root),
+        str(shared_root),
         "--name",
         NAME,
         "--capacity",
@@ -259,7 +273,7 @@ def test_kill_mid_scrub_leaves_the_pool_withheld_until_the_next_provision(region
     assert rec is not None and rec.scrub_pending.startswith("consumers changed")
     if point == "scrub:zeroed-run":  # killed after one of four files: A's bytes are still there
         assert sum(r["patterns"] for r in tenant("read", pool_dir, 0)) == 9
-    assert pool_state(region_root, NAME).phase == "Scrubbing"
+    assert pool_state(shared_root, NAME).phase == "Scrubbing"
 
     result = json.loads(cli(*args, "--json").stdout)
     assert result["reused"] and not result["rebuilt"]
@@ -267,10 +281,9 @@ def test_kill_mid_scrub_leaves_the_pool_withheld_until_the_next_provision(region
     assert load_manifest(pool_dir).uid == B and records.load(pool_dir).scrub_pending == ""
 
 
-def test_a_pool_re_created_over_a_retained_region_is_zeroed(region_root, tmp_path):
+def test_a_pool_re_created_over_a_retained_region_is_zeroed(shared_root, tmp_path):
     """Same name, same consumer, another OffloadPool (metadata.uid): the memory is not its."""
-    traversable(region_root)
-    pool_dir = region_root / NAME
+    pool_dir = shared_root / NAME
 
     def pool_file(uid: str) -> str:
         path = tmp_path / f"{uid}.yaml"
@@ -291,11 +304,11 @@ def test_a_pool_re_created_over_a_retained_region_is_zeroed(region_root, tmp_pat
         )
         return str(path)
 
-    cli("provision", "--root", str(region_root), "-f", pool_file("3f0c-old"))
+    cli("provision", "--root", str(shared_root), "-f", pool_file("3f0c-old"))
     tenant("write", pool_dir, A)
-    cli("provision", "--root", str(region_root), "-f", pool_file("3f0c-old"))
+    cli("provision", "--root", str(shared_root), "-f", pool_file("3f0c-old"))
     assert all(r["patterns"] == 3 for r in tenant("read", pool_dir, A)), "the same pool keeps its memory"
-    cli("provision", "--root", str(region_root), "-f", pool_file("9a1d-new"))
+    cli("provision", "--root", str(shared_root), "-f", pool_file("9a1d-new"))
     assert all(r["zero"] for r in tenant("read", pool_dir, A))
     rec = records.load(pool_dir)
     assert rec is not None and "re-created over a retained region" in rec.scrub["reason"]
@@ -320,8 +333,10 @@ BASE = PoolRequest(name="p", capacity=64 * MiB, uid=A, gid=A, consumer_namespace
     [
         ({"uid": B}, "OnConsumerChange", True),
         ({"gid": B}, "OnConsumerChange", True),
-        ({"mode": 0o666}, "OnConsumerChange", True),
+        ({"mode": 0o666}, "OnConsumerChange", True),  # others may read now
+        ({"mode": 0o600}, "OnConsumerChange", None),  # narrowing: no one new gets it
         ({"consumer_namespaces": "team-b"}, "OnConsumerChange", True),
+        ({"consumer_namespaces": "team-a,team-b"}, "OnConsumerChange", True),
         ({"consumer_namespaces": None}, "OnConsumerChange", True),  # any namespace now
         ({"pool_uid": "u2"}, "OnConsumerChange", True),
         ({"uid": B}, "Always", True),
@@ -348,6 +363,10 @@ def test_scrub_needed_pending_and_old_records():
     assert old.consumer is None
     assert scrub_needed(old, replace(BASE, uid=B)) is not None
     assert scrub_needed(old, replace(BASE, pool_uid="u2")) is None  # unknown then: not compared
+    # fewer namespaces than before: the same consumers
+    wide = _record(BASE, consumer={"namespaces": "team-a,team-b"})
+    assert scrub_needed(wide, BASE) is None
+    assert scrub_needed(_record(BASE, consumer={"namespaces": None}), BASE) is None
     # memory never handed out (an interrupted first build) is fresh
     fresh = _record(BASE, phase="Populating")
     assert scrub_needed(fresh, replace(BASE, uid=B, scrub="Always")) is None

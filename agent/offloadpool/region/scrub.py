@@ -5,8 +5,10 @@ exits; handed to the next tenant as it is, the next tenant reads it. The node ze
 when the request says the memory is for someone else (``scrub_needed``, a pure decision from
 the record and the request):
 
-* the consumers changed (uid, gid, mode or namespaces: who may open the files or get the
-  mount), or the pool was re-created over a retained region (another OffloadPool uid) —
+* the consumers changed so that someone new can reach the memory (another uid or gid, mode
+  bits or namespaces added: who may open the files or get the mount; bits or namespaces only
+  removed hand it to no one new), or the pool was re-created over a retained region (another
+  OffloadPool uid) —
   unless the policy is ``Never``; such a scrub is *owed*: the pool is not handed out until it
   is done, however long its holders stay;
 * policy ``Always``: the region is handed out again after its holders left (every provision
@@ -147,6 +149,21 @@ def _show(field: str, value: Any) -> str:
     return str(value)
 
 
+def _widens(field: str, last: Any, now: Any) -> bool:
+    """Whether ``now`` lets someone reach the memory whom ``last`` did not.
+
+    Mode bits and namespaces only narrowing (0660 -> 0600; [a, b] -> [a]) hand the memory to
+    no one new: the same consumers keep it, and a narrowing applies in place even while held.
+    """
+    if field == "mode" and isinstance(last, int) and isinstance(now, int):
+        return bool(now & ~last & 0o066)  # group/other read or write bits it lacked
+    if field == "namespaces":
+        if now is None or last is None:
+            return now is None and last is not None  # "any namespace" now, a list before
+        return not set(str(now).split(",")) <= set(str(last).split(","))
+    return bool(last != now)
+
+
 def scrub_needed(rec: records.Record, req: PoolRequest) -> Due | None:
     """Whether the memory in ``rec`` must be zeroed before ``req`` gets it, and why.
 
@@ -162,7 +179,7 @@ def scrub_needed(rec: records.Record, req: PoolRequest) -> Due | None:
     if last is None:
         return None
     now = identity(req)
-    changed = [f for f in IDENTITY_FIELDS if f in last and f in now and last[f] != now[f]]
+    changed = [f for f in IDENTITY_FIELDS if f in last and f in now and _widens(f, last[f], now[f])]
     if "pool_uid" in changed:
         return Due(
             f"the pool was re-created over a retained region (pool uid {now['pool_uid']}, "
