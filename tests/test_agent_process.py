@@ -9,11 +9,13 @@ engines counted from the lease, deletion waiting for the lease, Failed with the 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -455,3 +457,126 @@ def test_agent_waits_for_a_lockless_holder_in_another_mount_namespace(
     stop(holder)
     wait_for("Released", lambda: status(env, name).get("phase") == "Released", timeout=30)
     assert not mounts_under(env["root"]) and not pool_dir.exists()
+
+
+def phases_seen(env: dict[str, Any], name: str) -> tuple[list[tuple[str, str, int]], threading.Event]:
+    """Every (phase, reason, progress) the OffloadPoolNode's status goes through, from a watch
+    (a scrub of a small pool is over long before a poll would see it); set the event to stop."""
+    from kubernetes import watch
+
+    seen: list[tuple[str, str, int]] = []
+    stop = threading.Event()
+    rv = env["custom"].get_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", name)["metadata"][
+        "resourceVersion"
+    ]
+
+    def run() -> None:
+        w = watch.Watch()
+        for event in w.stream(
+            env["custom"].list_cluster_custom_object,
+            GROUP,
+            VERSION,
+            "offloadpoolnodes",
+            field_selector=f"metadata.name={name}",
+            resource_version=rv,
+            timeout_seconds=120,
+        ):
+            st = event["object"].get("status") or {}
+            seen.append((st.get("phase"), st.get("reason"), st.get("progress")))
+            if stop.is_set():
+                break
+        w.stop()
+
+    threading.Thread(target=run, daemon=True).start()
+    return seen, stop
+
+
+def write_pattern(pool_dir: Path) -> None:
+    """A tenant's data at the start of every segment file."""
+    for seg in sorted((pool_dir / "mnt").iterdir()):
+        fd = os.open(seg, os.O_RDWR)
+        m = mmap.mmap(fd, os.fstat(fd).st_size)
+        m[: 8 * 512] = b"TENANT-A" * 512
+        m.close()
+        os.close(fd)
+
+
+def all_zero(pool_dir: Path) -> bool:
+    for seg in sorted((pool_dir / "mnt").iterdir()):
+        fd = os.open(seg, os.O_RDONLY)
+        m = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+        zero = m[:].count(0) == len(m)
+        m.close()
+        os.close(fd)
+        if not zero:
+            return False
+    return True
+
+
+def test_a_consumer_change_is_scrubbed_once_the_holder_leaves(env: dict[str, Any]) -> None:
+    """spec.consumers.uid changes while an engine holds the pool: Pending (ScrubPending), the
+    pool withheld and its memory untouched; once the engine leaves: Scrubbing, then Ready with
+    every byte zero for the new consumer."""
+    pool, node = "agent-scrub", "node-s"
+    spec = {"capacity": "64Mi", "medium": "Memory", "segments": {"minSize": "16Mi"}}
+    spec["consumers"] = {"uid": 1001}
+    create(env, pool, node, spec)
+    name = f"{pool}.{node}"
+    start_agent(env, pool, node)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    pool_dir = env["root"] / pool
+    write_pattern(pool_dir)
+    engine = hold_lease(env, pool_dir)
+    seen, stop = phases_seen(env, name)
+
+    env["custom"].patch_cluster_custom_object(
+        GROUP, VERSION, "offloadpools", pool, {"spec": {"consumers": {"uid": 1002}}}
+    )
+    st = wait_for(
+        "ScrubPending", lambda: (s := status(env, name)).get("reason") == "ScrubPending" and s, timeout=30
+    )
+    assert st["phase"] == "Pending" and "consumers changed (uid 1001 -> 1002)" in st["message"]
+    assert not (pool_dir / "manifest.json").exists() and not all_zero(pool_dir)
+
+    engine.kill()
+    engine.wait(10)
+    st = wait_for(
+        "Ready at generation 2",
+        lambda: (s := status(env, name)).get("phase") == "Ready" and s.get("observedGeneration") == 2 and s,
+        timeout=60,
+    )
+    stop.set()
+    assert "zeroed first" in st["message"]
+    assert ("Scrubbing", "Scrubbing", 0) in seen, seen
+    assert seen.index(("Scrubbing", "Scrubbing", 0)) > [p for p, _, _ in seen].index("Pending")
+    assert all_zero(pool_dir)
+    assert {os.stat(p).st_uid for p in (pool_dir / "mnt").iterdir()} == {1002}
+
+
+def test_scrub_always_zeroes_when_the_last_engine_leaves(env: dict[str, Any]) -> None:
+    pool, node = "agent-always", "node-a"
+    spec = {
+        "capacity": "64Mi",
+        "medium": "Memory",
+        "segments": {"minSize": "16Mi"},
+        "consumers": {"scrub": "Always"},
+    }
+    create(env, pool, node, spec)
+    name = f"{pool}.{node}"
+    start_agent(env, pool, node)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    pool_dir = env["root"] / pool
+    engine = hold_lease(env, pool_dir)
+    wait_for("enginesAttached 1", lambda: status(env, name).get("enginesAttached") == 1, timeout=30)
+    write_pattern(pool_dir)
+    time.sleep(2.5)  # heartbeats with the engine attached: its data stays
+    assert not all_zero(pool_dir)
+    seen, stop = phases_seen(env, name)
+
+    engine.kill()
+    engine.wait(10)
+    wait_for("zeroed", lambda: all_zero(pool_dir), timeout=30)
+    wait_for("Ready again", lambda: status(env, name).get("phase") == "Ready" and len(seen) >= 2, timeout=30)
+    stop.set()
+    assert "Scrubbing" in [p for p, _, _ in seen], seen
+    assert (pool_dir / "manifest.json").exists()

@@ -36,6 +36,7 @@ from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.scrub import ScrubPending
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,10 @@ class Agent:
         self._failures = 0
         self._renewed = float("-inf")
         self.thread: threading.Thread | None = None
+        #: engines attached at the last heartbeat (scrub Always: provision again when they left)
+        self._attached = 0
+        #: the provision in progress zeroed the memory (said Scrubbing)
+        self._scrubbed = False
 
     # -- pool directory ----------------------------------------------------------------------
     @property
@@ -372,6 +377,7 @@ class Agent:
 
     def _beat(self, **fields: Any) -> None:
         n = self.engines_attached()
+        self._attached = n
         self.metrics.engines(n)
         # the object as read this step lost what we wrote (re-created by the operator, edited
         # by hand): write all of it again, not just what changed
@@ -424,9 +430,14 @@ class Agent:
             and self.status.phase == "Ready"
             and self.status.exists
         ):
+            attached = self._attached
             self._beat()
-            return self.heartbeat_seconds
+            if req.scrub != "Always" or not attached or self._attached:
+                return self.heartbeat_seconds
+            # scrub Always: the last holder left; provision again now, which zeroes the memory
+            # before anything attaches next (region.scrub)
         self.released = False
+        self._scrubbed = False
         try:
             # no status before the engine says it builds: a region that is reused, or that an
             # engine holds, must never show "Provisioning" (the memory is not being touched)
@@ -438,7 +449,8 @@ class Agent:
                 on_phase=lambda phase: self._on_phase(phase, req),
             )
         except LeaseHeld as exc:
-            # a newer spec cannot replace a region an engine holds: keep the old one, say why
+            # a newer spec cannot replace a region an engine holds: keep the old one, say why;
+            # a scrub owed to new consumers withheld the region (no manifest): Pending
             self.metrics.error("LeaseHeld")
             old = self._manifest()
             fields: dict[str, Any] = {}
@@ -446,7 +458,7 @@ class Agent:
                 fields = dict(bytes_total=old.total_bytes, bytes_populated=old.total_bytes, progress=100)
             self._phase(
                 "Ready" if old is not None else "Pending",
-                reason="LeaseHeld",
+                reason="ScrubPending" if isinstance(exc, ScrubPending) else "LeaseHeld",
                 message=f"generation {req.generation} pending: {exc}",
                 pending_generation=req.generation,
                 observed_generation=old.generation if old else None,
@@ -470,6 +482,8 @@ class Agent:
         self._failures = 0
         if result.reused:
             message = f"validated the existing region ({total} bytes); nothing re-populated"
+            if self._scrubbed:
+                message += "; zeroed first for its new consumers (scrub)"
         else:
             message = (
                 f"populated {result.populated_bytes} bytes in {result.seconds:.2f} s "
@@ -556,7 +570,7 @@ class Agent:
         self.status.set(phase=phase, defer=defer, **fields)
 
     def _on_phase(self, phase: str, req: PoolRequest) -> None:
-        """The engine's own phase changes (Provisioning, Populating, Ready) as they happen.
+        """The engine's own phase changes (Provisioning, Populating, Scrubbing, Ready) as they happen.
 
         Provisioning and Populating are transient: recorded now (metrics, readiness), written
         only if they last ``progress_interval`` (StatusWriter ``defer``), so a small pool that
@@ -576,11 +590,23 @@ class Agent:
             )
         elif phase == "Populating" and self.status.phase != "Populating":
             self._phase("Populating", defer=True)
+        elif phase == "Scrubbing":
+            # written at once, unlike the two above: rare (consumers changed), and it says the
+            # region is withheld from engines until its memory is zero
+            self._scrubbed = True
+            self._phase(
+                "Scrubbing",
+                reason="Scrubbing",
+                message="zeroing the memory before it is handed out again",
+                bytes_total=req.capacity,
+                bytes_populated=req.capacity,
+                progress=0,
+            )
 
     def _progress(self, done: int, total: int) -> None:
         self.last_tick = time.monotonic()
         self.metrics.progress(done, total)
-        if self.status.phase != "Populating":
+        if self.status.phase not in ("Populating", "Scrubbing"):
             self.metrics.phase("Populating")
         self.status.progress(done, total)
 

@@ -17,7 +17,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-PHASES = ("Pending", "Provisioning", "Populating", "Ready", "Draining", "Released", "Failed")
+PHASES = ("Pending", "Provisioning", "Populating", "Scrubbing", "Ready", "Draining", "Released", "Failed")
 
 
 class AgentMetrics:

@@ -127,11 +127,16 @@ class StatusWriter:
         return self._flush(full=full)
 
     def progress(self, done: int, total: int) -> None:
-        """Populate progress from a worker thread: recorded at once, written by the flusher
-        thread at most every ``progress_interval`` seconds."""
+        """Populate (or scrub) progress from a worker thread: recorded at once, written by the
+        flusher thread at most every ``progress_interval`` seconds. While Scrubbing every page
+        stays populated: only ``progress`` moves (the share zeroed)."""
         pct = int(done * 100 // total) if total else 0
-        patch = status_patch(bytes_populated=int(min(done, total)), bytes_total=int(total), progress=pct)
         with self._lock:
+            if self.phase == "Scrubbing":
+                self._dirty.update(status_patch(progress=pct))
+                self._defer()
+                return
+            patch = status_patch(bytes_populated=int(min(done, total)), bytes_total=int(total), progress=pct)
             self._dirty.update(patch)
             if self.phase != "Populating":
                 self.phase = "Populating"

@@ -17,13 +17,17 @@ Medium = Literal["HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"]
 LayoutType = Literal["Replicated", "PerRank", "Interleaved"]
 NumaPolicy = Literal["None", "Interleave", "Spread"]
 ReclaimPolicy = Literal["Delete", "Retain"]
-NodePhase = Literal["Pending", "Provisioning", "Populating", "Ready", "Draining", "Released", "Failed"]
+ScrubPolicy = Literal["OnConsumerChange", "Always", "Never"]
+NodePhase = Literal[
+    "Pending", "Provisioning", "Populating", "Scrubbing", "Ready", "Draining", "Released", "Failed"
+]
 
 MEDIA: tuple[str, ...] = get_args(Medium)
 LAYOUTS: tuple[str, ...] = get_args(LayoutType)
 NUMA_POLICIES: tuple[str, ...] = get_args(NumaPolicy)
 RECLAIM_POLICIES: tuple[str, ...] = get_args(ReclaimPolicy)
 NODE_PHASES: tuple[str, ...] = get_args(NodePhase)
+SCRUB_POLICIES: tuple[str, ...] = get_args(ScrubPolicy)
 
 PAGE_SIZES: dict[str, int] = {
     "HugePages-2Mi": 2 * 1024**2,

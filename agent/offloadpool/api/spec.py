@@ -22,6 +22,7 @@ from offloadpool.region.request import (
     DEFAULT_MEDIUM,
     DEFAULT_MIN_SEGMENT,
     DEFAULT_NUMA,
+    DEFAULT_SCRUB,
     DEFAULT_VLLM_SEGMENTS,
     MAX_FILES_LIMIT,
 )
@@ -30,7 +31,7 @@ from offloadpool.region.request import (
 )
 
 from .base import Quantity, SpecModel
-from .media import LayoutType, Medium, NumaPolicy, ReclaimPolicy, is_hugetlbfs, page_size
+from .media import LayoutType, Medium, NumaPolicy, ReclaimPolicy, ScrubPolicy, is_hugetlbfs, page_size
 from .quantity import format_quantity, parse_quantity
 
 # The defaults the node engine also applies are the engine's own constants (imported, never
@@ -113,6 +114,10 @@ class ConsumersSpec(SpecModel):
     uid: int = Field(default=DEFAULT_UID, ge=0, le=MAX_ID)
     gid: int = Field(default=DEFAULT_GID, ge=0, le=MAX_ID)
     mode: str = Field(default=DEFAULT_MODE, pattern=r"^0[0-7]{3}$")
+    #: When the node zeroes the memory before another consumer can map it
+    #: (``offloadpool.region.scrub``); OnConsumerChange also covers a pool re-created over a
+    #: retained region.
+    scrub: ScrubPolicy = DEFAULT_SCRUB
 
     @field_validator("namespaces")
     @classmethod

@@ -30,6 +30,7 @@ POOL_FLAGS = (
     "uid",
     "gid",
     "mode",
+    "scrub",
     "engine_id",
 )
 

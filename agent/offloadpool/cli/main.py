@@ -6,6 +6,7 @@
     offloadpool demo [--capacity SIZE] [--keep]
     offloadpool bench populate [--capacity SIZE] [--ranks R] [--reps N] [--json]
     offloadpool bench startup [--capacity SIZE] [--reps N] [--backend B] [--json]
+    offloadpool bench scrub [--capacity SIZE] [--reps N] [--media M,...] [--json]
     offloadpool hold-lease POOL_DIR [--ready-file PATH]   (the webhook's lease sidecar)
 
 Exit codes: 0 done, 1 error (message on stderr), 2 bad usage/input, 3 the pool is held by an
@@ -31,7 +32,7 @@ def default_root() -> str:
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
-    from offloadpool.api.media import LAYOUTS, MEDIA
+    from offloadpool.api.media import LAYOUTS, MEDIA, SCRUB_POLICIES
 
     g = p.add_argument_group("pool fields (override the file)")
     g.add_argument("--name")
@@ -47,6 +48,11 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uid", type=int)
     g.add_argument("--gid", type=int)
     g.add_argument("--mode", help='file mode, e.g. "0660"')
+    g.add_argument(
+        "--scrub",
+        choices=SCRUB_POLICIES,
+        help="when to zero the memory before another consumer gets it (default OnConsumerChange)",
+    )
     g.add_argument("--engine-id", help="also expose vllm_offload_<ID>.mmap for stock vLLM")
 
 
@@ -95,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     from offloadpool.bench.startup import add_arguments as add_startup_arguments
 
     add_startup_arguments(bs)
+    bz = bsub.add_parser("scrub", help="zeroing a pool (each scrub method) against its pre-fault")
+    from offloadpool.bench.scrub import add_arguments as add_scrub_arguments
+
+    add_scrub_arguments(bz)
 
     h = sub.add_parser(
         "hold-lease", help="hold a pool's shared lease until SIGTERM (the pod's lease sidecar)"
@@ -141,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             from offloadpool.bench.startup import run_cli as startup_cli
 
             return startup_cli(args)
+        if args.command == "bench" and args.bench == "scrub":
+            from offloadpool.bench.scrub import run_cli as scrub_cli
+
+            return scrub_cli(args)
         if args.command == "bench":
             from offloadpool.bench.populate import run_cli
 

@@ -52,6 +52,7 @@ def pool_from_flags(base: dict[str, Any] | None, **flags: Any) -> OffloadPool:
         ("uid", "consumers", "uid"),
         ("gid", "consumers", "gid"),
         ("mode", "consumers", "mode"),
+        ("scrub", "consumers", "scrub"),
     ):
         if flags.get(flag) is not None:
             nested(section)[key] = flags[flag]

@@ -60,6 +60,10 @@ def populate_bar(console: Console, label: str) -> Iterator[tuple]:
                     bar.update(task, completed=done, total=total)
 
         def phase(name: str) -> None:
+            if name == "Scrubbing":  # counts again from 0: the bytes zeroed
+                with lock:
+                    best[0] = 0
+                    bar.update(task, completed=0)
             bar.update(task, description=f"{label}: {name}")
 
         yield progress, phase

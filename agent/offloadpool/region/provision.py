@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import capacity, hugepages, layout_files, locks, mounts, numa
+from offloadpool.region import capacity, hugepages, layout_files, locks, mounts, numa, scrub
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.holders import exclusive_unused
@@ -167,7 +167,7 @@ def provision(
     rec = records.load(pool_dir) if pool_dir.is_dir() else None
     if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase in ("Ready", "Populating"):
         with locks.pool_dir_lock(pool_dir):
-            reused = _reuse(pool_dir, plan, req, t0)
+            reused = _reuse(pool_dir, plan, req, t0, progress, say)
         if reused is not None:
             say("Ready")
             return reused
@@ -219,11 +219,31 @@ def _finished_but_unrecorded(pool_dir: Path, plan: Plan, rec: records.Record) ->
     return populated_bytes(pool_dir, units(plan.segments, plan.page_size)) == plan.total_bytes
 
 
-def _reuse(pool_dir: Path, plan: Plan, req: PoolRequest, t0: float) -> ProvisionResult | None:
+def _reuse(
+    pool_dir: Path,
+    plan: Plan,
+    req: PoolRequest,
+    t0: float,
+    progress: Progress | None = None,
+    say: PhaseCallback = lambda phase: None,
+    lease_held: bool = False,  # the caller holds the exclusive lease (``_build``)
+) -> ProvisionResult | None:
     _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
     if rec is None or not (rec.phase == "Ready" or _finished_but_unrecorded(pool_dir, plan, rec)):
         return None
+    # -- scrub hook (no bytes cross consumers): zero the memory first when due ----------------
+    scrub.before_reuse(
+        pool_dir,
+        plan,
+        req,
+        rec,
+        restore_manifest=lambda: _manifest(req, plan, None, rec).write(pool_dir),
+        progress=progress,
+        say=say,
+        lease_held=lease_held,
+    )
+    # -- end of scrub hook ------------------------------------------------------------------
     if _validate_ready(pool_dir, plan) is not None:
         return None
     if rec.phase != "Ready":
@@ -284,7 +304,7 @@ def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
     rebuilt = False
     if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == "Ready":
         if _validate_ready(pool_dir, plan) is None:  # another provisioner finished meanwhile
-            reused = _reuse(pool_dir, plan, req, t0)
+            reused = _reuse(pool_dir, plan, req, t0, opts.progress, say, lease_held=True)
             if reused is not None:
                 return reused
     if rec is not None and (
@@ -353,6 +373,8 @@ def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
         "populated_bytes": stats.populated_bytes,
         "skipped_bytes": stats.skipped_bytes,
     }
+    # -- scrub hook: memory handed out before (an interrupted run) is zeroed first when due --
+    scrub.before_hand_out(pool_dir, plan, req, rec, progress=opts.progress, say=say)
     compat = layout_files.sync_compat(pool_dir, plan, req)
     manifest = _manifest(req, plan, compat, rec)
     manifest.write(pool_dir)  # last: from here on engines may attach

@@ -37,6 +37,14 @@ class Record:
     numa_nodes: list[list[int]] = field(default_factory=list)
     hugepage_coverage_percent: float = 0.0
     updated: float = 0.0
+    #: who the memory was last handed to (``scrub.identity``); None: never handed out
+    consumer: dict[str, Any] | None = None
+    #: why the memory must be zeroed before it is handed out again; "" when it need not be.
+    #: Set before the manifest is withdrawn and cleared only once every byte is zero, so a
+    #: killed scrub is redone by the next provision (``offloadpool.region.scrub``).
+    scrub_pending: str = ""
+    #: the last scrub's figures (reason, seconds, GiB/s, method)
+    scrub: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def new(cls, req: PoolRequest) -> Record:

@@ -34,10 +34,17 @@ DEFAULT_VLLM_SEGMENTS: Final = 32
 #: CRD's ``maximum`` of ``segments.maxFiles`` and ``compat.vllm.numSegments`` (the CRD is the
 #: truth; the engine used to allow 1024, which no pool could ask for).
 MAX_FILES_LIMIT: Final = 32
+#: When the node zeroes a pool's memory before handing it out again (``offloadpool.region.scrub``):
+#: when the consumers change (or the pool is re-created over a retained region), also whenever
+#: its holders left, or never (one tenant that wants its memory kept).
+SCRUB_POLICIES: Final = ("OnConsumerChange", "Always", "Never")
+DEFAULT_SCRUB: Final = "OnConsumerChange"
 
 # DNS-1123 subdomain, like a Kubernetes object name; it becomes a directory name.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_NAMESPACES = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(,[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$")
+_POOL_UID = re.compile(r"^[A-Za-z0-9-]{0,128}$")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,12 @@ class PoolRequest:
     vLLM's ``num_segments`` (32 for CPUOffloadingSpec, 1 for TieringOffloadingSpec) and
     ``compat_row_bytes`` vLLM's row (``kv_bytes_per_chunk``), needed when that makes more than
     one file.
+
+    ``scrub`` (one of ``SCRUB_POLICIES``), ``consumer_namespaces`` (the namespaces allowed to
+    consume it, sorted and comma-joined; None: any) and ``pool_uid`` (the OffloadPool's
+    ``metadata.uid``; empty when unknown, e.g. a pool file without one) are who the memory is
+    for: the node zeroes it before a different consumer or a re-created pool gets it. None of
+    them shapes the memory.
     """
 
     name: str
@@ -74,6 +87,9 @@ class PoolRequest:
     compat_row_bytes: int | None = None
     compat_segments: int = DEFAULT_VLLM_SEGMENTS
     generation: int = 1
+    scrub: str = DEFAULT_SCRUB
+    consumer_namespaces: str | None = None
+    pool_uid: str = ""
 
     def validate(self) -> None:
         """Raise RequestError naming the field for anything that cannot be planned."""
@@ -116,6 +132,16 @@ class PoolRequest:
                 f"compat segments must be 1-{MAX_FILES_LIMIT} (vLLM's num_segments), "
                 f"got {self.compat_segments!r}"
             )
+        if self.scrub not in SCRUB_POLICIES:
+            raise RequestError(f"scrub {self.scrub!r} is unknown; known: {', '.join(SCRUB_POLICIES)}")
+        if self.consumer_namespaces is not None and (
+            not isinstance(self.consumer_namespaces, str) or not _NAMESPACES.match(self.consumer_namespaces)
+        ):
+            raise RequestError(
+                f"consumer namespaces {self.consumer_namespaces!r} must be comma-separated namespace names"
+            )
+        if not isinstance(self.pool_uid, str) or not _POOL_UID.match(self.pool_uid):
+            raise RequestError(f"pool uid {self.pool_uid!r} must be empty or a Kubernetes uid")
         from offloadpool.region.numa import parse_policy  # local: numa imports ctypes lazily
 
         parse_policy(self.numa)
@@ -123,8 +149,10 @@ class PoolRequest:
     def fingerprint(self) -> str:
         """Hash of everything that shapes the memory; equal fingerprints mean "same region".
 
-        Ownership, mode, the compat file name, the worker count and the generation are left
-        out: they can change on a live region (applied in place) without rebuilding it.
+        Ownership, mode, the compat file name, the worker count, the generation and who the
+        memory is for (scrub policy, namespaces, pool uid) are left out: they can change on a
+        live region (applied in place, zeroed first where ``region.scrub`` says so) without
+        rebuilding it.
         """
         shape = {k: getattr(self, k) for k in SHAPE_FIELDS}
         shape["single_file"] = self.compat_engine_id is not None  # compat: vLLM's split

@@ -20,7 +20,7 @@ from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, Man
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import plan as make_plan
 
-PHASES = ("Absent", "Provisioning", "Populating", "Ready", "Failed")
+PHASES = ("Absent", "Provisioning", "Populating", "Scrubbing", "Ready", "Failed")
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,10 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         populate_gib_per_s=float(rec.populate.get("gib_per_s", 0.0)),
         in_progress=busy,
     )
+    if rec.scrub_pending:  # withheld from engines until its memory is zero (region.scrub)
+        waits = "" if busy else "; waits for its holders to leave (provision again once they have)"
+        message = rec.scrub_pending + waits
+        return replace(common, phase="Scrubbing", populated_bytes=plan.total_bytes, message=message)
     if rec.phase == "Ready":
         message = ""
         manifest = None

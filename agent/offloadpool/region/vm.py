@@ -15,6 +15,8 @@ import os
 PROT_READ, PROT_WRITE = 0x1, 0x2
 MAP_SHARED = 0x01
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+MADV_REMOVE = 9  # free the range's pages of a shared file mapping (tmpfs, hugetlbfs)
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -29,6 +31,7 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _libc.memset.restype = ctypes.c_void_p
 _libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 
@@ -67,6 +70,23 @@ def populate_write(addr: int, length: int) -> None:
     raise VMError(err, f"madvise(MADV_POPULATE_WRITE) failed: {os.strerror(err)}")
 
 
+def remove(addr: int, length: int) -> None:
+    """MADV_REMOVE: free the pages of [addr, addr+length) from the file (a punched hole);
+    the next fault, or ``populate_write``, gets fresh pages the kernel has zeroed."""
+    if _libc.madvise(addr, length, MADV_REMOVE) != 0:
+        err = ctypes.get_errno()
+        raise VMError(err, f"madvise(MADV_REMOVE) failed: {os.strerror(err)}")
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE): free a file range's pages, keep its size (the GIL is
+    released for the call, unlike ``os.posix_fallocate``, which cannot punch at all)."""
+    while _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINTR:
+            raise VMError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+
+
 def touch_pages(addr: int, length: int, page: int) -> None:
     """Fallback for kernels without MADV_POPULATE_WRITE: write-fault every page by writing
     back the byte just read from it (one strided copy per call, in C).
@@ -80,7 +100,7 @@ def touch_pages(addr: int, length: int, page: int) -> None:
 
 
 def memset(addr: int, value: int, length: int) -> None:
-    """libc memset (releases the GIL); the benchmark's zeroing limit."""
+    """libc memset (releases the GIL): the benchmark's zeroing limit, and one way to scrub."""
     _libc.memset(addr, value, length)
 
 

@@ -73,8 +73,9 @@ def _problem(
         return "Unresponsive", "AgentUnresponsive", f"last heartbeat {age}s ago (phase {view.phase})"
     reason = view.reason or view.phase
     message = view.message or view.phase
-    if view.phase == "Populating" and view.progress is not None and not view.message:
-        message = f"Populating {view.progress}%"
+    if view.phase in ("Populating", "Scrubbing") and view.progress is not None:
+        if not view.message or view.phase == "Scrubbing":
+            message = f"{view.phase} {view.progress}%"
     return (view.phase if view.phase in _SEVERITY else "Other"), reason, message
 
 

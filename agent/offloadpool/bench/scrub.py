@@ -1,0 +1,193 @@
+"""``offloadpool bench scrub``: how fast does a node zero a pool, against its pre-fault?
+
+For each medium, one pool of capacity C is provisioned (as the agent does) and kept for the
+whole run; the cases, interleaved (A B C D A B C D ...) for ``reps`` rounds, each run once
+untimed right before its timed run (docs/bench-populate.md says why), are:
+
+* ``prefault`` - the pool's own pre-fault (``region.populate``) of empty files: every page is
+  punched out of the files and the journal dropped first (untimed), so the kernel allocates and
+  zeroes every page again, as in a fresh provision;
+* ``scrub_memset`` / ``scrub_punch`` / ``scrub_remove`` - ``region.scrub.zero`` of the full pool
+  with each method: zeros written through the mapping; ``fallocate(PUNCH_HOLE)`` then
+  ``MADV_POPULATE_WRITE``; ``MADV_REMOVE`` then ``MADV_POPULATE_WRITE``.
+
+Every case uses the same worker count (the pre-fault's default: the cores, at most 4 per file)
+and must leave the pool fully populated (the mount's used blocks are checked after every timed
+run). GiB/s is C / seconds. The fastest scrub method per file system is what
+``region.scrub.METHOD_FOR`` uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from offloadpool.bench.populate import _workspace, reserved_pages
+from offloadpool.bench.stats import machine, summarize
+from offloadpool.region import scrub, vm
+from offloadpool.region.errors import CapacityError, RegionError
+from offloadpool.region.journal import JOURNAL_NAME
+from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.planner import Plan
+from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.populate import default_workers, populate
+from offloadpool.region.provision import provision
+from offloadpool.region.release import release
+from offloadpool.region.request import PoolRequest
+
+GiB = 1 << 30
+MEDIA = ("HugePages-2Mi", "MemoryTHP", "Memory")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capacity", default="4Gi", help="pool size per medium (default 4Gi)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per case (default 5, >= 3)")
+    p.add_argument("--workers", type=int, default=0, help="threads (0 = the pre-fault's default)")
+    p.add_argument("--media", default=",".join(MEDIA), help="media to measure")
+    p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    p.add_argument("--markdown", help="write a markdown table to this file")
+
+
+def _used(mnt: Path) -> int:
+    st = os.statvfs(mnt)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _empty(pool_dir: Path, plan: Plan) -> None:
+    """Free every page of the pool's files and forget the journal: a pre-fault starts afresh."""
+    for seg in plan.segments:
+        fd = os.open(pool_dir / seg.file, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            vm.punch_hole(fd, 0, seg.bytes)
+        finally:
+            os.close(fd)
+    (pool_dir / JOURNAL_NAME).unlink(missing_ok=True)
+
+
+def _cases(pool_dir: Path, plan: Plan, workers: int) -> dict[str, Callable[[], float]]:
+    def prefault() -> float:
+        _empty(pool_dir, plan)
+        t0 = time.perf_counter()
+        populate(pool_dir, plan, workers=workers)
+        return time.perf_counter() - t0
+
+    def scrubbing(method: str) -> Callable[[], float]:
+        return lambda: scrub.zero(pool_dir, plan, workers=workers, method=method).seconds
+
+    return {"prefault": prefault, **{f"scrub_{m}": scrubbing(m) for m in scrub.METHODS}}
+
+
+def run(
+    cap: int, reps: int, workers: int, media: list[str], log: Callable[[str], None] = lambda s: None
+) -> dict:
+    """Every case of every medium, interleaved; the JSON-ready result."""
+    samples: dict[str, dict[str, list[float]]] = {}
+    unavailable: dict[str, str] = {}
+    with _workspace() as root, ExitStack() as held:
+        pools: dict[str, dict[str, Callable[[], float]]] = {}
+        mounts: dict[str, Path] = {}
+        used_workers: dict[str, int] = {}
+        for medium in media:
+            req = PoolRequest(name=f"bench-scrub-{medium.lower()}", capacity=cap, medium=medium)
+            try:
+                held.enter_context(reserved_pages(medium, cap))
+                provision(req, root)
+            except (CapacityError, RegionError, ValueError) as exc:
+                unavailable[medium] = str(exc)
+                continue
+            held.callback(release, root, req.name, force=True)
+            plan = make_plan(req)
+            used_workers[medium] = workers or default_workers(plan)
+            pools[medium] = _cases(root / req.name, plan, used_workers[medium])
+            mounts[medium] = root / req.name / MOUNT_NAME
+        for rep in range(reps):
+            for medium, cases in pools.items():
+                for name, case in cases.items():
+                    case()  # warm, untimed, immediately before the timed run
+                    seconds = case()
+                    if _used(mounts[medium]) < cap:
+                        raise RegionError(f"{medium} {name} left pages unpopulated")
+                    samples.setdefault(medium, {}).setdefault(name, []).append(seconds)
+                    log(f"rep {rep + 1}/{reps} {medium} {name}: {cap / GiB / seconds:.2f} GiB/s")
+    result: dict[str, Any] = {}
+    for medium, cases_s in samples.items():
+        rows: dict[str, dict[str, Any]] = {}
+        for name, secs in cases_s.items():
+            rates = summarize([cap / GiB / s for s in secs])
+            rows[name] = {
+                "gib_per_s": round(rates.median, 3),
+                "gib_per_s_min": round(rates.minimum, 3),
+                "gib_per_s_max": round(rates.maximum, 3),
+                "seconds": round(summarize(secs).median, 4),
+                "samples_s": [round(s, 4) for s in secs],
+            }
+        scrubs = {k: v for k, v in rows.items() if k.startswith("scrub_")}
+        best = max(scrubs, key=lambda k: scrubs[k]["gib_per_s"])
+        result[medium] = {
+            "cases": rows,
+            "workers": used_workers[medium],
+            "fastest_scrub": best.removeprefix("scrub_"),
+            "fastest_scrub_vs_prefault": round(scrubs[best]["gib_per_s"] / rows["prefault"]["gib_per_s"], 2),
+        }
+    return {
+        "media": result,
+        "unavailable": unavailable,
+        "params": {"capacity_bytes": cap, "reps": reps, "workers": workers},
+        "machine": machine(),
+    }
+
+
+def markdown(result: dict, command: str) -> str:
+    p = result["params"]
+    lines = [
+        f"Command: `{command}`  ",
+        f"Capacity {p['capacity_bytes'] / GiB:g} GiB per medium, {p['reps']} timed reps per case, "
+        "interleaved (medians; min-max).  ",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()),
+        "",
+        "| medium | case | GiB/s (median) | min-max GiB/s | seconds (median) | vs prefault |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for medium, m in result["media"].items():
+        base = m["cases"]["prefault"]["gib_per_s"]
+        for name, s in m["cases"].items():
+            mark = " **(chosen)**" if name == f"scrub_{m['fastest_scrub']}" else ""
+            lines.append(
+                f"| {medium} ({m['workers']} threads) | {name}{mark} | {s['gib_per_s']:.2f} "
+                f"| {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} | {s['seconds']:.3f} "
+                f"| {s['gib_per_s'] / base:.2f}x |"
+            )
+    for name, why in result["unavailable"].items():
+        lines.append(f"\n{name} not measured: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from offloadpool.api.quantity import parse_quantity
+
+    cap = parse_quantity(args.capacity)
+    if args.reps < 3:
+        print("note: fewer than 3 reps; medians are not meaningful", file=sys.stderr)
+    result = run(
+        cap,
+        max(1, args.reps),
+        args.workers,
+        [m for m in args.media.split(",") if m],
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
+    command = (
+        f"offloadpool bench scrub --capacity {args.capacity} --reps {args.reps}"
+        + (f" --workers {args.workers}" if args.workers else "")
+        + (f" --media {args.media}" if args.media != ",".join(MEDIA) else "")
+    )
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(result, command))
+    print(json.dumps(result, indent=2) if args.json else markdown(result, command))
+    return 0

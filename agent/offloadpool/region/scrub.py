@@ -1,0 +1,439 @@
+"""Scrub: zero a pool's memory before it is handed to another consumer.
+
+A pool outlives its engines by design, so whatever a tenant wrote stays in the memory after it
+exits; handed to the next tenant as it is, the next tenant reads it. The node zeroes the memory
+when the request says the memory is for someone else (``scrub_needed``, a pure decision from
+the record and the request):
+
+* the consumers changed so that someone new can reach the memory (another uid or gid, mode
+  bits or namespaces added: who may open the files or get the mount; bits or namespaces only
+  removed hand it to no one new), or the pool was re-created over a retained region (another
+  OffloadPool uid) —
+  unless the policy is ``Never``; such a scrub is *owed*: the pool is not handed out until it
+  is done, however long its holders stay;
+* policy ``Always``: the region is handed out again after its holders left (every provision
+  that reuses it with nothing attached; the agent provisions again when its count of attached
+  engines drops to 0). With holders attached the tenancy goes on and nothing is zeroed.
+
+How: never under a holder (``holders.exclusive_unused``). The record says "scrub pending"
+*before* anything else happens, then the manifest (what engines attach by) is removed and the
+segment files become root-only (stock vLLM opens them by name, without the manifest); only then
+is the memory zeroed. Pending is cleared once the last byte is zero, after a manifest is back,
+so a kill at any point leaves either a pending scrub (the next provision redoes it: zeroing is
+idempotent) or zeroed memory. An owed scrub that finds holders leaves the pool withheld the
+same way and raises ``ScrubPending`` (a ``PoolInUse``): the engines attached keep their
+mappings, nothing new can attach, and the agent reports the pool in use as for a reshape.
+
+Zeroing runs on the pre-fault's machinery (``populate``): W threads, each a contiguous share of
+the logical region, so workers start in different files; calls through ctypes, so the GIL is
+released; progress as it goes. The result is what a fresh pre-fault leaves: every byte zero,
+every page present (no fault moved to the engine), the mount and files unchanged. Methods, per
+file system (``METHOD_FOR``; ``docs/bench-populate.md`` has the measurement that chose them):
+
+* ``memset``: write zeros through the mapping; pages stay where they are;
+* ``punch``: ``fallocate(PUNCH_HOLE)`` each run, then ``MADV_POPULATE_WRITE`` it: the kernel
+  hands out fresh zeroed pages (on hugetlbfs the freed pages go back to the kernel pool, but a
+  ``min_size`` mount keeps them reserved for this mount: nobody else can take them meanwhile);
+* ``remove``: the same through the mapping (``MADV_REMOVE``), then populate.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from offloadpool.region import layout_files, mounts, numa, vm
+from offloadpool.region import record as records
+from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
+from offloadpool.region.holders import PoolInUse, exclusive_unused
+from offloadpool.region.journal import Unit, units
+from offloadpool.region.lease import LeaseHeld
+from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME
+from offloadpool.region.planner import Plan
+from offloadpool.region.populate import DEFAULT_CHUNK, Progress, default_workers, shares
+from offloadpool.region.populate import _map_segments as map_segments
+from offloadpool.region.request import PoolRequest
+
+PhaseCallback = Callable[[str], None]
+METHODS = ("memset", "punch", "remove")
+#: The fastest method per file system, measured with ``offloadpool bench scrub`` (see
+#: docs/bench-populate.md, "Scrubbing"): writing zeros in user space beats freeing and
+#: re-faulting pages on both.
+METHOD_FOR = {"tmpfs": "memset", "hugetlbfs": "memset"}
+#: The phase the node reports while it zeroes (``on_phase``; OffloadPoolNode ``Scrubbing``).
+PHASE = "Scrubbing"
+#: What identifies a consumer: who may open the files (uid, gid, mode), who gets the mount
+#: (namespaces), and which OffloadPool the memory belongs to (its uid).
+IDENTITY_FIELDS = ("uid", "gid", "mode", "namespaces", "pool_uid")
+
+
+@dataclass(frozen=True)
+class Due:
+    """Why the memory must be zeroed before it is handed out.
+
+    ``owed``: to a different consumer (or left by an interrupted scrub): withheld until done,
+    however long holders stay. Not owed: ``Always`` between holders of one tenancy, done only
+    when nothing holds the pool.
+    """
+
+    reason: str
+    owed: bool = True
+
+
+@dataclass(frozen=True)
+class ScrubStats:
+    total_bytes: int
+    seconds: float
+    workers: int
+    method: str
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.total_bytes / (1 << 30) / self.seconds if self.seconds > 0 else 0.0
+
+
+class ScrubPending(LeaseHeld):
+    """An owed scrub waits for the pool's holders to leave; the pool is withheld meanwhile.
+
+    A LeaseHeld, as PoolInUse is: the CLI's exit code, the agent's "in use" report and
+    provision's "nothing marked Failed" need no new case.
+    """
+
+    def __init__(self, due: Due, held: LeaseHeld) -> None:
+        super().__init__(
+            f"{due.reason}: the memory is zeroed before it is handed out again, once nothing "
+            f"holds the pool; until then nothing new can attach ({held})"
+        )
+        self.holders = held.holders if isinstance(held, PoolInUse) else []
+        self.due = due
+
+
+def identity(req: PoolRequest) -> dict[str, Any]:
+    """Who ``req`` hands the memory to; a pool uid that is not known (``""``) is left out."""
+    found: dict[str, Any] = {
+        "uid": req.uid,
+        "gid": req.gid,
+        "mode": req.mode,
+        "namespaces": req.consumer_namespaces,
+    }
+    if req.pool_uid:
+        found["pool_uid"] = req.pool_uid
+    return found
+
+
+def last_consumer(rec: records.Record) -> dict[str, Any] | None:
+    """Who the memory was last handed to; None when it never was (fresh memory).
+
+    A Ready record of an older release has no ``consumer``: its request still says the uid,
+    gid and mode it was handed out with (namespaces and pool uid are then unknown).
+    """
+    if rec.consumer is not None:
+        return rec.consumer
+    if rec.phase == "Ready":
+        return {k: rec.request[k] for k in ("uid", "gid", "mode") if k in rec.request}
+    return None
+
+
+def _show(field: str, value: Any) -> str:
+    if field == "mode" and isinstance(value, int):
+        return f"{value:04o}"
+    if field == "namespaces":
+        return "any" if value is None else f"[{value}]"
+    return str(value)
+
+
+def _widens(field: str, last: Any, now: Any) -> bool:
+    """Whether ``now`` lets someone reach the memory whom ``last`` did not.
+
+    Mode bits and namespaces only narrowing (0660 -> 0600; [a, b] -> [a]) hand the memory to
+    no one new: the same consumers keep it, and a narrowing applies in place even while held.
+    """
+    if field == "mode" and isinstance(last, int) and isinstance(now, int):
+        return bool(now & ~last & 0o066)  # group/other read or write bits it lacked
+    if field == "namespaces":
+        if now is None or last is None:
+            return now is None and last is not None  # "any namespace" now, a list before
+        return not set(str(now).split(",")) <= set(str(last).split(","))
+    return bool(last != now)
+
+
+def scrub_needed(rec: records.Record, req: PoolRequest) -> Due | None:
+    """Whether the memory in ``rec`` must be zeroed before ``req`` gets it, and why.
+
+    An interrupted scrub is always owed (whatever the policy says now: it was owed to someone
+    else's data). Fields known on one side only (a pool uid from a pool file without one)
+    are not compared.
+    """
+    if rec.scrub_pending:
+        return Due(rec.scrub_pending)
+    if req.scrub == "Never":
+        return None
+    last = last_consumer(rec)
+    if last is None:
+        return None
+    now = identity(req)
+    changed = [f for f in IDENTITY_FIELDS if f in last and f in now and _widens(f, last[f], now[f])]
+    if "pool_uid" in changed:
+        return Due(
+            f"the pool was re-created over a retained region (pool uid {now['pool_uid']}, "
+            f"the memory belonged to {last['pool_uid']})"
+        )
+    if changed:
+        what = ", ".join(f"{f} {_show(f, last[f])} -> {_show(f, now[f])}" for f in changed)
+        return Due(f"consumers changed ({what})")
+    if req.scrub == "Always":
+        return Due("scrub Always: the region is handed out again", owed=False)
+    return None
+
+
+# -- zeroing ----------------------------------------------------------------------------------
+
+
+def _runs(share: list[Unit], chunk_bytes: int) -> list[list[Unit]]:
+    """The units of a share in runs within one file, each at most ``chunk_bytes``."""
+    runs: list[list[Unit]] = []
+    size = 0
+    for u in share:
+        if runs and runs[-1][-1].segment == u.segment and size + u.bytes <= chunk_bytes:
+            runs[-1].append(u)
+            size += u.bytes
+        else:
+            runs.append([u])
+            size = u.bytes
+    return runs
+
+
+class _Zeroing:
+    """One scrub in progress: the mappings its threads share, the counters, the first error."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        fds: list[int],
+        maps: list[tuple[int, int]],
+        method: str,
+        chunk_bytes: int,
+        progress: Progress | None,
+    ) -> None:
+        self.plan, self.fds, self.maps, self.method = plan, fds, maps, method
+        self.chunk_bytes, self.progress = chunk_bytes, progress
+        self.total = plan.total_bytes
+        self.done = 0
+        self.lock = threading.Lock()
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+
+    def run(self, parts: list[list[Unit]]) -> None:
+        if len(parts) == 1:
+            self.work(parts[0])
+        else:
+            threads = [
+                threading.Thread(target=self.work, args=(p,), name=f"scrub-{i}", daemon=True)
+                for i, p in enumerate(parts)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if self.errors:
+            raise self.errors[0]
+
+    def work(self, share: list[Unit]) -> None:
+        try:
+            for run in _runs(share, self.chunk_bytes):
+                if self.stop.is_set():
+                    return
+                first = run[0]
+                length = sum(u.bytes for u in run)
+                self.zero_run(first.segment, first.offset, length)
+                with self.lock:
+                    self.done += length
+                    done = self.done
+                if self.progress is not None:
+                    self.progress(done, self.total)
+        except BaseException as exc:
+            self.errors.append(exc)
+            self.stop.set()
+
+    def zero_run(self, segment: int, offset: int, length: int) -> None:
+        addr = self.maps[segment][0] + offset
+        if self.method == "memset":
+            vm.memset(addr, 0, length)
+            return
+        if self.method == "punch":
+            vm.punch_hole(self.fds[segment], offset, length)
+        else:
+            vm.remove(addr, length)
+        try:
+            vm.populate_write(addr, length)
+        except vm.VMError as exc:
+            if exc.errno == errno.EINVAL:  # kernel < 5.14: fault every page in by hand
+                vm.touch_pages(addr, length, self.plan.page_size)
+            elif exc.errno in (errno.ENOMEM, errno.EFAULT):
+                raise CapacityError(
+                    f"scrub could not take back the pages of a {fmt_bytes(length)} run of the "
+                    f"{self.plan.medium.name} pool: {exc.strerror}"
+                ) from exc
+            else:
+                raise
+
+
+def zero(
+    pool_dir: str | os.PathLike[str],
+    plan: Plan,
+    *,
+    workers: int = 0,
+    progress: Progress | None = None,
+    method: str = "auto",
+    numa_policy: str = "None",
+    chunk_bytes: int = DEFAULT_CHUNK,
+) -> ScrubStats:
+    """Zero every byte of every segment of ``plan`` under ``pool_dir``, leaving every page
+    present. The caller makes sure nothing holds the pool (the exclusive lease)."""
+    if method == "auto":
+        method = METHOD_FOR[plan.medium.fstype]
+    if method not in METHODS:
+        raise RegionError(f"scrub method {method!r} is not one of {METHODS}")
+    all_units = units(plan.segments, plan.page_size)
+    workers = max(1, min(workers or default_workers(plan), len(all_units)))
+    fds: list[int] = []
+    maps: list[tuple[int, int]] = []
+    t0 = time.perf_counter()
+    try:
+        map_segments(Path(pool_dir), plan, numa.parse_policy(numa_policy), fds, maps)
+        _Zeroing(plan, fds, maps, method, chunk_bytes, progress).run(shares(all_units, workers))
+        seconds = time.perf_counter() - t0
+    finally:
+        for addr, length in maps:
+            vm.unmap(addr, length)
+        for fd in fds:
+            os.close(fd)
+    return ScrubStats(plan.total_bytes, seconds, workers, method)
+
+
+# -- the hooks provision calls ----------------------------------------------------------------
+
+
+def _restrict(pool_dir: Path, plan: Plan) -> None:
+    """Make every segment file root's alone (0600): nothing new opens it until it is handed
+    out again (``layout_files.own``). Mappings made earlier are not affected."""
+    for seg in plan.segments:
+        fd = os.open(pool_dir / seg.file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise RegionError(f"segment {seg.file} of {pool_dir} is not a regular file")
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+
+
+def _withhold(pool_dir: Path, plan: Plan, rec: records.Record, due: Due) -> None:
+    """Record the scrub as pending, then take the pool away from engines: in this order, so a
+    kill in between leaves a pending scrub, never a pool handed out with another's bytes."""
+    if rec.scrub_pending != due.reason:
+        rec.scrub_pending = due.reason
+        records.save(pool_dir, rec)
+    (pool_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    _restrict(pool_dir, plan)
+
+
+def _zero_withheld(
+    pool_dir: Path,
+    plan: Plan,
+    req: PoolRequest,
+    rec: records.Record,
+    due: Due,
+    progress: Progress | None,
+    say: PhaseCallback,
+) -> None:
+    """Withhold, zero, note the figures; the caller holds the exclusive lease."""
+    _withhold(pool_dir, plan, rec, due)
+    say(PHASE)
+    try:
+        stats = zero(pool_dir, plan, workers=req.workers, progress=progress, numa_policy=req.numa)
+    except OSError as exc:
+        raise RegionError(f"scrubbing pool {req.name} failed ({due.reason}): {exc}") from exc
+    rec.scrub = {
+        "reason": due.reason,
+        "seconds": stats.seconds,
+        "gib_per_s": stats.gib_per_s,
+        "workers": stats.workers,
+        "method": stats.method,
+        "at": time.time(),
+    }
+
+
+def _handed_to(rec: records.Record, req: PoolRequest) -> None:
+    """Note who gets the memory now (fields the request does not know are kept)."""
+    rec.consumer = {**(last_consumer(rec) or {}), **identity(req)}
+
+
+def before_reuse(
+    pool_dir: Path,
+    plan: Plan,
+    req: PoolRequest,
+    rec: records.Record,
+    *,
+    restore_manifest: Callable[[], object],
+    progress: Progress | None = None,
+    say: PhaseCallback = lambda phase: None,
+    lease_held: bool = False,
+) -> None:
+    """Provision's reuse path, before the pool is validated and handed out again: zero the
+    memory when ``scrub_needed`` says so. ``rec`` is updated in place (the caller saves it).
+
+    A pool that would not validate (mount gone, segments wrong) is left alone: provision
+    rebuilds it, which gives fresh memory. Raises ScrubPending when an owed scrub finds the
+    pool held (withheld meanwhile). ``lease_held``: the caller holds the exclusive lease.
+    """
+    due = scrub_needed(rec, req)
+    if due is None:
+        _handed_to(rec, req)
+        return
+    if mounts.mount_at(pool_dir / MOUNT_NAME) is None or layout_files.check_segments(pool_dir, plan):
+        return
+    lease = None
+    try:
+        if not lease_held:
+            lease = exclusive_unused(pool_dir)
+    except LeaseHeld as exc:
+        if not due.owed:
+            return  # Always: an engine of this tenancy is attached; its data stays
+        _withhold(pool_dir, plan, rec, due)
+        raise ScrubPending(due, exc) from None
+    try:
+        _zero_withheld(pool_dir, plan, req, rec, due, progress, say)
+        restore_manifest()  # before pending is cleared: a kill between redoes the scrub
+        rec.scrub_pending = ""
+        _handed_to(rec, req)
+        records.save(pool_dir, rec)
+    finally:
+        if lease is not None:
+            lease.close()
+
+
+def before_hand_out(
+    pool_dir: Path,
+    plan: Plan,
+    req: PoolRequest,
+    rec: records.Record,
+    *,
+    progress: Progress | None = None,
+    say: PhaseCallback = lambda phase: None,
+) -> None:
+    """Provision's build path, before the manifest is written: the caller holds the exclusive
+    lease. Fresh memory needs nothing; a build finishing memory that was handed out already
+    (killed after its manifest, or during an owed scrub) is zeroed first when due."""
+    due = scrub_needed(rec, req)
+    if due is not None:
+        _zero_withheld(pool_dir, plan, req, rec, due, progress, say)
+    rec.scrub_pending = ""
+    _handed_to(rec, req)
