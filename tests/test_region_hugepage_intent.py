@@ -148,9 +148,13 @@ def test_release_of_the_killed_pool_settles_its_unrecorded_growth(
         start = total()
         killed_at(processes, "provision:hugepages-reserved", "provision", *flags(region_root))
         assert total() == start + PAGES
-        gone = json.loads(cli("release", "grown", "--root", str(region_root), "--json").stdout)
-        assert gone["hugepages_returned"] == 0  # the record had none
+        proc = cli("release", "grown", "--root", str(region_root), "--json")
+        assert json.loads(proc.stdout)["hugepages_returned"] == 0  # the record had none
         assert total() == start and not hugepage_intent.pending(region_root)
+        assert (  # and the node's log says what was settled
+            f"huge page intent settled: pool grown: grow by {PAGES} huge pages of 2048 kB from "
+            f"nr_hugepages {start}: interrupted; nr_hugepages {start + PAGES} -> {start}" in proc.stderr
+        ), proc.stderr
     assert hugepage_totals() == hugepage_baseline
 
 

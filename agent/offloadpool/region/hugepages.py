@@ -20,6 +20,7 @@ pool and recording it leaks pages or gives them back twice.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,8 @@ ROOT_LOCK_NAME = ".hugepages.lock"
 COMPACT_PATH = "/proc/sys/vm/compact_memory"
 BUDDYINFO_PATH = "/proc/buddyinfo"
 BASE_PAGE = 4096
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,9 @@ def pool_lock(root: str | os.PathLike[str] | None = None) -> Iterator[None]:
         lock = locks.exclusive(os.path.join(root, ROOT_LOCK_NAME))
         lock.__enter__()
     try:
-        if root is not None:
-            reconcile(root)
+        settled = reconcile(root) if root is not None else None
+        if settled:
+            log.warning("huge page intent settled: %s", settled)
         yield
     finally:
         lock.__exit__(None, None, None)
