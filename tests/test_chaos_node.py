@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.chaos import Run, seeds
-from fixtures.host import cli, cli_argv, hugepage_totals
+from fixtures.host import cli, cli_argv, hugepage_totals, other_tenant_holds_free_hugepages
 from offloadpool.pinning import attach
 from offloadpool.region import holders, mounts
 from offloadpool.region.journal import JOURNAL_NAME, Unit, units
@@ -64,6 +64,12 @@ RELEASE_POINTS = (
     "release:rmtree",
     "release:mid-rmtree",
 )
+#: The provision point between growing the kernel's huge page pool and recording it. Runs that
+#: start with it take every free huge page first (as another tenant would hold them), so the
+#: pool really grows, and their first release is killed between giving pages back and removing
+#: the intent (after the record): the two windows the huge page intent closes.
+GROWTH_POINT = "provision:hugepages-reserved"
+GROWTH_RELEASE_POINT = "release:hugepages-shrunk"
 ENGINE_BYTES = 64 << 10  # what the "engine" writes into a populated unit
 
 
@@ -380,14 +386,25 @@ def check_released(run: Run, pool: Pool, baseline: dict[int, int]) -> None:
 @pytest.mark.chaos
 @pytest.mark.parametrize("seed", seeds(1))
 def test_kill9_provision_populate_release(
-    seed: int, chaos_run: Run, region_root: Path, hugepage_baseline: dict[int, int], processes
+    seed: int,
+    chaos_run: Run,
+    region_root: Path,
+    hugepage_baseline: dict[int, int],
+    processes,
+    request: pytest.FixtureRequest,
 ) -> None:
     run, rng = chaos_run, random.Random(seed)
     # The first kill of each phase goes round the named points, so 20 consecutive seeds reach
     # every one of them; the others are drawn at random.
     first_point = PROVISION_POINTS[seed % len(PROVISION_POINTS)]
     first_release_point = RELEASE_POINTS[seed % len(RELEASE_POINTS)]
-    medium = rng.choice(MEDIA) if first_point != "provision:hugepages-reserved" else "HugePages-2Mi"
+    medium = rng.choice(MEDIA) if first_point != GROWTH_POINT else "HugePages-2Mi"
+    if first_point == GROWTH_POINT:
+        tenant = other_tenant_holds_free_hugepages(region_root.parent / "tenant")
+        held = tenant.__enter__()
+        request.addfinalizer(lambda: tenant.__exit__(None, None, None))
+        first_release_point = GROWTH_RELEASE_POINT
+        run.say(f"another tenant holds the {held} free huge pages: the pool grows the kernel's")
     capacity = rng.choice((32, 64)) * MiB
     pool = Pool(
         region_root, medium, capacity, min_segment=rng.choice((16, 32)) * MiB, workers=rng.choice((1, 2))

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from fixtures.host import REPO, hugepage_totals, other_tenant_holds_free_hugepages, reservation_tool
-from offloadpool.region import hugepages, mounts
+from offloadpool.region import hugepage_intent, hugepages, mounts
 from offloadpool.region.capacity import meminfo
 from offloadpool.region.errors import CapacityError
 from offloadpool.region.provision import provision
@@ -149,7 +149,10 @@ def test_engine_shortfall_after_growing_names_the_reason(region_root, hugepage_b
         "nr_hugepages: Read-only file system)" in message
     ), message
     assert "short by 32 pages" in message and "fragmented" not in message, message
-    assert list(region_root.iterdir()) == [] and mounts.mounts_under(region_root) == []
+    # no pool left; the root-only state directory holds no pending intent (the refused grow
+    # announced one and settled it)
+    assert [p.name for p in region_root.iterdir()] == [hugepage_intent.STATE_DIR]
+    assert not hugepage_intent.pending(region_root) and mounts.mounts_under(region_root) == []
     assert hugepage_totals() == hugepage_baseline
 
 

@@ -9,7 +9,8 @@ Public API (docs/node-engine.md)::
     from offloadpool.region.errors import CapacityError, RegionError, RequestError, LeaseHeld
 
 Modules, one concept each: ``planner`` (segment plan), ``capacity`` (fits?), ``hugepages``
-(kernel pools), ``mounts`` (mount(2)), ``layout_files`` (segment/lease/compat files),
+(kernel pools; ``hugepage_intent``: their changes survive a kill), ``mounts`` (mount(2)),
+``layout_files`` (segment/lease/compat files),
 ``populate`` + ``vm`` + ``journal`` (parallel resumable pre-fault), ``numa`` (mbind),
 ``record`` (the node's state.json), ``teardown``, ``holders`` (who maps, opens or leases a
 pool, in any mount namespace); ``manifest`` and ``lease`` are the contracts shared with the

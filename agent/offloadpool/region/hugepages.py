@@ -11,23 +11,32 @@ memory, and after hours of work unmovable kernel pages sit in every GiB. So grow
 memory once before giving up, and a shortfall is explained as fragmentation or as memory
 taken, from ``/proc/meminfo`` and ``/proc/buddyinfo``, because the remedies differ (reserve at
 boot vs. free memory).
+
+Each change of ``nr_hugepages`` made for a pool is announced first in the huge page intent
+(``hugepage_intent``), under :func:`pool_lock`, and every take of that lock with a root settles
+an intent a killed process left (:func:`reconcile`), so no kill between changing the kernel's
+pool and recording it leaks pages or gives them back twice.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import locks
+from offloadpool.region import hugepage_intent, locks
+from offloadpool.region import record as records
 
 LOCK_PATH = "/run/lock/offloadpool-hugepages.lock"
 ROOT_LOCK_NAME = ".hugepages.lock"
 COMPACT_PATH = "/proc/sys/vm/compact_memory"
 BUDDYINFO_PATH = "/proc/buddyinfo"
 BASE_PAGE = 4096
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,9 @@ def pool_lock(root: str | os.PathLike[str] | None = None) -> Iterator[None]:
     The lock file is host-wide (``/run/lock``). An agent in a container with a read-only root
     file system cannot create it there; it falls back to ``<root>/.hugepages.lock`` in the host
     root every agent of the node shares through its hostPath, which serialises them just as well.
+
+    With a ``root``, an intent a killed process left under it is settled (:func:`reconcile`)
+    before the block runs: whoever holds the lock sees a kernel pool that agrees with the records.
     """
     try:
         os.makedirs(os.path.dirname(LOCK_PATH), exist_ok=True)
@@ -87,9 +99,34 @@ def pool_lock(root: str | os.PathLike[str] | None = None) -> Iterator[None]:
         lock = locks.exclusive(os.path.join(root, ROOT_LOCK_NAME))
         lock.__enter__()
     try:
+        settled = reconcile(root) if root is not None else None
+        if settled:
+            log.warning("huge page intent settled: %s", settled)
         yield
     finally:
         lock.__exit__(None, None, None)
+
+
+def reconcile(root: str | os.PathLike[str]) -> str | None:
+    """Settle the intent a killed process left under ``root``; say what was done (None: none).
+
+    The caller holds :func:`pool_lock` (which calls this itself). An intent of an earlier boot
+    is dropped untouched (the kernel's pools were reset); otherwise ``nr_hugepages`` is brought
+    to what the pool's record says (see ``hugepage_intent``), then the intent is removed.
+    """
+    intent = hugepage_intent.load(root)
+    if intent is None:
+        return None
+    if intent.boot_id != records.boot_id() or not supported(intent.page_size):
+        done = f"{intent.describe()}: written in an earlier boot, dropped"
+    else:
+        total = counters(intent.page_size).total
+        change = intent.correction(total, records.load(os.path.join(root, intent.pool)))
+        if change:
+            _write_total(intent.page_size, max(0, total + change))
+        done = f"{intent.describe()}: interrupted; nr_hugepages {total} -> {max(0, total + change)}"
+    hugepage_intent.clear(root)
+    return done
 
 
 def _write_total(page_size: int, value: int) -> None:

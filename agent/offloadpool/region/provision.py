@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import capacity, hugepages, layout_files, locks, mounts, numa, scrub
+from offloadpool.region import capacity, hugepage_intent, hugepages, layout_files, locks, mounts, numa, scrub
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.holders import exclusive_unused
@@ -115,18 +115,26 @@ def _validate_ready(pool_dir: Path, plan: Plan) -> str | None:
     return layout_files.check_segments(pool_dir, plan)
 
 
-def _reserve_hugepages(plan: Plan) -> int:
+def _reserve_hugepages(plan: Plan, pool_dir: Path, rec: records.Record) -> int:
     """Grow the kernel pool so a min_size mount of this plan succeeds; return pages added.
 
-    The caller holds :func:`hugepages.pool_lock`.
+    The caller holds :func:`hugepages.pool_lock`. Before ``nr_hugepages`` is written, the
+    intent to grow is (``hugepage_intent``); it stays until the caller has recorded the pages in
+    ``rec`` (then clears it), so a kill in between leaves the pages to be given back, not lost.
     """
     page = plan.page_size
     pages = plan.total_bytes // page
     c = hugepages.counters(page)
     missing = max(0, pages - c.available)
+    if missing:
+        intent = hugepage_intent.Intent(
+            "grow", pool_dir.name, page, missing, c.total, rec.hugepages_added, rec.boot_id
+        )
+        hugepage_intent.write(pool_dir.parent, intent)
     try:
         added = hugepages.grow(page, missing)
     except hugepages.PoolFixed as exc:
+        hugepages.reconcile(pool_dir.parent)  # gives back what a first attempt added, if any
         raise CapacityError(
             f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
             f"{c.available} are free and unreserved and the huge page pool is fixed here ({exc.strerror}): "
@@ -134,7 +142,7 @@ def _reserve_hugepages(plan: Plan) -> int:
             f"(at boot, or by writing nr_hugepages on the host)"
         ) from None
     if added < missing:
-        hugepages.shrink(page, added)
+        hugepages.reconcile(pool_dir.parent)  # nothing recorded the short grant: it is given back
         raise CapacityError(
             f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
             f"{c.available} were free and unreserved and the kernel could add only {added} "
@@ -336,10 +344,14 @@ def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
                 rec.hugepages_added = 0  # added in an earlier boot: the kernel pool was reset since
             rec.boot_id = records.boot_id()
             # Growing the pool and mounting (which reserves the pages) under one lock, so two
-            # offloadpool processes cannot take each other's freshly added pages.
+            # offloadpool processes cannot take each other's freshly added pages. Taking it
+            # settles a grow or give-back a killed process left unrecorded (hugepage_intent).
             with hugepages.pool_lock(pool_dir.parent):
-                rec.hugepages_added += _reserve_hugepages(plan)
+                added = _reserve_hugepages(plan, pool_dir, rec)
+                rec.hugepages_added += added
                 records.save(pool_dir, rec)
+                if added:
+                    hugepage_intent.clear(pool_dir.parent)  # the record shows the pages now
                 mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
         else:
             mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
