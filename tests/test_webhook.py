@@ -13,6 +13,7 @@ import json
 import secrets
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -361,11 +362,28 @@ def test_a_pool_the_namespace_may_not_use_is_refused(webhook: Webhook) -> None:
     wait_admitted(webhook, webhook.pod_body("insider", pool))  # its own namespace may
 
 
-def test_an_unlabelled_pod_is_untouched(webhook: Webhook) -> None:
+def guard_calls(wh: Webhook) -> int:
+    """The guard's requests so far, from the operator's own access log."""
+    return wh.operator.log(10**8).count("POST /guard-pod")
+
+
+def test_an_unlabelled_pod_is_untouched_and_an_ordinary_one_never_reaches_the_webhook(
+    webhook: Webhook,
+) -> None:
+    """matchConditions: the API server calls the guard for a pod with a hostPath, never for one
+    without (counted in the operator's access log)."""
+    before = guard_calls(webhook)
     body = webhook.pod_body("plain", None)
+    body["spec"]["volumes"] = [{"name": "scratch", "emptyDir": {}}]
     pod = webhook.create_pod(body)
+    logs = webhook.pod_body("plain-logs", None)
+    logs["spec"]["volumes"] = [{"name": "logs", "hostPath": {"path": "/var/log"}}]
+    webhook.create_pod(logs)  # beside the host root: admitted, after the guard was asked
+    wait_for("the guard's call in the access log", lambda: guard_calls(webhook) > before, timeout=10)
+    time.sleep(1)
+    assert guard_calls(webhook) == before + 1
     assert "initContainers" not in pod["spec"] and "affinity" not in pod["spec"]
-    assert not pod["spec"].get("volumes")
+    assert pod["spec"]["volumes"] == [{"name": "scratch", "emptyDir": {}}]
     assert pod["spec"]["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/cache"}]
     assert "volumeMounts" not in pod["spec"]["containers"][0]
 

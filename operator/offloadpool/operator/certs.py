@@ -95,7 +95,8 @@ def ensure(
         ca = directory / CA_NAME
         return CertFiles(cert, key, ca if ca.exists() else cert, made_here=False)
     now = now or datetime.datetime.now(datetime.timezone.utc)
-    _write(directory / MADE_HERE, b"")
+    if not (directory / MADE_HERE).exists():
+        _write(directory / MADE_HERE, b"")
     ca_cert, ca_key, previous = _current_ca(directory, now)
     serving = _load(cert)
     usable = serving is not None and _valid_for(serving, hostnames, now)
