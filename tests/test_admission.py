@@ -244,12 +244,87 @@ def test_a_pool_being_deleted_is_refused() -> None:
     assert "is being deleted" in (admission.refusal("kv", "inference", p) or "")
 
 
-def test_scope_unlabelled_system_namespaces_and_the_operators_own_pods_are_out() -> None:
+def test_scope_unlabelled_and_excluded_namespaces_are_out_and_no_label_of_the_pod_exempts_it() -> None:
     assert admission.in_scope(pod(), "inference", SETTINGS)
     assert not admission.in_scope(pod(pool_name=None), "inference", SETTINGS)
     assert not admission.in_scope(pod(), "kube-system", SETTINGS)
     assert not admission.in_scope(pod(), "ops", SETTINGS)
-    agent = pod()
-    agent["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "offloadpool-operator"
-    assert not admission.in_scope(agent, "inference", SETTINGS)
     assert not admission.in_scope(pod(), "inference", SETTINGS, {"offloadpool.io/admission": "disabled"})
+    # the operator's agent pods are left out by their namespace, not by a label a pod can copy
+    forged = pod()
+    forged["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "offloadpool-operator"
+    assert admission.in_scope(forged, "inference", SETTINGS)
+
+
+# -- what the mutation keys by name is checked by content ---------------------------------------
+def test_a_volume_under_the_pools_name_that_is_not_the_pools_is_refused_not_kept() -> None:
+    """The attack measured in issue 25: the pool's volume name on hostPath / survived mutation."""
+    for source in (
+        {"hostPath": {"path": "/"}},
+        {"hostPath": {"path": "/var/lib/offloadpool/kv", "type": "DirectoryOrCreate"}},
+        {"hostPath": {"path": "/var/lib/offloadpool/other", "type": "Directory"}},
+        {"emptyDir": {}},
+    ):
+        base = pod(volumes=[{"name": pool_volume_name("kv"), **source}])
+        with pytest.raises(Refused, match="volume 'offloadpool-kv' is reserved for the pool's directory"):
+            admission.mutate(base, pool(), SETTINGS)
+        with pytest.raises(Refused):
+            admission.not_mutated(
+                admission.mutate(pod(), pool(), SETTINGS) | {"spec": base["spec"]}, pool(), SETTINGS
+            )
+    compat = pool(capacity="1Gi", compat={"vllm": {"engineId": "e"}}, medium="MemoryTHP")
+    base = pod(
+        volumes=[{"name": compat_volume_name("kv"), "hostPath": {"path": "/etc/shadow", "type": "File"}}]
+    )
+    with pytest.raises(Refused, match="reserved for the pool's region file"):
+        admission.mutate(base, compat, SETTINGS)
+
+
+@pytest.mark.parametrize(
+    "mount",
+    [
+        {"mountPath": "/offloadpool/kv", "mountPropagation": "HostToContainer", "readOnly": True},
+        {"mountPath": "/offloadpool/kv", "mountPropagation": "Bidirectional"},
+        {"mountPath": "/offloadpool/kv"},
+        {"mountPath": "/elsewhere", "mountPropagation": "HostToContainer"},
+        {"mountPath": "/offloadpool/kv", "mountPropagation": "HostToContainer", "subPath": "mnt"},
+    ],
+)
+@pytest.mark.parametrize("kind", ["containers", "initContainers"])
+def test_a_mount_of_the_pools_volume_other_than_the_webhooks_is_refused(
+    mount: dict[str, Any], kind: str
+) -> None:
+    mutated = admission.mutate(pod(), pool(), SETTINGS)
+    changed = copy.deepcopy(mutated)
+    target = changed["spec"][kind][-1]
+    target["volumeMounts"] = [m for m in target.get("volumeMounts", []) if m["name"] != "offloadpool-kv"]
+    target["volumeMounts"].append({"name": "offloadpool-kv", **mount})
+    with pytest.raises(Refused, match="mounts volume 'offloadpool-kv' differently from the webhook"):
+        admission.not_mutated(changed, pool(), SETTINGS)
+
+
+def test_an_init_container_under_the_sidecars_name_that_is_not_the_sidecar_is_refused() -> None:
+    mutated = admission.mutate(pod(), pool(), SETTINGS)
+    for change in (
+        {"command": ["sleep", "infinity"]},
+        {"args": ["--extra"]},
+        {"securityContext": {"privileged": True}},
+        {
+            "volumeMounts": [
+                {
+                    "name": "offloadpool-kv",
+                    "mountPath": "/offloadpool/kv",
+                    "mountPropagation": "HostToContainer",
+                },
+                {"name": "x", "mountPath": "/x"},
+            ]
+        },
+    ):
+        forged = copy.deepcopy(mutated)
+        forged["spec"]["initContainers"][0].update(change)
+        with pytest.raises(Refused, match="init container 'offloadpool-lease' is reserved"):
+            admission.not_mutated(forged, pool(), SETTINGS)
+    # a user's own, before mutation, is refused too (never kept in place of ours)
+    own = pod(initContainers=[{"name": LEASE_SIDECAR_NAME, "image": "busybox", "restartPolicy": "Always"}])
+    with pytest.raises(Refused, match="reserved for the lease sidecar"):
+        admission.mutate(own, pool(), SETTINGS)

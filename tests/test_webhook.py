@@ -13,6 +13,7 @@ import json
 import secrets
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from offloadpool.api.pods import (
     POD_POOL_LABEL,
     WEBHOOK_CONFIGURATION_NAME,
 )
-from offloadpool.operator import admission
+from offloadpool.operator import admission, hostguard
 from offloadpool.operator.admission import InjectionSettings
 
 pytestmark = pytest.mark.controlplane
@@ -134,6 +135,17 @@ class Webhook(ClusterClient):
                 return False
         return True
 
+    def ready(self) -> bool:
+        """The configurations point at the operator (written before its server starts: the
+        bundle goes first) and the server answers."""
+        if not self.pointed_at_operator():
+            return False
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
+        except OSError:
+            return False
+        return True
+
     def delete_configurations(self) -> None:
         for delete in (
             self.admission.delete_mutating_webhook_configuration,
@@ -187,9 +199,7 @@ def webhook(
     try:
         wh.setup()
         operator.start()
-        wait_for(
-            "the operator to point the webhook configurations at itself", wh.pointed_at_operator, timeout=90
-        )
+        wait_for("the operator to point the webhook configurations at itself and serve", wh.ready, timeout=90)
         yield wh
     finally:
         operator.stop()
@@ -352,18 +362,41 @@ def test_a_pool_the_namespace_may_not_use_is_refused(webhook: Webhook) -> None:
     wait_admitted(webhook, webhook.pod_body("insider", pool))  # its own namespace may
 
 
-def test_an_unlabelled_pod_is_untouched(webhook: Webhook) -> None:
+def guard_calls(wh: Webhook) -> int:
+    """The guard's requests so far, from the operator's own access log, once it has been still
+    for a second (a line of an earlier test's request may still be on its way)."""
+
+    def still() -> int | None:
+        first = wh.operator.log(10**8).count("POST /guard-pod")
+        time.sleep(1)
+        return first if wh.operator.log(10**8).count("POST /guard-pod") == first else None
+
+    return wait_for("the operator's access log to be still", still, timeout=30)
+
+
+def test_an_unlabelled_pod_is_untouched_and_an_ordinary_one_never_reaches_the_webhook(
+    webhook: Webhook,
+) -> None:
+    """matchConditions: the API server calls the guard for a pod with a hostPath, never for one
+    without (counted in the operator's access log)."""
+    before = guard_calls(webhook)
     body = webhook.pod_body("plain", None)
+    body["spec"]["volumes"] = [{"name": "scratch", "emptyDir": {}}]
     pod = webhook.create_pod(body)
+    assert guard_calls(webhook) == before
+    logs = webhook.pod_body("plain-logs", None)
+    logs["spec"]["volumes"] = [{"name": "logs", "hostPath": {"path": "/var/log"}}]
+    webhook.create_pod(logs)  # beside the host root: admitted, after the guard was asked
+    assert guard_calls(webhook) == before + 1
     assert "initContainers" not in pod["spec"] and "affinity" not in pod["spec"]
-    assert not pod["spec"].get("volumes")
+    assert pod["spec"]["volumes"] == [{"name": "scratch", "emptyDir": {}}]
     assert pod["spec"]["containers"][0]["env"] == [{"name": "HF_HOME", "value": "/cache"}]
     assert "volumeMounts" not in pod["spec"]["containers"][0]
 
 
-def test_labelled_pods_of_system_namespaces_and_of_the_operator_are_untouched(webhook: Webhook) -> None:
+def test_labelled_pods_of_system_namespaces_are_untouched(webhook: Webhook) -> None:
     """kube-system is never sent to the webhook (namespaceSelector), even for a pool that does
-    not exist; nor are pods the operator renders (its agent pods carry the pool label)."""
+    not exist."""
     name = f"wh-sys-{webhook.suffix}"
     pod = webhook.create_pod(
         webhook.pod_body(name, f"no-such-pool-{webhook.suffix}"), namespace="kube-system"
@@ -372,14 +405,146 @@ def test_labelled_pods_of_system_namespaces_and_of_the_operator_are_untouched(we
         assert "initContainers" not in pod["spec"] and not pod["spec"].get("volumes")
     finally:
         webhook.core.delete_namespaced_pod(name, "kube-system", grace_period_seconds=0)
-    agent = webhook.create_pod(
-        webhook.pod_body(
-            "agent-like",
-            f"no-such-pool-{webhook.suffix}",
-            **{"app.kubernetes.io/managed-by": "offloadpool-operator"},
+
+
+def test_a_pod_labelled_as_the_operators_own_is_still_validated(webhook: Webhook) -> None:
+    """``app.kubernetes.io/managed-by: offloadpool-operator`` is a label any pod can set: it took
+    a pod out of scope before (issue 25). The agent pods are left out by their namespace."""
+    missing = f"no-such-pool-{webhook.suffix}"
+    managed = {"app.kubernetes.io/managed-by": "offloadpool-operator"}
+    message = webhook.refusal(webhook.pod_body("agent-like", missing, **managed))
+    assert f"OffloadPool '{missing}' does not exist" in message, message
+    pool = webhook.create_pool("managed")
+    forged = webhook.pod_body("agent-like-root", None, **managed)
+    forged["spec"]["volumes"] = [{"name": "root", "hostPath": {"path": "/"}}]
+    message = webhook.refusal(forged)
+    assert "pods.guard.offloadpool.io" in message and "hostPath '/' reaches /var/lib/offloadpool" in message
+    pod = wait_admitted(webhook, webhook.pod_body("agent-like-ok", pool, **managed))
+    assert pod["spec"]["initContainers"][0]["name"] == LEASE_SIDECAR_NAME  # mutated like any other
+
+
+# -- what a pod may hold of the host root (issue 25) ----------------------------------------------
+def test_a_labelled_pod_bringing_the_pools_volume_as_the_host_root_is_refused(webhook: Webhook) -> None:
+    """The pool's volume name on ``hostPath: /`` was kept by the mutation and passed validation."""
+    pool = webhook.create_pool("rootvol")
+    body = webhook.pod_body("rootvol", pool)
+    body["spec"]["volumes"] = [{"name": f"offloadpool-{pool}", "hostPath": {"path": "/"}}]
+    message = webhook.refusal(body)
+    assert f"volume 'offloadpool-{pool}' is reserved for the pool's directory" in message, message
+    assert "hostPath '/'" in message, message
+    # a mount of the pool's volume other than the webhook's (here read-write with a subPath)
+    body = webhook.pod_body("rootmount", pool)
+    body["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": f"offloadpool-{pool}", "mountPath": "/x", "subPath": "mnt"}
+    ]
+    message = webhook.refusal(body)
+    assert f"mounts volume 'offloadpool-{pool}' differently from the webhook" in message, message
+    # a sidecar of the user's own under the lease sidecar's name
+    body = webhook.pod_body("rootside", pool)
+    body["spec"]["initContainers"] = [
+        {
+            "name": LEASE_SIDECAR_NAME,
+            "image": "busybox",
+            "restartPolicy": "Always",
+            "command": ["sleep", "1d"],
+        }
+    ]
+    message = webhook.refusal(body)
+    assert f"init container '{LEASE_SIDECAR_NAME}' is reserved" in message, message
+
+
+HOST_PATHS = [
+    "/var/lib/offloadpool/{pool}",
+    "/var/lib/../lib/offloadpool",
+    "/var/./lib/offloadpool",
+    "/",
+    "//var/lib/offloadpool/",
+    "/proc/1/root",
+]
+
+
+@pytest.mark.parametrize("path", HOST_PATHS)
+def test_an_unlabelled_pod_with_a_hostpath_reaching_the_root_is_refused(webhook: Webhook, path: str) -> None:
+    pool = webhook.create_pool(f"hp{secrets.token_hex(2)}")
+    path = path.format(pool=pool)
+    body = webhook.pod_body(f"hp-{secrets.token_hex(3)}", None)
+    body["spec"]["volumes"] = [{"name": "state", "hostPath": {"path": path}}]
+    if ".." in path:  # the API server's own validation refuses it first (422); the guard would too
+        with pytest.raises(ApiException) as err:
+            webhook.core.create_namespaced_pod(webhook.namespace, body)
+        assert err.value.status == 422 and "must not contain '..'" in str(err.value.body)
+        assert hostguard.reaches(path, "/var/lib/offloadpool")
+        return
+    message = webhook.refusal(body)
+    assert "pods.guard.offloadpool.io" in message, message
+    assert f"volume 'state': hostPath {path!r} reaches /var/lib/offloadpool" in message, message
+
+
+def test_a_labelled_pod_may_not_add_another_hostpath_to_the_root(webhook: Webhook) -> None:
+    pool = webhook.create_pool("hp2")
+    other = webhook.create_pool("hp3")
+    body = webhook.pod_body("hp2", pool)
+    body["spec"]["volumes"] = [{"name": "theirs", "hostPath": {"path": f"/var/lib/offloadpool/{other}"}}]
+    message = webhook.refusal(body)
+    assert f"volume 'theirs': hostPath '/var/lib/offloadpool/{other}' reaches" in message, message
+
+
+@pytest.mark.parametrize("kind", ["containers", "initContainers"])
+def test_an_unlabelled_pod_requesting_a_pools_resource_is_refused(webhook: Webhook, kind: str) -> None:
+    """The node's one slot of a pool, taken by a pod without the label (no pool, no lease)."""
+    pool = webhook.create_pool(f"slot{kind[0]}")
+    body = webhook.pod_body(f"slot-{kind.lower()}", None)
+    container = {
+        "name": "taker",
+        "image": "busybox",
+        "resources": {"limits": {f"offloadpool.io/{pool}": "1"}},
+    }
+    if kind == "containers":
+        body["spec"]["containers"].append(container)
+    else:
+        body["spec"]["initContainers"] = [container]
+    message = webhook.refusal(body)
+    assert "pods.guard.offloadpool.io" in message, message
+    assert f"resource offloadpool.io/{pool}: only a pod labelled offloadpool.io/pool: {pool}" in message
+    # a labelled pod may ask for its own pool's unit in a container (the sidecar then adds none)
+    own = webhook.pod_body(f"slot-own-{kind.lower()}", pool)
+    own["spec"]["containers"][0]["resources"] = {"limits": {f"offloadpool.io/{pool}": "1"}}
+    pod = wait_admitted(webhook, own)
+    assert f"offloadpool.io/{pool}" not in pod["spec"]["initContainers"][0]["resources"]["limits"]
+
+
+def test_a_namespace_with_admission_disabled_keeps_the_guard(webhook: Webhook) -> None:
+    """``offloadpool.io/admission=disabled`` turns off the mutation (labelled pods are created as
+    written) but not the guard: the host root is still only the labelled pool's volume."""
+    pool = webhook.create_pool("disabled")
+    ns = f"wh-off-{webhook.suffix}"
+    webhook.core.create_namespace(
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(name=ns, labels={"offloadpool.io/admission": "disabled"})
         )
     )
-    assert "initContainers" not in agent["spec"]
+    try:
+        wait_for(
+            f"ServiceAccount {ns}/default",
+            lambda: (
+                webhook.core.list_namespaced_service_account(ns, field_selector="metadata.name=default").items
+            ),
+        )
+        body = webhook.pod_body("root", pool)
+        body["spec"]["volumes"] = [{"name": "root", "hostPath": {"path": "/"}}]
+        assert "pods.guard.offloadpool.io" in webhook.refusal(body, namespace=ns)
+        # written by hand, exactly the pool's volume, by a pod labelled with the pool: as written
+        body = webhook.pod_body("by-hand", pool)
+        body["spec"]["volumes"] = [
+            {
+                "name": f"offloadpool-{pool}",
+                "hostPath": {"path": f"/var/lib/offloadpool/{pool}", "type": "Directory"},
+            }
+        ]
+        pod = wait_admitted(webhook, body, namespace=ns)
+        assert "initContainers" not in pod["spec"]
+    finally:
+        webhook.core.delete_namespace(ns)
 
 
 def test_a_labelled_pod_that_escaped_mutation_is_refused_and_the_operator_restores_the_configuration(

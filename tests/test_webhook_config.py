@@ -84,23 +84,83 @@ def test_made_certificates_verify_for_the_service_name(tmp_path: Path) -> None:
     ssl.create_default_context(cadata=files.ca.read_text())
 
 
-def test_made_certificates_are_kept_then_renewed_before_they_expire(tmp_path: Path) -> None:
+def _cert(path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def _bundle(files: certs.CertFiles) -> list[x509.Certificate]:
+    return x509.load_pem_x509_certificates(files.ca.read_bytes())
+
+
+def test_made_certificates_and_their_ca_are_kept_across_restarts_while_valid(tmp_path: Path) -> None:
     names = ["127.0.0.1"]
-    certs.ensure(tmp_path, names)
-    first = (tmp_path / certs.CERT_NAME).read_bytes()
-    certs.ensure(tmp_path, names)
-    assert (tmp_path / certs.CERT_NAME).read_bytes() == first  # kept: still valid
-    later = datetime.datetime.now(datetime.timezone.utc) + certs.VALIDITY - certs.RENEW_BEFORE / 2
-    certs.ensure(tmp_path, names, now=later)
-    assert (tmp_path / certs.CERT_NAME).read_bytes() != first  # renewed within RENEW_BEFORE of the end
-    certs.ensure(tmp_path, ["127.0.0.2"])
-    cert = x509.load_pem_x509_certificate((tmp_path / certs.CERT_NAME).read_bytes())
+    files = certs.ensure(tmp_path, names)
+    first = {n: (tmp_path / n).read_bytes() for n in (certs.CERT_NAME, certs.CA_NAME, certs.BUNDLE_NAME)}
+    (ca,) = _bundle(files)
+    again = certs.ensure(tmp_path, names, published=[ca])  # what a restarted operator does
+    assert {n: (tmp_path / n).read_bytes() for n in first} == first
+    assert (tmp_path / certs.CA_KEY_NAME).stat().st_mode & 0o077 == 0 and again == files
+    certs.ensure(tmp_path, ["127.0.0.2"], published=[ca])  # a new name: re-issued, same CA
+    cert = _cert(files.cert)
+    cert.verify_directly_issued_by(ca)
     assert "127.0.0.2" in {
         str(ip)
         for ip in cert.extensions.get_extension_for_class(
             x509.SubjectAlternativeName
         ).value.get_values_for_type(x509.IPAddress)
     }
+
+
+def test_a_ca_rotation_trusts_both_cas_until_the_overlap_has_passed(tmp_path: Path) -> None:
+    """Near its end the CA is replaced: the bundle carries old and new; the serving certificate
+    moves to the new CA only once the configurations trust it; the old CA leaves the bundle
+    OVERLAP after that. At every step the served certificate verifies with the bundle."""
+    names = ["127.0.0.1"]
+    files = certs.ensure(tmp_path, names)
+    (old,) = _bundle(files)
+    served = _cert(files.cert)
+
+    def verifies(bundle: list[x509.Certificate]) -> bool:
+        cert = _cert(files.cert)
+        return any(cert.issuer == ca.subject and _signed(cert, ca) for ca in bundle)
+
+    rotate = old.not_valid_after_utc - certs.RENEW_BEFORE / 2
+    certs.ensure(tmp_path, names, now=rotate, published=[old])
+    new = _cert(tmp_path / certs.CA_NAME)
+    assert new != old and _bundle(files) == [new, old]
+    assert _cert(files.cert) == served  # not yet: the API server may hold only the old bundle
+    assert verifies([old])
+    # the configurations now trust both: the serving certificate moves to the new CA
+    certs.ensure(tmp_path, names, now=rotate, published=[new, old])
+    assert _signed(_cert(files.cert), new) and _bundle(files) == [new, old] and verifies([new, old])
+    # within the overlap both stay, after it the old one goes
+    certs.ensure(tmp_path, names, now=rotate + certs.OVERLAP / 2, published=[new, old])
+    assert _bundle(files) == [new, old]
+    certs.ensure(tmp_path, names, now=rotate + certs.OVERLAP + certs.BACKDATE, published=[new, old])
+    assert _bundle(files) == [new] and verifies([new])
+
+
+def test_a_lost_certificate_directory_makes_a_new_ca_next_to_the_trusted_one(tmp_path: Path) -> None:
+    """A re-created pod (the chart's emptyDir is gone): the CA the configurations trust stays in
+    the bundle next to the new one, which the new serving certificate is issued under."""
+    first = certs.ensure(tmp_path / "a", ["127.0.0.1"])
+    (old,) = _bundle(first)
+    files = certs.ensure(tmp_path / "b", ["127.0.0.1"], published=[old])
+    new = _cert(tmp_path / "b" / certs.CA_NAME)
+    assert _bundle(files) == [new, old] and _signed(_cert(files.cert), new)
+    foreign = certs.ensure(tmp_path / "c", ["x.example"])  # another CA of ours, expired: dropped
+    later = _cert(foreign.ca).not_valid_after_utc + datetime.timedelta(days=1)
+    (expired,) = _bundle(foreign)
+    gone = certs.ensure(tmp_path / "d", ["127.0.0.1"], now=later, published=[expired])
+    assert _bundle(gone) == [_cert(tmp_path / "d" / certs.CA_NAME)]
+
+
+def _signed(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except Exception:
+        return False
+    return True
 
 
 def test_given_certificates_are_used_as_they_are(tmp_path: Path) -> None:

@@ -15,12 +15,9 @@ from .constants import GROUP, POOL_NAME_LABEL
 
 #: The one label a user puts on an inference pod: ``offloadpool.io/pool: <pool>``. It is the key
 #: the operator already puts on what it renders for a pool (agent DaemonSet pods), which is why
-#: the webhook also excludes objects labelled ``managed-by: offloadpool-operator``.
+#: the webhook never sees the operator's namespace, where those pods run. No label a pod sets
+#: exempts it from the webhook.
 POD_POOL_LABEL = POOL_NAME_LABEL
-#: Objects carrying this label with this value are never sent to the webhook (the operator's own
-#: agent pods carry the pool label too).
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-OPERATOR_MANAGER = "offloadpool-operator"
 #: A namespace labelled ``offloadpool.io/admission: disabled`` is never sent to the webhook.
 ADMISSION_NAMESPACE_LABEL = f"{GROUP}/admission"
 ADMISSION_DISABLED = "disabled"
@@ -53,9 +50,13 @@ WEBHOOK_CONFIGURATION_NAME = "offloadpool"
 #: Webhook names inside the configurations (fully qualified, as the API server requires).
 MUTATING_WEBHOOK_NAME = f"pods.mutate.{GROUP}"
 VALIDATING_WEBHOOK_NAME = f"pods.validate.{GROUP}"
-#: URL paths of the two webhooks on the operator's webhook server (= the kopf handler ids).
+#: The second validating webhook: every pod, labelled or not, holding a hostPath volume or an
+#: ``offloadpool.io/*`` resource (matchConditions), checked for what it holds of the host root.
+GUARD_WEBHOOK_NAME = f"pods.guard.{GROUP}"
+#: URL paths of the webhooks on the operator's webhook server (= the kopf handler ids).
 MUTATE_PATH = "mutate-pod"
 VALIDATE_PATH = "validate-pod"
+GUARD_PATH = "guard-pod"
 
 
 def pod_pool_dir(pool: str) -> str:

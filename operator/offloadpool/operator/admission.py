@@ -27,6 +27,12 @@ Nothing present is rewritten, because the API server defaults fields of what the
 comes back through it — by reinvocation, or re-created from its own manifest — is unchanged.
 That is also how the validating webhook tells a pod that bypassed mutation: ``mutate`` would
 still change it.
+
+What is keyed by a reserved name is checked by content, never trusted by name: a volume named
+like the pool's (or its compat files') must be exactly the one the mutation writes, every mount
+of it in any container exactly the mutation's mount, and an init container named like the lease
+sidecar exactly the sidecar (less the fields the API server defaults); anything else is refused
+(``Refused``), so a pod cannot bring its own ``offloadpool-<pool>`` as ``hostPath: /`` and keep it.
 """
 
 from __future__ import annotations
@@ -59,8 +65,6 @@ from offloadpool.api.pods import (
     ENV_VLLM_ENGINE_ID,
     LEASE_READY_FILE,
     LEASE_SIDECAR_NAME,
-    MANAGED_BY_LABEL,
-    OPERATOR_MANAGER,
     POD_POOL_LABEL,
     SYSTEM_NAMESPACES,
     compat_files,
@@ -108,11 +112,12 @@ def in_scope(
     settings: InjectionSettings,
     namespace_labels: Mapping[str, str] | None = None,
 ) -> bool:
-    """Whether the webhook acts on this pod at all: labelled, not the operator's own (its agent
-    pods carry the pool label too), not in an excluded namespace. The webhook configurations
-    select exactly this on the API server's side; this is the same rule, restated for safety."""
+    """Whether the mutation applies to this pod: labelled, not in an excluded namespace (the
+    operator's own is one: its agent pods carry the pool label too). No label of the pod's own
+    exempts it. The webhook configurations select exactly this on the API server's side; this is
+    the same rule, restated for safety."""
     labels = (pod.get("metadata") or {}).get("labels") or {}
-    if POD_POOL_LABEL not in labels or labels.get(MANAGED_BY_LABEL) == OPERATOR_MANAGER:
+    if POD_POOL_LABEL not in labels:
         return False
     if namespace in settings.excluded_namespaces:
         return False
@@ -240,21 +245,32 @@ def mutate(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings) -> P
 
     vols = spec.setdefault("volumes", [])
     for volume in volumes(pool, settings):
-        _add_named(vols, volume)
+        _add_exact(vols, volume)
 
     env = pool_env(pool)
+    wanted = mounts(pool)
     for container in spec.get("containers") or []:
-        _add_mounts(container, mounts(pool))
+        _add_mounts(container, wanted)
         _set_env(container, env)
+    for kind in ("initContainers", "ephemeralContainers"):
+        for container in spec.get(kind) or []:
+            _check_mounts(container, wanted)
 
     _require_ready_node(spec, pool_label_key(name))
 
     inits = spec.setdefault("initContainers", [])
-    if not any(c.get("name") == LEASE_SIDECAR_NAME for c in inits):
-        resource = extended_resource_name(name)
-        others = [c for c in (spec.get("containers") or []) + inits]
-        asked = any(resource in ((c.get("resources") or {}).get("limits") or {}) for c in others)
-        inits.insert(0, sidecar(pool, settings, with_resource=not asked))
+    resource = extended_resource_name(name)
+    others = [c for c in (spec.get("containers") or []) + inits if c.get("name") != LEASE_SIDECAR_NAME]
+    asked = any(resource in ((c.get("resources") or {}).get("limits") or {}) for c in others)
+    expected = sidecar(pool, settings, with_resource=not asked)
+    present = [c for c in inits if c.get("name") == LEASE_SIDECAR_NAME]
+    if not present:
+        inits.insert(0, expected)
+    elif _undefaulted(present[0]) != expected:
+        raise Refused(
+            f"init container {LEASE_SIDECAR_NAME!r} is reserved for the lease sidecar the webhook "
+            f"adds, and this one is not it; remove it and let the {POD_POOL_LABEL} label provide it"
+        )
     return new
 
 
@@ -284,12 +300,60 @@ def _compat_volume(pool: str, index: int) -> str:
     return compat_volume_name(pool) + (f"-{index}" if index else "")
 
 
-def _add_named(items: list[dict[str, Any]], item: dict[str, Any]) -> None:
-    if not any(i.get("name") == item["name"] for i in items):
+#: What the API server fills into a container and its probe when the pod omits it.
+_CONTAINER_DEFAULTS = {"terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File"}
+_PROBE_DEFAULTS = {"timeoutSeconds": 1, "successThreshold": 1}
+
+
+def _undefaulted(container: Mapping[str, Any]) -> dict[str, Any]:
+    """``container`` less the defaults the API server adds (to compare with what we wrote)."""
+    out = {k: v for k, v in container.items() if _CONTAINER_DEFAULTS.get(k, object()) != v}
+    probe = out.get("startupProbe")
+    if isinstance(probe, Mapping):
+        out["startupProbe"] = {k: v for k, v in probe.items() if _PROBE_DEFAULTS.get(k, object()) != v}
+    return out
+
+
+def _add_exact(items: list[dict[str, Any]], item: dict[str, Any]) -> None:
+    """Add ``item`` unless present; one of the same name must be exactly it."""
+    same = [i for i in items if i.get("name") == item["name"]]
+    if not same:
         items.append(item)
+    elif any(i != item for i in same):
+        raise Refused(
+            f"volume {item['name']!r} is reserved for the pool's {_what(item)}, and this pod "
+            f"brings its own ({_describe(same[0])}); remove it and let the {POD_POOL_LABEL} label "
+            f"provide it"
+        )
+
+
+def _what(volume: Mapping[str, Any]) -> str:
+    return "region file" if (volume.get("hostPath") or {}).get("type") == "File" else "directory"
+
+
+def _describe(volume: Mapping[str, Any]) -> str:
+    kinds = [k for k in volume if k != "name"]
+    host = volume.get("hostPath")
+    if isinstance(host, Mapping):
+        return f"hostPath {host.get('path')!r}, type {host.get('type')!r}"
+    return ", ".join(kinds) or "no source"
+
+
+def _check_mounts(container: Mapping[str, Any], wanted: Iterable[dict[str, Any]]) -> None:
+    """Every mount of a reserved volume is exactly the mutation's (path, propagation, readOnly,
+    no subPath)."""
+    for mount in wanted:
+        for m in container.get("volumeMounts") or []:
+            if m.get("name") == mount["name"] and m != mount:
+                raise Refused(
+                    f"container {container.get('name')!r} mounts volume {mount['name']!r} "
+                    f"differently from the webhook ({m}); remove that mount and let the "
+                    f"{POD_POOL_LABEL} label provide it"
+                )
 
 
 def _add_mounts(container: dict[str, Any], wanted: Iterable[dict[str, Any]]) -> None:
+    _check_mounts(container, wanted)
     present = container.setdefault("volumeMounts", [])
     for mount in wanted:
         if any(m.get("name") == mount["name"] for m in present):

@@ -1,12 +1,17 @@
-"""The kopf admission handlers for pods labelled ``offloadpool.io/pool`` (imported by ``main``
-only with ``--webhook``: kopf refuses to start with admission handlers and no server).
+"""The kopf admission handlers (imported by ``main`` only with ``--webhook``: kopf refuses to
+start with admission handlers and no server): the mutation and its check for pods labelled
+``offloadpool.io/pool``, and the guard for every pod holding a hostPath or a pool resource.
 
 They are thin: read the pool from the API server (fresh, so a pool created a second ago is
 known), ask ``admission`` whether to refuse and what to add, and answer. Both refuse an
 unknown pool, a pool being deleted, and a namespace the pool's ``spec.consumers.namespaces``
 leaves out, with a message that says which. The validating one also refuses a labelled pod the
 mutation did not reach (its configuration removed or edited, a later webhook undoing it): such a
-pod would run without its pool's memory and without the lease that protects it.
+pod would run without its pool's memory and without the lease that protects it; and what the
+mutation keys by name (the pool's volumes and mounts, the sidecar) must be exactly what it
+writes. The guard (``hostguard``) refuses, labelled or not, a hostPath reaching the host root
+other than the labelled pool's own volumes, and an ``offloadpool.io/*`` resource other than the
+labelled pool's.
 
 The handler ids are the URL paths the webhook configurations call (``webhookconfig``).
 """
@@ -21,9 +26,9 @@ from typing import Any
 import kopf
 
 from offloadpool.api.constants import POOL_KIND, pool_name_error
-from offloadpool.api.pods import MUTATE_PATH, POD_POOL_LABEL, VALIDATE_PATH
+from offloadpool.api.pods import GUARD_PATH, MUTATE_PATH, POD_POOL_LABEL, VALIDATE_PATH
 
-from . import admission
+from . import admission, hostguard
 from .webhook import WebhookRuntime
 
 FORBIDDEN = 403
@@ -105,10 +110,16 @@ async def validate_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     pool = await _pool_for(pod, body.metadata.namespace, runtime)
     if pool is None:
         return
+    settings = runtime.options.injection
     try:
-        missing = admission.not_mutated(pod, pool, runtime.options.injection)
+        missing = admission.not_mutated(pod, pool, settings)
     except admission.Refused as exc:
         raise kopf.AdmissionError(str(exc), code=FORBIDDEN) from None
+    _refuse(
+        hostguard.refusals(
+            pod, settings.host_root, pool["metadata"]["name"], admission.volumes(pool, settings)
+        )
+    )
     if missing:
         raise kopf.AdmissionError(
             f"pod asks for {POOL_KIND} {pool['metadata']['name']!r} ({POD_POOL_LABEL}) "
@@ -117,3 +128,32 @@ async def validate_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
             f"is the MutatingWebhookConfiguration {runtime.options.configuration!r} in place?",
             code=FORBIDDEN,
         )
+
+
+def _refuse(why: list[str]) -> None:
+    if why:
+        raise kopf.AdmissionError("; ".join(why), code=FORBIDDEN)
+
+
+@kopf.on.validate("", "v1", "pods", id=GUARD_PATH, operations=["CREATE"])
+async def guard_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Any pod the API server sends (a hostPath or a pool resource, labelled or not): it may hold
+    of the host root only what its labelled pool's mutation gives."""
+    runtime = _webhook(memo)
+    settings = runtime.options.injection
+    pod = dict(body)
+    namespace = body.metadata.namespace
+    if namespace in settings.excluded_namespaces:  # the configuration leaves them out; restated
+        return
+    why = hostguard.refusals(pod, settings.host_root, None)
+    name = admission.requested_pool(pod)
+    if not why or name is None:
+        _refuse(why)
+        return
+    pool = None
+    if pool_name_error(name) is None:
+        pool = await asyncio.to_thread(runtime.get_pool, name)
+    denied = admission.refusal(name, namespace, pool)
+    if denied or pool is None:
+        raise kopf.AdmissionError(f"{'; '.join(why)} ({denied})", code=FORBIDDEN)
+    _refuse(hostguard.refusals(pod, settings.host_root, name, admission.volumes(pool, settings)))

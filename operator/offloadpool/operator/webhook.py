@@ -4,10 +4,12 @@ gets, when it is refused) in ``admission``.
 
 kopf serves the webhooks (``kopf.WebhookServer``: HTTPS with aiohttp, one path per handler id)
 and re-reads its certificate files every minute, restarting with renewed ones. This module adds
-what kopf's own management of webhook configurations cannot do (see ``webhookconfig``): after
-each (re)start of the server, and every ``resync`` seconds, the two configurations are patched
-to this server's client config and CA when they differ; made certificates are renewed before
-they expire.
+what kopf's own management of webhook configurations cannot do (see ``webhookconfig``): before
+the server first starts, after each of its restarts, and every ``resync`` seconds, the two
+configurations are patched to this server's client config and CA bundle when they differ; made
+certificates are rotated and renewed (``certs``: the serving certificate moves to a new CA only
+once the configurations read back trust it, so no restart or rotation has a moment in which the
+API server cannot verify what is served).
 
 Off unless ``--webhook`` is given: an operator without it registers no admission handler.
 """
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import shutil
 import tempfile
+import time
 import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -37,6 +41,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9443
 DEFAULT_SERVICE = "offloadpool-webhook"
+#: After writing a new bundle at start-up, wait this long before serving: the API server's
+#: cache of the configurations follows a write within milliseconds.
+SETTLE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -135,39 +142,55 @@ class ConfiguringWebhookServer(kopf.WebhookServer):
         self.options = options
         self.configurator = configurator
         self.files = files
-        self.ca_bundle: str | None = None
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         keeper = asyncio.create_task(self._keep())
         try:
             async for client_config in super().__call__(fn):
-                self.ca_bundle = client_config.get("caBundle")
                 await self._configure()
                 yield client_config
         finally:
             keeper.cancel()
 
     async def _configure(self) -> None:
-        if self.ca_bundle is None:
-            return
-        try:
-            await asyncio.to_thread(self.configurator.ensure, self.ca_bundle)
-        except Exception as exc:  # retried every resync; the server keeps serving meanwhile
-            log.error(
-                "cannot update the webhook configurations %r: %s (install them with the chart or "
-                "deploy/webhook.yaml; the operator may only get/patch them)",
-                self.options.configuration,
-                _short(exc),
-            )
+        await asyncio.to_thread(publish, self.configurator, self.files, self.options.configuration)
 
     async def _keep(self) -> None:
         while True:
             await asyncio.sleep(self.options.resync_seconds)
             if self.files.made_here:
-                # New files make kopf's server restart (it re-reads them each minute), which
-                # yields a new client config and so a new caBundle in the configurations.
-                await asyncio.to_thread(certs.ensure, self.files.cert.parent, self.options.hostnames())
+                # A new serving certificate makes kopf's server restart (it re-reads the files
+                # each minute); a new bundle is written to the configurations just below.
+                published = await asyncio.to_thread(read_published, self.configurator)
+                await asyncio.to_thread(
+                    certs.ensure, self.files.cert.parent, self.options.hostnames(), None, published
+                )
             await self._configure()
+
+
+def publish(configurator: Configurator, files: certs.CertFiles, configuration: str) -> bool:
+    """Write the configurations with the bundle in ``files``; True when one was patched. An error
+    is logged (retried every resync; the server keeps serving meanwhile)."""
+    bundle = base64.b64encode(files.ca.read_bytes()).decode("ascii")
+    try:
+        return bool(configurator.ensure(bundle))
+    except Exception as exc:
+        log.error(
+            "cannot update the webhook configurations %r: %s (install them with the chart or "
+            "deploy/webhook.yaml; the operator may only get/patch them)",
+            configuration,
+            _short(exc),
+        )
+        return False
+
+
+def read_published(configurator: Configurator) -> list[Any] | None:
+    """The CAs the configurations trust now, or None when they cannot be read."""
+    try:
+        return configurator.published()
+    except Exception as exc:
+        log.warning("cannot read the webhook configurations' caBundle: %s", _short(exc))
+        return None
 
 
 def _short(exc: Exception) -> str:
@@ -198,13 +221,18 @@ class WebhookRuntime:
 
         client = load_client()
         self.kube = Kube(client)
-        files = certs.ensure(self.cert_dir(), self.options.hostnames())
         configurator = Configurator(
             client,
             self.options.endpoint(),
             self.options.injection.excluded_namespaces,
             self.options.configuration,
         )
+        published = read_published(configurator)
+        files = certs.ensure(self.cert_dir(), self.options.hostnames(), published=published)
+        # The bundle (a new CA next to the one the configurations trust) is written before the
+        # server answers anything, so no certificate it serves is unknown to the API server.
+        if publish(configurator, files, self.options.configuration):
+            time.sleep(SETTLE_SECONDS)
         log.info(
             "admission webhook: https://%s:%d (%s certificates in %s), configurations %r",
             self.options.listen,

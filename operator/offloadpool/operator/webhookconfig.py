@@ -1,11 +1,26 @@
 """The Mutating- and ValidatingWebhookConfiguration: rendered here (pure), kept true by the
 operator, created by the installer (the chart, or ``deploy/webhook.yaml``).
 
+Three webhooks: ``pods.mutate`` (mutating) and ``pods.validate`` see pods labelled
+``offloadpool.io/pool``: the mutation, and the check that it reached the pod and that what it
+keys by name is what it writes. ``pods.guard`` (validating) sees every other pod that could take
+something of a pool: those holding a hostPath volume or an ``offloadpool.io/*`` resource,
+labelled or not, chosen on the API server's side by ``matchConditions`` (CEL on the request), so
+ordinary pods never reach the operator; it refuses hostPaths that reach the host root and pool
+resources without the pool's label (``hostguard``).
+
 Why the operator and not kopf manages them: kopf's managed configurations have no
-``namespaceSelector`` and only label filters it can express, and it removes its webhooks when
-the operator stops. Ours must never see system namespaces, must skip the operator's own agent
-pods (which carry the pool label too), and must stay in place while the operator is down, so
-that a labelled pod is refused rather than admitted without its pool and lease.
+``namespaceSelector``, no ``matchConditions`` and only label filters it can express, and it
+removes its webhooks when the operator stops. Ours must never see system namespaces nor the
+operator's own (its agent pods carry the pool label and the host root), and must stay in place
+while the operator is down, so that a pod is refused rather than admitted unchecked.
+
+Scope. No label a pod sets takes it out of scope. Namespaces are left out by name only
+(``kubernetes.io/metadata.name``, which the API server sets and nobody can change): the system
+ones, the operator's (only the operator's DaemonSets and administrators create pods there, and
+its agents are the host root's owners), and those the installer names. A namespace labelled
+``offloadpool.io/admission=disabled`` turns off the mutation and its check there (labelled pods
+are created as written), never the guard.
 
 Why the installer creates them and the operator only patches: creating webhook configurations
 needs an unrestricted ``create`` (RBAC cannot name an object that does not exist yet), and
@@ -14,35 +29,44 @@ named ``offloadpool``; at start-up and every ``resync`` it writes the webhooks b
 current ``caBundle`` and client config when what is there differs (it never touches anything
 else). ``tests/test_chart.py`` checks that the chart renders exactly these webhooks.
 
-Failure policy: ``Fail`` for both, and that cannot take the cluster's pods down, because the
-API server sends only pods that carry ``offloadpool.io/pool`` (objectSelector), never from
-``kube-system``/``kube-public``/``kube-node-lease``, the operator's namespace, or a namespace
-labelled ``offloadpool.io/admission=disabled`` (namespaceSelector). While the operator is down,
-only new pods that ask for a pool wait (their controllers retry); a pod admitted without the
-pool would start without its memory or its lease, which is worse than waiting.
+Failure policy: ``Fail`` for all three. The mutating and validating webhooks reach only labelled
+pods: while the operator is down those wait (their controllers retry); admitted without the pool
+they would start without their memory or its lease. The guard reaches pods with a hostPath or a
+pool resource outside the excluded namespaces: while the operator is down those wait too, since
+``Ignore`` would let a pod take the host root in exactly that window (an attacker can wait for
+it). Node agents with host mounts (log collectors, exporters, CSI plugins) belong in an excluded
+namespace (docs/webhook.md).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from offloadpool.api.constants import GROUP
 from offloadpool.api.pods import (
     ADMISSION_DISABLED,
     ADMISSION_NAMESPACE_LABEL,
-    MANAGED_BY_LABEL,
+    GUARD_PATH,
+    GUARD_WEBHOOK_NAME,
     MUTATE_PATH,
     MUTATING_WEBHOOK_NAME,
-    OPERATOR_MANAGER,
     POD_POOL_LABEL,
     SYSTEM_NAMESPACES,
     VALIDATE_PATH,
     VALIDATING_WEBHOOK_NAME,
     WEBHOOK_CONFIGURATION_NAME,
 )
+
+from .certs import bundle_certificates
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +106,45 @@ class Endpoint:
         return config
 
 
-def namespace_selector(excluded: Sequence[str]) -> dict[str, Any]:
-    return {
-        "matchExpressions": [
-            {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": list(excluded)},
-            {"key": ADMISSION_NAMESPACE_LABEL, "operator": "NotIn", "values": [ADMISSION_DISABLED]},
-        ]
-    }
+def namespace_selector(excluded: Sequence[str], honour_disabled: bool = True) -> dict[str, Any]:
+    """Namespaces by name (the API server's own label); the disabled label only where asked."""
+    expressions: list[dict[str, Any]] = [
+        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": list(excluded)}
+    ]
+    if honour_disabled:
+        expressions.append(
+            {"key": ADMISSION_NAMESPACE_LABEL, "operator": "NotIn", "values": [ADMISSION_DISABLED]}
+        )
+    return {"matchExpressions": expressions}
 
 
 def object_selector() -> dict[str, Any]:
-    return {
-        "matchExpressions": [
-            {"key": POD_POOL_LABEL, "operator": "Exists"},
-            {"key": MANAGED_BY_LABEL, "operator": "NotIn", "values": [OPERATOR_MANAGER]},
-        ]
-    }
+    return {"matchExpressions": [{"key": POD_POOL_LABEL, "operator": "Exists"}]}
+
+
+def _holds_pool_resource(resources: str) -> str:
+    """CEL: the resources object ``resources`` (a field path) names an ``offloadpool.io/*`` key."""
+    return " || ".join(
+        f"(has({resources}.{part}) && {resources}.{part}.exists(k, k.startsWith('{GROUP}/')))"
+        for part in ("requests", "limits")
+    )
+
+
+def guard_expression() -> str:
+    """CEL on the request: the pod holds a hostPath volume or an ``offloadpool.io/*`` resource
+    (any container kind, or the pod-level resources). Everything else stays off the webhook."""
+    lines = ["(has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.hostPath)))"]
+    lines.append(f"|| (has(object.spec.resources) && ({_holds_pool_resource('object.spec.resources')}))")
+    for kind in ("containers", "initContainers", "ephemeralContainers"):
+        lines.append(
+            f"|| (has(object.spec.{kind}) && object.spec.{kind}.exists(c, "
+            f"has(c.resources) && ({_holds_pool_resource('c.resources')})))"
+        )
+    return "\n".join(lines)
+
+
+def match_conditions() -> list[dict[str, str]]:
+    return [{"name": "holds-host-path-or-pool-resource", "expression": guard_expression()}]
 
 
 def excluded_namespaces(operator_namespace: str, extra: Sequence[str] = ()) -> list[str]:
@@ -111,6 +158,7 @@ def webhook(
 ) -> dict[str, Any]:
     """One webhook entry, with every field the API server would otherwise default spelled out
     (so comparing with what is stored tells real differences only)."""
+    guard = name == GUARD_WEBHOOK_NAME
     entry: dict[str, Any] = {
         "name": name,
         "admissionReviewVersions": ["v1"],
@@ -126,11 +174,13 @@ def webhook(
         ],
         "failurePolicy": "Fail",
         "matchPolicy": "Equivalent",
-        "namespaceSelector": namespace_selector(excluded),
-        "objectSelector": object_selector(),
+        "namespaceSelector": namespace_selector(excluded, honour_disabled=not guard),
+        "objectSelector": {} if guard else object_selector(),
         "sideEffects": "None",
         "timeoutSeconds": TIMEOUT_SECONDS,
     }
+    if guard:
+        entry["matchConditions"] = match_conditions()
     if mutating:
         # A later webhook that adds a container (a service mesh proxy) makes the API server call
         # this one again, so the new container gets the mount and env too; mutation is idempotent.
@@ -141,13 +191,14 @@ def webhook(
 def render(
     endpoint: Endpoint, ca_bundle: str | None, excluded: Sequence[str], name: str = WEBHOOK_CONFIGURATION_NAME
 ) -> list[dict[str, Any]]:
-    """``excluded``: the namespaces never sent to the webhook (``excluded_namespaces``)."""
-    """Both configurations, complete (what ``deploy/webhook.yaml`` holds, plus the caBundle)."""
+    """Both configurations, complete (what ``deploy/webhook.yaml`` holds, plus the caBundle);
+    ``excluded``: the namespaces never sent to any webhook (``excluded_namespaces``)."""
     out = []
-    for kind, hook, path, mutating in (
-        (MUTATING_KIND, MUTATING_WEBHOOK_NAME, MUTATE_PATH, True),
-        (VALIDATING_KIND, VALIDATING_WEBHOOK_NAME, VALIDATE_PATH, False),
+    for kind, hooks in (
+        (MUTATING_KIND, [(MUTATING_WEBHOOK_NAME, MUTATE_PATH)]),
+        (VALIDATING_KIND, [(VALIDATING_WEBHOOK_NAME, VALIDATE_PATH), (GUARD_WEBHOOK_NAME, GUARD_PATH)]),
     ):
+        mutating = kind == MUTATING_KIND
         out.append(
             {
                 "apiVersion": "admissionregistration.k8s.io/v1",
@@ -159,7 +210,9 @@ def render(
                         "app.kubernetes.io/part-of": "offloadpool",
                     },
                 },
-                "webhooks": [webhook(hook, path, endpoint, ca_bundle, excluded, mutating)],
+                "webhooks": [
+                    webhook(hook, path, endpoint, ca_bundle, excluded, mutating) for hook, path in hooks
+                ],
             }
         )
     return out
@@ -193,21 +246,41 @@ class Configurator:
         self.excluded = list(excluded)
         self.name = name
 
+    def _read(self, kind: str) -> dict[str, Any]:
+        read = (
+            self.api.read_mutating_webhook_configuration
+            if kind == MUTATING_KIND
+            else self.api.read_validating_webhook_configuration
+        )
+        live: dict[str, Any] = json.loads(read(self.name, _preload_content=False).data)
+        return live
+
+    def published(self) -> list[x509.Certificate]:
+        """The CAs every webhook of both configurations trusts now (their caBundles' common
+        part): what the API server may verify the served certificate with."""
+        trusted: dict[bytes, x509.Certificate] | None = None
+        for kind in (MUTATING_KIND, VALIDATING_KIND):
+            for hook in self._read(kind).get("webhooks") or []:
+                try:
+                    pem = base64.b64decode((hook.get("clientConfig") or {}).get("caBundle") or "")
+                except (binascii.Error, ValueError):
+                    pem = b""
+                here = {c.public_bytes(serialization.Encoding.DER): c for c in bundle_certificates(pem)}
+                trusted = here if trusted is None else {k: v for k, v in trusted.items() if k in here}
+        return list((trusted or {}).values())
+
     def ensure(self, ca_bundle: str | None) -> list[str]:
         """Patch whichever configuration differs; returns the kinds patched. Raises the API's
         error (404: the installer did not create it; 403: RBAC) for the caller to log."""
         patched = []
         for desired in render(self.endpoint, ca_bundle, self.excluded, self.name):
             kind = desired["kind"]
-            read, patch = (
-                (self.api.read_mutating_webhook_configuration, self.api.patch_mutating_webhook_configuration)
+            patch = (
+                self.api.patch_mutating_webhook_configuration
                 if kind == MUTATING_KIND
-                else (
-                    self.api.read_validating_webhook_configuration,
-                    self.api.patch_validating_webhook_configuration,
-                )
+                else self.api.patch_validating_webhook_configuration
             )
-            live = json.loads(read(self.name, _preload_content=False).data)
+            live = self._read(kind)
             if contains(live.get("webhooks"), desired["webhooks"]):
                 continue
             patch(self.name, {"webhooks": desired["webhooks"]}, _content_type=MERGE)

@@ -1,0 +1,120 @@
+"""What any pod may hold of the node's pools, whatever its labels: hostPath volumes that reach
+the host root, and ``offloadpool.io/*`` extended resources.
+
+A pod spec reaches a pool's memory two ways: a hostPath volume whose path reaches the host root
+(``/var/lib/offloadpool``: the root itself, anything under it, anything that contains it such as
+``/``, ``/var`` or ``/var/lib``, and ``/proc``, through which every process's root directory is
+visible), and a pool's extended resource, which takes the node's one slot of the pool. The
+mutating webhook gives a pod labelled ``offloadpool.io/pool: <pool>`` exactly the pool's volumes
+and its resource; everything else is refused here, labelled or not. Paths are compared after
+normalisation (``//``, ``/./``, ``..``, a trailing ``/``); a relative path cannot be reasoned
+about and is refused when it could reach anything. A symlink on the node (a hostPath through a
+link into the root) is beyond what admission can see: keep hostPath volumes in consumer
+namespaces to what you trust (docs/webhook.md).
+
+Pure functions of the pod as the API server sends it; the validating webhook's handler
+(``admission_handlers``) calls them for every pod the webhook configuration sends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from offloadpool.api.constants import GROUP, extended_resource_name
+from offloadpool.api.pods import POD_POOL_LABEL
+
+#: Every extended resource a pool advertises is ``offloadpool.io/<pool>``.
+RESOURCE_PREFIX = f"{GROUP}/"
+#: ``/proc/<pid>/root`` is every process's root directory, the host's too under hostPID.
+PROC = "/proc"
+#: The pod's containers of every kind (ephemeral ones cannot be created with the pod, nor carry
+#: resources, but are checked all the same).
+CONTAINER_KINDS = ("containers", "initContainers", "ephemeralContainers")
+
+
+def normalise(path: str) -> str | None:
+    """``path`` as the kernel resolves it without symlinks (``/a//b/./c/../`` is ``/a/b``); None
+    for a relative path. ``..`` above ``/`` stays at ``/``, as it does in the kernel."""
+    if not path.startswith("/"):
+        return None
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(part)
+    return "/" + "/".join(parts)
+
+
+def reaches(path: str, root: str) -> bool:
+    """Whether a hostPath of ``path`` gives a pod anything of ``root``: it is the root, lies under
+    it, contains it, or is ``/proc`` or under it. A relative path: True (refused)."""
+    target = normalise(path)
+    base = normalise(root)
+    if target is None or base is None:
+        return True
+    if target == PROC or target.startswith(PROC + "/"):
+        return True
+    inside = target == base or target.startswith(base.rstrip("/") + "/")
+    contains = base.startswith(target.rstrip("/") + "/")
+    return inside or contains
+
+
+def host_volumes(pod: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """The pod's hostPath volumes, as written."""
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        if volume.get("hostPath") is not None:
+            yield volume
+
+
+def pool_resources(pod: Mapping[str, Any]) -> set[str]:
+    """Every ``offloadpool.io/*`` resource the pod requests or limits, in any container or at the
+    pod level."""
+    spec = pod.get("spec") or {}
+    holders = [c.get("resources") or {} for kind in CONTAINER_KINDS for c in spec.get(kind) or []]
+    holders.append(spec.get("resources") or {})
+    return {
+        name
+        for resources in holders
+        for part in ("requests", "limits")
+        for name in (resources.get(part) or {})
+        if str(name).startswith(RESOURCE_PREFIX)
+    }
+
+
+def refusals(
+    pod: Mapping[str, Any], root: str, pool: str | None, pool_volumes: Sequence[Mapping[str, Any]] = ()
+) -> list[str]:
+    """Why the pod may not hold what it holds of the host root; empty when it may.
+
+    ``pool``: the pool the pod's label names and that it may use (None: no label, or a pool it
+    may not have); ``pool_volumes``: that pool's volumes exactly as the mutation writes them, the
+    only hostPath volumes reaching ``root`` the pod may carry."""
+    why = []
+    for volume in host_volumes(pod):
+        path = str((volume.get("hostPath") or {}).get("path", ""))
+        if not reaches(path, root) or any(volume == wanted for wanted in pool_volumes):
+            continue
+        if pool is None:
+            why.append(
+                f"volume {volume.get('name')!r}: hostPath {path!r} reaches {root}, where the "
+                f"offloadpool agents keep every pool's memory; a pod gets a pool's directory only "
+                f"from the webhook, by the label {POD_POOL_LABEL}: <pool>"
+            )
+        else:
+            why.append(
+                f"volume {volume.get('name')!r}: hostPath {path!r} reaches {root}; a pod labelled "
+                f"{POD_POOL_LABEL}: {pool} may hold only its pool's volumes, exactly as the webhook "
+                f"writes them"
+            )
+    allowed = extended_resource_name(pool) if pool is not None else None
+    for name in sorted(pool_resources(pod) - {allowed}):
+        why.append(
+            f"resource {name}: only a pod labelled {POD_POOL_LABEL}: {name[len(RESOURCE_PREFIX) :]} "
+            f"may request it (the webhook gives such a pod its pool and the resource)"
+        )
+    return why
