@@ -1,8 +1,9 @@
 """The webhook across operator restarts and while the operator is down, against the real API
 server (the operator as a process, as in tests/test_webhook.py, with its own certificate
-directory): ordinary pods never reach the webhook (matchConditions), pods holding a hostPath wait
-for it (failurePolicy Fail); a restart, with the certificates kept or lost (a re-created pod's
-emptyDir), never leaves a moment in which the API server cannot verify what is served.
+directory): ordinary pods never reach the webhook (matchConditions), pods holding a hostPath
+that could reach the host root wait for it (failurePolicy Fail); a restart, with the
+certificates kept or lost (a re-created pod's emptyDir), never leaves a moment in which the API
+server cannot verify what is served.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fixtures.cluster import free_port
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
 from offloadpool.api.pods import LEASE_SIDECAR_NAME
-from test_webhook import SIDECAR_IMAGE, Webhook, wait_admitted
+from test_webhook import SIDECAR_IMAGE, Webhook
 
 pytestmark = pytest.mark.controlplane
 
@@ -90,9 +91,11 @@ def failed_call(hook: Webhook, body: dict[str, Any]) -> str:
 
 
 def test_ordinary_pods_never_reach_the_webhook_and_hostpath_pods_wait_for_it(hook: Webhook) -> None:
-    """With the operator stopped (failurePolicy Fail): an unlabelled pod without a hostPath or a
-    pool resource is admitted, so the API server did not call the webhook (matchConditions); one
-    with any hostPath, or a pool resource, is refused until the operator is back."""
+    """With the operator stopped (failurePolicy Fail): an unlabelled pod without a pool resource
+    or a hostPath that could reach the host root is admitted, so the API server did not call the
+    webhook (matchConditions) — a plain pod and a log collector's ``/var/log`` alike; one with a
+    hostPath that could reach the root (``/var``, ``/var/log/..``), or a pool resource, is
+    refused until the operator is back."""
     pool = hook.create_pool("down")
     hook.operator.stop()
     try:
@@ -102,16 +105,22 @@ def test_ordinary_pods_never_reach_the_webhook_and_hostpath_pods_wait_for_it(hoo
         assert hook.create_pod(plain)["metadata"]["name"] == "plain-while-down"
         logs = hook.pod_body("logs-while-down", None)
         logs["spec"]["volumes"] = [{"name": "logs", "hostPath": {"path": "/var/log"}}]
-        message = failed_call(hook, logs)
-        assert 'failed calling webhook "pods.guard.offloadpool.io"' in message, message
+        assert hook.create_pod(logs)["metadata"]["name"] == "logs-while-down"
+        for name, path in (("var-while-down", "/var"), ("dots-while-down", "/var//lib/offloadpool")):
+            near = hook.pod_body(name, None)
+            near["spec"]["volumes"] = [{"name": "host", "hostPath": {"path": path}}]
+            message = failed_call(hook, near)
+            assert 'failed calling webhook "pods.guard.offloadpool.io"' in message, (path, message)
         slot = hook.pod_body("slot-while-down", None)
         slot["spec"]["containers"][0]["resources"] = {"limits": {f"offloadpool.io/{pool}": "1"}}
         assert 'failed calling webhook "pods.guard.offloadpool.io"' in failed_call(hook, slot)
     finally:
         hook.operator.start()
         wait_for("the operator to serve again", hook.ready, timeout=90)
-    # back: the log collector's hostPath is beside the host root, so it is admitted
-    wait_admitted(hook, logs)
+    # back: the guard itself refuses /var (it contains the host root)
+    var = hook.pod_body("var-when-back", None)
+    var["spec"]["volumes"] = [{"name": "host", "hostPath": {"path": "/var"}}]
+    assert "reaches /var/lib/offloadpool" in failed_call(hook, var)
 
 
 class Creator(threading.Thread):

@@ -51,7 +51,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from offloadpool.api.constants import GROUP
+from offloadpool.api.constants import GROUP, HOST_ROOT
 from offloadpool.api.pods import (
     ADMISSION_DISABLED,
     ADMISSION_NAMESPACE_LABEL,
@@ -130,10 +130,32 @@ def _holds_pool_resource(resources: str) -> str:
     )
 
 
+def _may_reach_root(path: str) -> str:
+    """CEL: the hostPath ``path`` (a field path) could reach the host root: any path that is not
+    plain (relative, or with ``//``, ``.`` or ``..`` components: the guard normalises it), under
+    ``/proc``, the root itself or below it, or one of its ancestors. A plain path elsewhere
+    (a log collector's ``/var/log``) never reaches it, so such pods stay off the webhook and do
+    not wait for the operator."""
+    root = HOST_ROOT.rstrip("/")
+    parts = root.split("/")[1:]
+    ancestors = ["/"] + ["/" + "/".join(parts[:i]) + tail for i in range(1, len(parts)) for tail in ("", "/")]
+    listed = ", ".join(f"'{a}'" for a in ancestors)
+    return (
+        f"(!{path}.startsWith('/') || {path}.contains('//') || {path}.contains('/./') "
+        f"|| {path}.contains('/..') || {path}.endsWith('/.') "
+        f"|| {path} == '/proc' || {path}.startsWith('/proc/') "
+        f"|| {path} == '{root}' || {path}.startsWith('{root}/') || {path} in [{listed}])"
+    )
+
+
 def guard_expression() -> str:
-    """CEL on the request: the pod holds a hostPath volume or an ``offloadpool.io/*`` resource
+    """CEL on the request: the pod holds a hostPath volume that could reach the host root
+    (``_may_reach_root``; the guard then decides exactly) or an ``offloadpool.io/*`` resource
     (any container kind, or the pod-level resources). Everything else stays off the webhook."""
-    lines = ["(has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.hostPath)))"]
+    lines = [
+        "(has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.hostPath) && "
+        f"{_may_reach_root('v.hostPath.path')}))"
+    ]
     lines.append(f"|| (has(object.spec.resources) && ({_holds_pool_resource('object.spec.resources')}))")
     for kind in ("containers", "initContainers", "ephemeralContainers"):
         lines.append(
