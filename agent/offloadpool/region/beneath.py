@@ -108,19 +108,33 @@ def has_openat2() -> bool:
     return _use_openat2
 
 
-def _refusal(rel: str, err: int) -> OSError:
-    if err in (errno.ELOOP, errno.EXDEV):
-        return WrongEntry(rel, "is or passes through a symbolic link")
+def _refusal(rel: str, err: int, dirfd: int | None = None) -> OSError:
+    """The error for an open of ``rel`` that failed with ``err``: for a link or a non-directory
+    on the way, a WrongEntry naming the first component that is not a directory, and what it is."""
+    if err not in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):
+        return OSError(err, os.strerror(err), rel)
+    names = rel.split("/")
+    if dirfd is not None:
+        for i in range(len(names)):
+            here = "/".join(names[: i + 1])
+            try:  # every component before this one is a directory, not a link: nothing followed
+                mode = os.stat(here, dir_fd=dirfd, follow_symlinks=False).st_mode
+            except OSError:
+                break
+            if not stat.S_ISDIR(mode):
+                return WrongEntry(
+                    here, f"is {kind(mode)}" + (f" (on the way to {rel})" if here != rel else "")
+                )
     if err == errno.ENOTDIR:
         return WrongEntry(rel, "passes through something that is not a directory")
-    return OSError(err, os.strerror(err), rel)
+    return WrongEntry(rel, "is or passes through a symbolic link")
 
 
 def _openat2(dirfd: int, rel: str, flags: int, mode: int) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, RESOLVE)
     fd = _libc.syscall(SYS_OPENAT2, dirfd, os.fsencode(rel), ctypes.byref(how), ctypes.sizeof(how))
     if fd < 0:
-        raise _refusal(rel, ctypes.get_errno())
+        raise _refusal(rel, ctypes.get_errno(), dirfd)
     return int(fd)
 
 
@@ -135,7 +149,7 @@ def open_dir(dirfd: int, rel: str) -> int:
             try:
                 nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
-                raise _refusal("/".join(names[: i + 1]), exc.errno or 0) from None
+                raise _refusal("/".join(names[: i + 1]), exc.errno or 0, dirfd) from None
             os.close(fd)
             fd = nxt
     except BaseException:
@@ -196,7 +210,7 @@ def open_file(
         try:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=pfd)
         except OSError as exc:
-            raise _refusal(rel, exc.errno or 0) from None
+            raise _refusal(rel, exc.errno or 0, dirfd) from None
     try:
         st = os.fstat(fd)
         _check(rel, st, links)
