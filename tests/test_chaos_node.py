@@ -32,8 +32,10 @@ from offloadpool.region.journal import JOURNAL_NAME, Unit, units
 from offloadpool.region.lease import count_holders, lease_path
 from offloadpool.region.manifest import MANIFEST_NAME, ManifestError
 from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.places import state_dir
 from offloadpool.region.planner import Plan
 from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.record import RECORD_NAME
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.status import pool_state
 
@@ -42,7 +44,9 @@ CRASH_AT = str(Path(__file__).parent / "fixtures" / "crash_at.py")
 NAME = "chaos"
 MEDIA = ("Memory", "MemoryTHP", "HugePages-2Mi")
 #: what a Ready pool's directory holds, nothing more (no temp file of an interrupted write)
-READY_ENTRIES = {"lease", MANIFEST_NAME, "mnt", JOURNAL_NAME, "state.json"}
+READY_ENTRIES = {"lease", MANIFEST_NAME, "mnt"}
+#: what its state directory (root-only, no pod is given it) holds
+READY_STATE = {JOURNAL_NAME, RECORD_NAME}
 PROVISION_POINTS = (
     "provision:record-Provisioning",
     "provision:mid-record-write",
@@ -61,8 +65,8 @@ RELEASE_POINTS = (
     "release:manifest-removed",
     "release:unmounted",
     "release:record-Draining",
-    "release:rmtree",
-    "release:mid-rmtree",
+    "release:remove-names",
+    "release:mid-remove-names",
 )
 #: The provision point between growing the kernel's huge page pool and recording it. Runs that
 #: start with it take every free huge page first (as another tenant would hold them), so the
@@ -122,7 +126,7 @@ class Pool:
 
     def journal(self) -> bytes:
         try:
-            return (self.dir / JOURNAL_NAME).read_bytes()
+            return (state_dir(self.dir) / JOURNAL_NAME).read_bytes()
         except FileNotFoundError:
             return b""
 
@@ -167,7 +171,7 @@ def crash_argv(point: str, nth: int, *args: str) -> list[str]:
 
 def disk_phase(pool: Pool) -> str:
     """Where a killed run left the pool, read from disk (the label of delay/progress kills)."""
-    if not (pool.dir / "state.json").exists():
+    if not (state_dir(pool.dir) / RECORD_NAME).exists():
         return "before the record"
     state = pool_state(pool.root, NAME)
     if state.phase == "Ready":
@@ -298,8 +302,10 @@ def check_converged(run: Run, pool: Pool, result: dict, recorded: int, was_ready
     )
     entries = {e.name for e in pool.dir.iterdir()}
     run.check(
-        "no stray file in the pool directory", entries == READY_ENTRIES, str(sorted(entries - READY_ENTRIES))
+        "no stray file in the pool directory", entries == READY_ENTRIES, str(sorted(entries ^ READY_ENTRIES))
     )
+    kept = {e.name for e in state_dir(pool.dir).iterdir()}
+    run.check("no stray file in the state directory", kept == READY_STATE, str(sorted(kept ^ READY_STATE)))
     own = [m for m in mounts.mounts_under(pool.root)]
     run.check(
         "exactly one mount, the pool's",
@@ -331,7 +337,7 @@ def kill_release(run: Run, rng: random.Random, pool: Pool, processes, point: str
     """One release, killed at ``point``, at a point the seed picks, or after a random delay."""
     if point or rng.random() < 0.75:
         point = point or rng.choice(RELEASE_POINTS)
-        nth = rng.randint(1, 3) if point == "release:mid-rmtree" else 1
+        nth = rng.randint(1, 3) if point == "release:mid-remove-names" else 1
         proc = processes(crash_argv(point, nth, "release", NAME, "--root", str(pool.root)))
         _out, err = proc.communicate(timeout=120)
         if proc.returncode == -signal.SIGKILL:

@@ -14,6 +14,7 @@ from fixtures.wait import wait_for
 from offloadpool.region.journal import JOURNAL_NAME, units
 from offloadpool.region.lease import lease_path
 from offloadpool.region.manifest import Segment
+from offloadpool.region.places import state_dir
 from offloadpool.region.populate import shares
 
 MiB = 1 << 20
@@ -62,7 +63,10 @@ def test_no_engine_can_attach_while_populating(region_root, processes):
     pool_dir = region_root / "busy"
     wait_for(
         "the pre-fault to start",
-        lambda: (pool_dir / JOURNAL_NAME).exists() and 1 in (pool_dir / JOURNAL_NAME).read_bytes(),
+        lambda: (
+            (state_dir(pool_dir) / JOURNAL_NAME).exists()
+            and 1 in (state_dir(pool_dir) / JOURNAL_NAME).read_bytes()
+        ),
         60,
         interval=0.01,
     )

@@ -8,6 +8,7 @@ import json
 
 from fixtures.host import hugepage_totals
 from offloadpool.region import hugepages, mounts
+from offloadpool.region.places import state_dir
 from offloadpool.region.provision import provision
 from offloadpool.region.record import RECORD_NAME
 from offloadpool.region.release import release
@@ -24,10 +25,10 @@ def simulate_reboot(pool_dir, added: int) -> None:
     mounts.umount(pool_dir / "mnt")
     with hugepages.pool_lock():
         hugepages.shrink(2 * MiB, added)
-    record = json.loads((pool_dir / RECORD_NAME).read_text())
+    record = json.loads((state_dir(pool_dir) / RECORD_NAME).read_text())
     record["boot_id"] = "an-earlier-boot"
     record["hugepages_added"] = 32
-    (pool_dir / RECORD_NAME).write_text(json.dumps(record))
+    (state_dir(pool_dir) / RECORD_NAME).write_text(json.dumps(record))
 
 
 def test_rebuild_after_reboot_keeps_huge_page_accounting(region_root, hugepage_baseline):

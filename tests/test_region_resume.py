@@ -16,6 +16,7 @@ from fixtures.wait import wait_for
 from offloadpool.region import mounts
 from offloadpool.region.journal import JOURNAL_NAME, units
 from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.places import state_dir
 from offloadpool.region.planner import plan
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.status import pool_state
@@ -25,7 +26,7 @@ MiB = 1 << 20
 
 def journal_bytes(pool_dir: Path) -> bytes:
     try:
-        return (pool_dir / JOURNAL_NAME).read_bytes()
+        return (state_dir(pool_dir) / JOURNAL_NAME).read_bytes()
     except FileNotFoundError:
         return b""
 

@@ -29,14 +29,14 @@ from offloadpool.agent.status_writer import RETRY_FIRST_SECONDS, StatusWriter, r
 from offloadpool.api.constants import DEFAULT_HEARTBEAT_SECONDS, GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
 from offloadpool.api.conversion import SpecError
 from offloadpool.api.media import is_hugetlbfs
-from offloadpool.region import engine_id_mismatch, holders
-from offloadpool.region import manifest as manifest_mod
+from offloadpool.region import engine_id_mismatch, holders, places
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.scrub import ScrubPending
+from offloadpool.region.status import local_region
 
 log = logging.getLogger(__name__)
 
@@ -129,18 +129,17 @@ class Agent:
     # -- pool directory ----------------------------------------------------------------------
     @property
     def pool_dir(self) -> Path:
-        return self.root / self.pool_name
+        return places.pool_dir(self.root, self.pool_name)
 
-    def _manifest(self) -> manifest_mod.Manifest | None:
-        try:
-            return manifest_mod.load(self.pool_dir)
-        except manifest_mod.ManifestError:
-            return None
+    def _local(self) -> tuple[int, int] | None:
+        """(generation, total bytes) of the complete region on this node, from the node's own
+        record: the manifest is in the pod-writable pool directory and is not trusted."""
+        return local_region(self.root, self.pool_name)
 
     def local_generation(self) -> int | None:
         """Generation of the complete region on this node (None if there is none)."""
-        m = self._manifest()
-        return None if m is None else m.generation
+        local = self._local()
+        return None if local is None else local[0]
 
     def engines_attached(self) -> int:
         """Processes holding the lease or mapping/opening the pool's files, each once.
@@ -452,16 +451,16 @@ class Agent:
             # a newer spec cannot replace a region an engine holds: keep the old one, say why;
             # a scrub owed to new consumers withheld the region (no manifest): Pending
             self.metrics.error("LeaseHeld")
-            old = self._manifest()
+            old = self._local()
             fields: dict[str, Any] = {}
             if old is not None:
-                fields = dict(bytes_total=old.total_bytes, bytes_populated=old.total_bytes, progress=100)
+                fields = dict(bytes_total=old[1], bytes_populated=old[1], progress=100)
             self._phase(
                 "Ready" if old is not None else "Pending",
                 reason="ScrubPending" if isinstance(exc, ScrubPending) else "LeaseHeld",
                 message=f"generation {req.generation} pending: {exc}",
                 pending_generation=req.generation,
-                observed_generation=old.generation if old else None,
+                observed_generation=old[0] if old else None,
                 engines_attached=self.engines_attached(),
                 **fields,
             )
@@ -527,7 +526,7 @@ class Agent:
             self._beat()
             return self.heartbeat_seconds
         try:
-            release(self.root, self.pool_name)  # idempotent: a pool never built is "released"
+            result = release(self.root, self.pool_name)  # idempotent: a pool never built is "released"
         except LeaseHeld as exc:
             self.metrics.error("LeaseHeld")
             n = self.engines_attached()
@@ -541,6 +540,9 @@ class Agent:
             return self.retry_seconds
         except RegionError as exc:
             return self._fail("ReleaseFailed", str(exc))
+        for warning in result.warnings:  # names left in place: never removed recursively
+            log.warning("release of %s: %s", self.pool_name, warning)
+            self._event("Warning", "LeftInPlace", warning[:1024])
         self.released = True
         self.applied = None
         self.metrics.released()

@@ -12,7 +12,13 @@ constants in ``offloadpool.region.request``, which ``offloadpool.api`` imports.)
 
 from __future__ import annotations
 
-import re
+# A pool's name (a DNS label of at most ``MAX_POOL_NAME`` characters, some reserved): the rule
+# is the engine's own, since the node side checks every name it is given before it makes a path.
+from offloadpool.region.names import MAX_POOL_NAME as MAX_POOL_NAME
+from offloadpool.region.names import POOL_NAME_PATTERN as POOL_NAME_PATTERN
+from offloadpool.region.names import RESERVED_POOL_NAMES as RESERVED_POOL_NAMES
+from offloadpool.region.names import RESERVED_POOL_PREFIXES as RESERVED_POOL_PREFIXES
+from offloadpool.region.names import pool_name_error as _name_error
 
 GROUP = "offloadpool.io"
 VERSION = "v1alpha1"
@@ -28,15 +34,6 @@ SHORT_NAMES = {POOL_KIND: ("op", "opool"), NODE_KIND: ("opn",)}
 #: category before a singular name, so that would break ``kubectl get offloadpool <name>``.
 CATEGORY = "offloadpool-all"
 CRD_NAMES = {kind: f"{plural}.{GROUP}" for kind, plural in PLURALS.items()}
-
-#: A pool's name becomes a directory, a label key suffix and an extended resource name, and is
-#: the prefix of ``<pool>.<node>``: a DNS label of at most this many characters.
-MAX_POOL_NAME = 40
-POOL_NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-#: Keywords that tools use in place of a pool name.
-RESERVED_POOL_NAMES = frozenset({"all", "none"})
-#: Kubernetes keeps ``kube-`` names for itself; so do we.
-RESERVED_POOL_PREFIXES = ("kube-",)
 
 #: Label the operator sets on a Node while the pool is Ready there (value ``ready``).
 POOL_LABEL_PREFIX = f"pool.{GROUP}/"
@@ -68,16 +65,7 @@ MIN_HEARTBEATS_PER_TIMEOUT = 3
 
 def pool_name_error(name: str) -> str | None:
     """Why ``name`` cannot name a pool (the same rules the CRD's CEL enforces), or None."""
-    if len(name) > MAX_POOL_NAME:
-        return f"metadata.name must be at most {MAX_POOL_NAME} characters, got {len(name)}"
-    if not POOL_NAME_PATTERN.match(name):
-        return (
-            f"metadata.name {name!r} must be a DNS label: lower-case letters, digits and '-', "
-            "starting and ending with a letter or digit, no dots"
-        )
-    if name in RESERVED_POOL_NAMES or name.startswith(RESERVED_POOL_PREFIXES):
-        return f"metadata.name {name!r} is reserved ('all', 'none' and 'kube-*' cannot name a pool)"
-    return None
+    return _name_error(name, "metadata.name")
 
 
 def pool_label_key(pool: str) -> str:

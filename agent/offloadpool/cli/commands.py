@@ -11,10 +11,11 @@ from offloadpool.api.conversion import pool_request
 from offloadpool.api.quantity import parse_quantity
 from offloadpool.cli.pool_file import pool_from_flags, read_document
 from offloadpool.cli.render import dump, populate_bar, status_table, summary
+from offloadpool.region.places import checked_name
 from offloadpool.region.provision import ProvisionResult, provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import list_pools
+from offloadpool.region.status import list_pools, pool_state
 
 POOL_FLAGS = (
     "name",
@@ -37,6 +38,9 @@ POOL_FLAGS = (
 
 def request_from_args(args: argparse.Namespace) -> PoolRequest:
     base = read_document(args.file) if args.file else None
+    name = args.name if args.name is not None else ((base or {}).get("metadata") or {}).get("name")
+    if name is not None:
+        checked_name(name)  # one message for a name that cannot name a pool, before anything else
     pool = pool_from_flags(base, **{k: getattr(args, k) for k in POOL_FLAGS})
     return pool_request(pool)
 
@@ -62,7 +66,10 @@ def provision_cmd(args: argparse.Namespace) -> int:
 
 
 def status_cmd(args: argparse.Namespace) -> int:
-    states = list_pools(args.root)
+    if args.name is not None:
+        states = [pool_state(args.root, checked_name(args.name))]
+    else:
+        states = list_pools(args.root)
     if args.json:
         dump({"root": args.root, "pools": [s.to_dict() for s in states]})
     else:
@@ -72,7 +79,7 @@ def status_cmd(args: argparse.Namespace) -> int:
 
 def release_cmd(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
-    result = release(args.root, args.name, force=args.force)
+    result = release(args.root, checked_name(args.name), force=args.force)
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
     if args.json:

@@ -1,7 +1,7 @@
 """``offloadpool``: the node-side engine from a shell.
 
     offloadpool provision -f POOL.yaml [--root DIR] [--node NAME] [--capacity 4Gi ...]
-    offloadpool status [--root DIR] [--json]
+    offloadpool status [NAME] [--root DIR] [--json]
     offloadpool release NAME [--root DIR] [--force]
     offloadpool demo [--capacity SIZE] [--keep]
     offloadpool bench populate [--capacity SIZE] [--ranks R] [--reps N] [--json]
@@ -9,8 +9,9 @@
     offloadpool bench scrub [--capacity SIZE] [--reps N] [--media M,...] [--json]
     offloadpool hold-lease POOL_DIR [--ready-file PATH]   (the webhook's lease sidecar)
 
-Exit codes: 0 done, 1 error (message on stderr), 2 bad usage/input, 3 the pool is held by an
-engine (the change is pending; nothing was touched).
+Exit codes: 0 done, 1 error (message on stderr), 2 bad usage/input (a NAME that cannot name a
+pool included: it is refused before any path is made of it), 3 the pool is held by an engine (the
+change is pending; nothing was touched).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pool_flags(p)
 
     s = sub.add_parser("status", help="show the pools on this node")
+    s.add_argument("name", nargs="?", help="only this pool")
     s.add_argument("--root", default=root)
     s.add_argument("--json", action="store_true")
 

@@ -46,8 +46,9 @@ class Mismatch:
 
 
 def _device(path: Path) -> int | None:
+    """The device of ``path`` itself: a link a pod put at a pool's ``mnt`` is not followed."""
     try:
-        return os.stat(path).st_dev
+        return os.stat(path, follow_symlinks=False).st_dev
     except OSError:
         return None
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import stat
 from dataclasses import dataclass
-from pathlib import Path
 
+from offloadpool.region import beneath, places
 from offloadpool.region.lease import Lease, LeaseHeld, lease_path
 from offloadpool.region.manifest import MOUNT_NAME
 
@@ -91,26 +92,37 @@ def describe(holders: list[Holder]) -> str:
     return named + (f"; and {more} more" if more > 0 else "")
 
 
-def memory_paths(pool_dir: str | os.PathLike[str]) -> list[str]:
-    """Every regular file in the pool's mount (none when there is no mount directory).
-
-    All files, not the manifest's list: a half-built pool has no manifest, and the compat file
-    is a hard link of segment 0 (the same inode), so it is covered without a special case.
-    """
+def _mount_dir(pool_dir: str | os.PathLike[str]) -> int | None:
+    """A descriptor of the pool's mount directory, reached without a link; None if there is none."""
     try:
-        with os.scandir(Path(pool_dir) / MOUNT_NAME) as entries:
-            return [e.path for e in entries if e.is_file(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        with places.pool_fd(pool_dir) as pfd:
+            return beneath.open_dir(pfd, MOUNT_NAME)
+    except (OSError, places.UnsafeEntry):
+        return None
 
 
 def memory_files(pool_dir: str | os.PathLike[str]) -> set[FileId]:
-    """(st_dev, st_ino) of every regular file in the pool's mount (``memory_paths``)."""
+    """(st_dev, st_ino) of every regular file in the pool's mount (none without a mount dir).
+
+    All files, not the manifest's list: a half-built pool has no manifest, and the compat file
+    is a hard link of segment 0 (the same inode), so it is covered without a special case.
+    Entries are looked at, never followed: a link a pod put there names nothing of the pool.
+    """
+    fd = _mount_dir(pool_dir)
+    if fd is None:
+        return set()
     ids: set[FileId] = set()
-    for path in memory_paths(pool_dir):
-        found = file_id(path)
-        if found is not None:  # removed meanwhile
-            ids.add(found)
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                if stat.S_ISREG(st.st_mode):
+                    ids.add((st.st_dev, st.st_ino))
+    finally:
+        os.close(fd)
     return ids
 
 
@@ -123,38 +135,45 @@ def open_anywhere(pool_dir: str | os.PathLike[str]) -> bool | None:
     alive after its fd is closed, in whatever mount namespace. So granted everywhere means
     nobody holds the memory; refused means somebody may (a scan then says who). None: the
     answer is not known (leases disabled, no CAP_LEASE on another user's file, a file system
-    without leases, a file gone meanwhile); callers scan.
+    without leases, a file gone meanwhile, a name that is not a plain file); callers scan.
 
     The lease is held for two system calls. An open by an engine in that window waits for it to
     be dropped and notifies this process with SIGURG (set with ``F_SETSIG``; ignored by default)
     instead of the default SIGIO, which would terminate it.
     """
-    for path in memory_paths(pool_dir):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return None
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-        except BlockingIOError:  # EAGAIN: another open file description exists
-            return True
-        except OSError:
-            return None
-        finally:
+    mnt = _mount_dir(pool_dir)
+    if mnt is None:
+        return False
+    try:
+        for name in os.listdir(mnt):
             try:
-                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+                fd = beneath.open_file(mnt, name, links=None)
+            except FileNotFoundError:
+                continue
+            except OSError:  # a link, a fifo, ... (never opened), or unreadable
+                return None
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+            except BlockingIOError:  # EAGAIN: another open file description exists
+                return True
             except OSError:
-                pass
-            os.close(fd)
+                return None
+            finally:
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+                except OSError:
+                    pass
+                os.close(fd)
+    finally:
+        os.close(mnt)
     return False
 
 
 def file_id(path: str | os.PathLike[str]) -> FileId | None:
+    """(st_dev, st_ino) of ``path`` itself (a link is not followed); None when it is gone."""
     try:
-        st = os.stat(path)
+        st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
@@ -326,7 +345,7 @@ def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -
     minutes of deletion).
     """
     try:
-        lease = Lease.exclusive(pool_dir)
+        lease = _exclusive_lease(pool_dir, proc)
     except LeaseHeld:
         holders = find_holders(pool_dir, proc=proc)
         if holders:
@@ -341,3 +360,21 @@ def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -
         lease.close()
         raise PoolInUse(pool_dir, holders)
     return lease
+
+
+def _exclusive_lease(pool_dir: str | os.PathLike[str], proc: str) -> Lease:
+    """The exclusive lease; a lease name a pod replaced (a link, a fifo, another file's hard
+    link) is never opened: with no process holding the pool's memory it is removed as a name and
+    made anew (the pool is then rebuilt or re-validated by the caller), else UnsafeEntry."""
+    try:
+        return Lease.exclusive(pool_dir)
+    except beneath.WrongEntry as exc:
+        wrong = exc
+    holders = find_holders(pool_dir, proc=proc)
+    if holders:
+        raise places.UnsafeEntry(pool_dir, wrong, f"; the pool is held ({describe(holders)}): not rebuilt")
+    with places.pool_fd(pool_dir) as pfd:
+        left = places.remove_entry(pfd, wrong.name)
+    if left is not None:
+        raise places.UnsafeEntry(pool_dir, wrong, f"; {left}")
+    return Lease.exclusive(pool_dir)

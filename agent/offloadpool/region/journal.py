@@ -1,20 +1,22 @@
 """The populate journal: which parts of a pool are already pre-faulted.
 
 One byte per *unit* (max(page size, 2 MiB) of one segment file; the last unit of a file may be
-shorter), in logical order over every segment of every region, stored in
-``<pool>/populate.journal``. Workers set their units' bytes with ``pwrite`` as each chunk
-completes. A pre-fault killed with SIGKILL leaves the journal in the page cache, so the next
-provision skips what was done and populates only the rest. The journal may lag behind the
-memory (a chunk finished but not yet recorded); redoing such a chunk is harmless because
-``MADV_POPULATE_WRITE`` never rewrites present pages.
+shorter), in logical order over every segment of every region, stored in the pool's root-only
+state directory (``<root>/.state/<pool>/populate.journal``, see ``places``): a journal a pod
+could write would let it mark memory populated that is not, or point the node's writes
+elsewhere. Workers set their units' bytes with ``pwrite`` as each chunk completes. A pre-fault
+killed with SIGKILL leaves the journal in the page cache, so the next provision skips what was
+done and populates only the rest. The journal may lag behind the memory (a chunk finished but
+not yet recorded); redoing such a chunk is harmless because ``MADV_POPULATE_WRITE`` never
+rewrites present pages.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
+from offloadpool.region import beneath, places
 from offloadpool.region.manifest import Segment
 
 JOURNAL_NAME = "populate.journal"
@@ -46,11 +48,18 @@ class Journal:
     """An open journal file; thread-safe because each worker writes only its own bytes."""
 
     def __init__(self, pool_dir: str | os.PathLike[str], count: int) -> None:
-        self.path = Path(pool_dir) / JOURNAL_NAME
+        self.path = places.state_dir(pool_dir) / JOURNAL_NAME
         self.count = count
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if os.fstat(self.fd).st_size != count:
-            os.ftruncate(self.fd, count)  # new units read as 0 (not populated)
+        with places.state_fd(pool_dir, create=True) as state:
+            if state is None:
+                raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
+            self.fd = beneath.open_file(state, JOURNAL_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(self.fd).st_size != count:
+                os.ftruncate(self.fd, count)  # new units read as 0 (not populated)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def done(self) -> bytearray:
         data = bytearray(os.pread(self.fd, self.count, 0))
@@ -67,9 +76,12 @@ class Journal:
 
 
 def populated_bytes(pool_dir: str | os.PathLike[str], all_units: list[Unit]) -> int:
-    """Bytes recorded as populated (0 if there is no journal)."""
+    """Bytes recorded as populated (0 if there is no journal, or it is not a plain file)."""
     try:
-        data = (Path(pool_dir) / JOURNAL_NAME).read_bytes()
-    except FileNotFoundError:
+        with places.state_fd(pool_dir) as state:
+            if state is None:
+                return 0
+            data = beneath.read_file(state, JOURNAL_NAME, limit=max(len(all_units), 1))
+    except (OSError, places.UnsafeEntry):
         return 0
     return sum(u.bytes for u in all_units if u.index < len(data) and data[u.index])

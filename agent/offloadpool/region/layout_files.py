@@ -3,17 +3,25 @@
 hugetlbfs files cannot be written with write(2); they are sized with ftruncate (which
 allocates nothing) and filled later by the pre-fault through a mapping. Growing a file with
 ftruncate keeps what it holds, so re-running this on a half-built pool is safe.
+
+Every name here is in the pool directory, which pods may write: each is opened beneath the
+pool directory's descriptor without following links (``beneath``), refused when it is not a
+regular file with the links it should have (``places.UnsafeEntry``), and owned and moded
+through the open descriptor. A segment has one link, or two when stock vLLM's name for it is a
+hard link of it (``sync_compat``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from offloadpool.region import vllm_compat
+from offloadpool.region import beneath, mounts, places, vllm_compat
 from offloadpool.region.errors import RegionError, fmt_bytes
-from offloadpool.region.lease import lease_path
-from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
+from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import Plan
 from offloadpool.region.request import PoolRequest
 
@@ -28,35 +36,74 @@ def compat_names(engine_id: str, count: int) -> list[str]:
     return [f"{MOUNT_NAME}/{name}" for name in vllm_compat.file_names(engine_id, count)]
 
 
-def own(path: Path, req: PoolRequest) -> None:
-    os.chown(path, req.uid, req.gid)
-    os.chmod(path, req.mode)
+def segment_links(req: PoolRequest) -> int:
+    """How many hard links a segment file may have: its own name, and vLLM's when compat."""
+    return 2 if req.compat_engine_id else 1
+
+
+@contextmanager
+def opened(
+    pool_dir: Path, rel: str, flags: int = os.O_RDONLY, mode: int = 0o600, links: int = 1
+) -> Iterator[int]:
+    """``rel`` in the pool directory, opened through ``beneath`` (UnsafeEntry if of the wrong kind)."""
+    with places.pool_fd(pool_dir) as pfd:
+        try:
+            fd = beneath.open_file(pfd, rel, flags, mode, links=links)
+        except beneath.WrongEntry as exc:
+            raise places.UnsafeEntry(pool_dir, exc) from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def own(fd: int, req: PoolRequest) -> None:
+    """The consumers' ownership and mode, set on the open file (never by name)."""
+    os.fchown(fd, req.uid, req.gid)
+    os.fchmod(fd, req.mode)
+
+
+def secure_mount_dir(pool_dir: Path) -> None:
+    """The pool's mount root owned by root, 0755 (as mounted): a consumer that is not root can
+    create no name in it; a pod that changed that is undone at every provision."""
+    with places.pool_fd(pool_dir) as pfd:
+        try:
+            fd = beneath.open_dir(pfd, MOUNT_NAME)
+        except beneath.WrongEntry as exc:
+            raise places.UnsafeEntry(pool_dir, exc) from None
+    try:
+        os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
 
 
 def create_segments(pool_dir: Path, plan: Plan, req: PoolRequest) -> None:
     """Make every planned segment file exist with its planned size and the pool's ownership."""
     for seg in plan.segments:
-        path = pool_dir / seg.file
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, req.mode)
-        try:
+        with opened(pool_dir, seg.file, os.O_RDWR | os.O_CREAT, 0o600, segment_links(req)) as fd:
             size = os.fstat(fd).st_size
             if size > seg.bytes:
                 raise RegionError(
-                    f"segment {path} holds {fmt_bytes(size)}, more than the planned "
+                    f"segment {pool_dir / seg.file} holds {fmt_bytes(size)}, more than the planned "
                     f"{fmt_bytes(seg.bytes)}; release the pool and provision again"
                 )
             if size < seg.bytes:
                 os.ftruncate(fd, seg.bytes)
-        finally:
-            os.close(fd)
-        own(path, req)
+            own(fd, req)
+
+
+def own_segments(pool_dir: Path, plan: Plan, req: PoolRequest) -> None:
+    """Apply the pool's ownership and mode to every segment file (a consumers change)."""
+    for seg in plan.segments:
+        with opened(pool_dir, seg.file, links=segment_links(req)) as fd:
+            own(fd, req)
 
 
 def ensure_lease_file(pool_dir: Path, req: PoolRequest) -> None:
     """Engines running as the consumers' uid must be able to open the lease to flock it."""
-    path = lease_path(pool_dir)
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, req.mode))
-    own(path, req)
+    with opened(pool_dir, LEASE_NAME, os.O_RDWR | os.O_CREAT, 0o600) as fd:
+        own(fd, req)
 
 
 def sync_compat(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
@@ -64,35 +111,112 @@ def sync_compat(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
     stale links, and return the name of file 0 (the manifest's ``compat_file``).
 
     Hard links, not copies or symlinks: the same memory under vLLM's names, visible through a
-    hostPath file mount, and the segment names the pinning helper maps stay as they are."""
+    hostPath file mount, and the segment names the pinning helper maps stay as they are. A
+    name that is not a link of its segment (another shape's, or anything a pod put there) is
+    removed as a name (``unlinkat``) and made again."""
     wanted = compat_names(req.compat_engine_id, len(plan.segments)) if req.compat_engine_id else []
-    for stale in (pool_dir / MOUNT_NAME).glob("vllm_offload_*.mmap*"):
-        if stale.relative_to(pool_dir).as_posix() not in wanted:
-            stale.unlink()
-    for name, seg in zip(wanted, plan.segments, strict=False):  # no names without compat
-        target = pool_dir / name
-        if target.exists() and os.stat(target).st_ino != os.stat(pool_dir / seg.file).st_ino:
-            target.unlink()  # a link to another shape's segment
-        if not target.exists():
-            os.link(pool_dir / seg.file, target)
+    with places.pool_fd(pool_dir) as pfd:
+        try:
+            for name in beneath.listdir(pfd, MOUNT_NAME):
+                rel = f"{MOUNT_NAME}/{name}"
+                if name.startswith("vllm_offload_") and ".mmap" in name and rel not in wanted:
+                    left = places.remove_entry(pfd, rel)
+                    if left is not None:
+                        raise RegionError(f"{pool_dir / rel}: {left}")
+            for name, seg in zip(wanted, plan.segments, strict=False):  # no names without compat
+                here = beneath.lstat(pfd, name)
+                segment = beneath.lstat(pfd, seg.file)
+                if segment is None:
+                    raise RegionError(f"segment {pool_dir / seg.file} is missing")
+                if here is not None and (here.st_dev, here.st_ino) != (segment.st_dev, segment.st_ino):
+                    left = places.remove_entry(pfd, name)  # another shape's segment, or a pod's
+                    if left is not None:
+                        raise RegionError(f"{pool_dir / name}: {left}")
+                    here = None
+                if here is None:
+                    beneath.link(pfd, seg.file, name)
+        except beneath.WrongEntry as exc:
+            raise places.UnsafeEntry(pool_dir, exc) from None
     return wanted[0] if wanted else None
 
 
-def check_segments(pool_dir: Path, plan: Plan) -> str | None:
-    """None if every planned segment exists with its planned size, else what is wrong."""
-    for seg in plan.segments:
+def check_entries(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
+    """None if the pool directory holds what a Ready pool of ``plan`` holds, else what is wrong.
+
+    Raises UnsafeEntry for a name of the wrong kind (a link, a fifo, a device, a directory
+    where a file belongs, a file with other links): that is never followed, and the caller
+    rebuilds the pool when nothing holds it, or fails it."""
+    links = segment_links(req)
+    compat = set(compat_names(req.compat_engine_id, len(plan.segments))) if req.compat_engine_id else set()
+    with places.pool_fd(pool_dir) as pfd:
         try:
-            size = os.stat(pool_dir / seg.file).st_size
-        except FileNotFoundError:
-            return f"segment {seg.file} is missing"
-        if size != seg.bytes:
-            return f"segment {seg.file} is {size} bytes, planned {seg.bytes}"
-    planned = {Path(s.file).name for s in plan.segments}
-    extra = [
-        p.name
-        for p in (pool_dir / MOUNT_NAME).iterdir()
-        if p.name not in planned and not p.name.startswith("vllm_offload_")
-    ]
+            for rel in (LEASE_NAME, MANIFEST_NAME):
+                fd = beneath.open_file(pfd, rel)
+                os.close(fd)
+            beneath.listdir(pfd, MOUNT_NAME)  # a directory, reached without a link
+            for seg in plan.segments:
+                try:
+                    fd = beneath.open_file(pfd, seg.file, links=links)
+                except FileNotFoundError:
+                    return f"segment {seg.file} is missing"
+                try:
+                    size = os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+                if size != seg.bytes:
+                    return f"segment {seg.file} is {size} bytes, planned {seg.bytes}"
+            for rel in sorted(compat):
+                st = beneath.lstat(pfd, rel)
+                if st is not None:  # missing or another inode: sync_compat makes it
+                    fd = beneath.open_file(pfd, rel, links=links)
+                    os.close(fd)
+            planned = {Path(s.file).name for s in plan.segments}
+            extra = [
+                name
+                for name in beneath.listdir(pfd, MOUNT_NAME)
+                if name not in planned and not name.startswith("vllm_offload_")
+            ]
+        except beneath.WrongEntry as exc:
+            raise places.UnsafeEntry(pool_dir, exc) from None
+        except FileNotFoundError as exc:
+            return f"{exc.filename or 'an entry'} is missing"
     if extra:
         return f"unexpected files in the pool mount: {sorted(extra)}"
     return None
+
+
+def check_ready(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
+    """None if the Ready pool on disk matches ``plan``; otherwise why not.
+
+    Raises ``places.UnsafeEntry`` for a name of the wrong kind in the pool directory."""
+    m = mounts.mount_at(pool_dir / MOUNT_NAME)
+    if m is None or m.fstype != plan.medium.fstype:
+        return "its mount is gone (node rebooted or unmounted by hand)"
+    size = mount_bytes(pool_dir)
+    if size != plan.total_bytes:
+        return f"its mount holds {size} bytes, planned {plan.total_bytes}"
+    problem = check_entries(pool_dir, plan, req)  # before the manifest is read
+    if problem is not None:
+        return problem
+    try:
+        manifest = load_manifest(pool_dir)
+    except ManifestError as exc:
+        return str(exc)
+    if manifest.pool != req.name or manifest.regions != plan.regions or manifest.page_size != plan.page_size:
+        return "its manifest describes other segments"
+    return None
+
+
+def mount_bytes(pool_dir: Path) -> int | None:
+    """The size of the pool's mount as its file system states it (tmpfs ``size=``, hugetlbfs
+    ``size=``): what the node mounted, which no pod can change."""
+    with places.pool_fd(pool_dir) as pfd:
+        try:
+            fd = beneath.open_dir(pfd, MOUNT_NAME)
+        except (OSError, beneath.WrongEntry):
+            return None
+    try:
+        st = os.fstatvfs(fd)
+    finally:
+        os.close(fd)
+    return st.f_blocks * st.f_frsize

@@ -13,6 +13,7 @@ import fcntl
 import os
 from pathlib import Path
 
+from offloadpool.region import beneath
 from offloadpool.region.manifest import LEASE_NAME
 
 
@@ -45,7 +46,13 @@ class Lease:
     @classmethod
     def _take(cls, pool_dir: str | os.PathLike[str], op: int, blocking: bool) -> Lease:
         path = lease_path(pool_dir)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        # the pool directory may be written by pods: the lease is opened only if it is a plain,
+        # singly linked file (beneath.WrongEntry otherwise), never through a link
+        dir_fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = beneath.open_file(dir_fd, LEASE_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+        finally:
+            os.close(dir_fd)
         try:
             fcntl.flock(fd, op | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -77,7 +84,7 @@ def count_holders(path: str | os.PathLike[str]) -> int:
     This is how the node reports "engines attached" without any cooperation from engines.
     """
     try:
-        st = os.stat(path)
+        st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return 0
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"

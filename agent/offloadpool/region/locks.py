@@ -28,13 +28,3 @@ def exclusive(path: str | os.PathLike[str], *, directory: bool = False) -> Itera
         yield
     finally:
         os.close(fd)
-
-
-@contextmanager
-def pool_dir_lock(pool_dir: str | os.PathLike[str]) -> Iterator[None]:
-    """Serialise the provisions and releases of one pool (flock on its directory).
-
-    Not the pool lease (``lease``: engines against the node side) and not the host's huge page
-    reservation lock (``hugepages.pool_lock``: every pool's writes to ``nr_hugepages``)."""
-    with exclusive(pool_dir, directory=True):
-        yield

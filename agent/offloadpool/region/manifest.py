@@ -13,16 +13,22 @@ Pool directory layout (``<root>/<pool>/``)::
 
 Segment paths in the manifest are relative to the pool directory (``mnt/r0-s000``), so the
 same pool directory can be bind-mounted anywhere inside a pod.
+
+A pod can write the pool directory, so the manifest is hostile input to whoever reads it: it is
+read without following links (``beneath``), at most ``beneath.MAX_READ`` bytes, and every field
+is checked for its type and range, every file name for being a plain name in ``mnt/``, before
+any of it is used.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from offloadpool.region import beneath
 
 FORMAT = "offloadpool.io/region-manifest"
 VERSION = 1
@@ -94,7 +100,9 @@ class Manifest:
 
     # -- validation -------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ManifestError unless every size and offset agrees with every other."""
+        """Raise ManifestError unless every field has its type and every size and offset agrees
+        with every other."""
+        _check_types(self)
         if self.format != FORMAT:
             raise ManifestError(f"not a region manifest: format {self.format!r}, expected {FORMAT!r}")
         if self.version != VERSION:
@@ -135,14 +143,21 @@ class Manifest:
                         f"region {i}: segment {seg.file} size {seg.bytes} is not a positive "
                         f"multiple of the page size {self.page_size}"
                     )
-                if os.path.isabs(seg.file) or ".." in Path(seg.file).parts:
-                    raise ManifestError(f"segment path {seg.file!r} must be relative to the pool")
+                if not is_mount_file(seg.file):
+                    raise ManifestError(f"segment path {seg.file!r} must be a plain name in {MOUNT_NAME}/")
                 offset += seg.bytes
             if offset != region.bytes:
                 raise ManifestError(f"region {i}: segments add up to {offset}, region says {region.bytes}")
             total += region.bytes
         if total != self.total_bytes:
             raise ManifestError(f"regions add up to {total} bytes, manifest says {self.total_bytes}")
+        files = [s.file for r in self.regions for s in r.segments]
+        if len(set(files)) != len(files):
+            raise ManifestError("a segment file is listed twice")
+        if self.compat_file is not None and not is_mount_file(self.compat_file):
+            raise ManifestError(f"compat file {self.compat_file!r} must be a plain name in {MOUNT_NAME}/")
+        if not 0 <= self.mode <= 0o7777 or not 0 <= self.uid < 2**32 - 1 or not 0 <= self.gid < 2**32 - 1:
+            raise ManifestError(f"uid {self.uid}, gid {self.gid} or mode {self.mode:o} is out of range")
         lay = self.layout
         if lay.type == "Interleaved" and lay.row_bytes is not None:
             if lay.slot_bytes is None or lay.slot_bytes * lay.ranks > lay.row_bytes:
@@ -174,12 +189,11 @@ class Manifest:
                 )
             regions = tuple(
                 Region(
-                    index=int(r["index"]),
-                    bytes=int(r["bytes"]),
-                    rank=None if r.get("rank") is None else int(r["rank"]),
+                    index=r["index"],
+                    bytes=r["bytes"],
+                    rank=r.get("rank"),
                     segments=tuple(
-                        Segment(file=str(s["file"]), offset=int(s["offset"]), bytes=int(s["bytes"]))
-                        for s in r["segments"]
+                        Segment(file=s["file"], offset=s["offset"], bytes=s["bytes"]) for s in r["segments"]
                     ),
                 )
                 for r in data["regions"]
@@ -189,50 +203,97 @@ class Manifest:
             manifest = cls(regions=regions, layout=layout, **fields)
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"malformed region manifest: {exc!r}") from exc
         manifest.validate()
         return manifest
 
     def write(self, pool_dir: str | os.PathLike[str]) -> Path:
-        """Write atomically (temp file, fsync, rename) so a reader never sees half a manifest."""
+        """Write atomically (temp file, fsync, rename) so a reader never sees half a manifest.
+
+        Whatever a pod left at the manifest's name (a link included) is replaced as a name,
+        never written through."""
         self.validate()
-        pool_dir = Path(pool_dir)
-        target = pool_dir / MANIFEST_NAME
-        fd, tmp = tempfile.mkstemp(dir=pool_dir, prefix=".manifest.", suffix=".tmp")
+        data = (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+        fd = _open_pool_dir(pool_dir)
         try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.to_dict(), fh, indent=2, sort_keys=True)
-                fh.write("\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(pool_dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
+            beneath.write_file(fd, MANIFEST_NAME, data, 0o644)
         finally:
-            os.close(dir_fd)
-        return target
+            os.close(fd)
+        return Path(pool_dir) / MANIFEST_NAME
 
 
 def load(pool_dir: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``<pool_dir>/manifest.json``; raise ManifestError with the reason."""
     path = Path(pool_dir) / MANIFEST_NAME
     try:
-        text = path.read_text()
+        fd = _open_pool_dir(pool_dir)
+        try:
+            text = beneath.read_file(fd, MANIFEST_NAME)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise ManifestError(
             f"no region manifest at {path}: the pool is not provisioned (or not yet Ready) on this node"
         ) from None
+    except beneath.WrongEntry as exc:
+        raise ManifestError(f"region manifest {Path(pool_dir) / exc.name} {exc.reason}: not read") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"region manifest {path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ManifestError(f"region manifest {path} is not a JSON object")
     return Manifest.from_dict(data)
+
+
+def is_mount_file(name: object) -> bool:
+    """Whether ``name`` is ``mnt/<plain name>``: the only place a pool's memory files live."""
+    if not isinstance(name, str):
+        return False
+    head, _, tail = name.partition("/")
+    return head == MOUNT_NAME and tail not in ("", ".", "..") and "/" not in tail and "\0" not in tail
+
+
+def _open_pool_dir(pool_dir: str | os.PathLike[str]) -> int:
+    """The pool directory, followed as a path: its name is the caller's (the node's host root
+    and a checked pool name, or an engine's own mount path); the names in it never are."""
+    return os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_types(m: Manifest) -> None:
+    """Raise ManifestError naming the first field of the wrong JSON type."""
+    wanted: list[tuple[str, object, bool]] = [
+        (name, getattr(m, name), _is_int(getattr(m, name)))
+        for name in ("generation", "page_size", "total_bytes", "alignment", "uid", "gid", "mode", "version")
+    ]
+    for name in ("pool", "medium", "state"):
+        wanted.append((name, getattr(m, name), isinstance(getattr(m, name), str)))
+    wanted += [
+        ("compat_file", m.compat_file, m.compat_file is None or isinstance(m.compat_file, str)),
+        ("extra", m.extra, isinstance(m.extra, dict)),
+        ("layout.type", m.layout.type, isinstance(m.layout.type, str)),
+        ("layout.ranks", m.layout.ranks, _is_int(m.layout.ranks)),
+    ]
+    for name in ("row_bytes", "slot_bytes"):
+        value = getattr(m.layout, name)
+        wanted.append((f"layout.{name}", value, value is None or _is_int(value)))
+    for r in m.regions:
+        wanted += [
+            (f"regions[{r.index}].index", r.index, _is_int(r.index)),
+            (f"regions[{r.index}].bytes", r.bytes, _is_int(r.bytes)),
+            (f"regions[{r.index}].rank", r.rank, r.rank is None or _is_int(r.rank)),
+        ]
+        for s in r.segments:
+            wanted += [
+                (f"segment {s.file!r} file", s.file, isinstance(s.file, str)),
+                (f"segment {s.file!r} offset", s.offset, _is_int(s.offset)),
+                (f"segment {s.file!r} bytes", s.bytes, _is_int(s.bytes)),
+            ]
+    for name, value, ok in wanted:
+        if not ok:
+            raise ManifestError(f"region manifest field {name} has the wrong type: {value!r}")

@@ -23,6 +23,7 @@ MS_SHARED = 1 << 20
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MNT_DETACH = 0x2
+UMOUNT_NOFOLLOW = 0x8
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -73,7 +74,7 @@ def mount_at(path: str | os.PathLike[str]) -> MountInfo | None:
     node's table holds a mount or more per container (and, in the scale test, a pool per
     simulated node), and the agent asks about its one mount point several times a step.
     """
-    target = os.path.realpath(path)
+    target = _resolved(path)
     with open("/proc/self/mountinfo") as fh:
         table = fh.read()
     escaped = _escape(target)
@@ -86,18 +87,47 @@ def mount_at(path: str | os.PathLike[str]) -> MountInfo | None:
     return found
 
 
+def _resolved(path: str | os.PathLike[str]) -> str:
+    """``path`` with its directory resolved and its last name kept as it is: a link a pod put
+    at a pool's ``mnt`` names the link, never the mount it points at (``/dev/shm``, say)."""
+    head, tail = os.path.split(os.path.normpath(os.fspath(path)))
+    return os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(head)
+
+
+def _open_target(target: str | os.PathLike[str]) -> int:
+    """The directory ``target`` (its last name never followed), for mount(2) through
+    ``/proc/self/fd``: the pool's ``mnt`` may have been replaced by a link to anywhere."""
+    try:
+        return os.open(target, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RegionError(
+            f"mount point {target} is not a directory reached without a link: {exc.strerror}"
+        ) from None
+
+
 def mounts_under(path: str | os.PathLike[str]) -> list[MountInfo]:
     root = os.path.realpath(path).rstrip("/") + "/"
     return [m for m in mounts() if (m.target + "/").startswith(root)]
 
 
 def mount(fstype: str, target: str | os.PathLike[str], options: str, source: str = "offloadpool") -> None:
-    """mount(2) ``fstype`` at ``target`` with ``options``, then make it a shared peer."""
-    rc = _libc.mount(
-        source.encode(), os.fsencode(target), fstype.encode(), MS_NOSUID | MS_NODEV, options.encode()
-    )
-    if rc != 0:
+    """mount(2) ``fstype`` at ``target`` with ``options``, then make it a shared peer.
+
+    The mount is made on the directory opened without following its last name (by its
+    ``/proc/self/fd`` path), so a link standing at ``target`` is refused, not mounted over."""
+    fd = _open_target(target)
+    try:
+        rc = _libc.mount(
+            source.encode(),
+            f"/proc/self/fd/{fd}".encode(),
+            fstype.encode(),
+            MS_NOSUID | MS_NODEV,
+            options.encode(),
+        )
         err = ctypes.get_errno()
+    finally:
+        os.close(fd)
+    if rc != 0:
         if err == errno.ENOSPC:
             raise mount_limit_error(target)
         raise RegionError(f"mount -t {fstype} -o {options} {target} failed: {os.strerror(err)} (errno {err})")
@@ -134,14 +164,21 @@ def make_shared(target: str | os.PathLike[str]) -> None:
     A separate step from mount(2): a process killed between the two leaves a private mount,
     which the next provision finds and makes shared here.
     """
-    if _libc.mount(None, os.fsencode(target), None, MS_SHARED, None) != 0:
+    fd = _open_target(target)
+    try:
+        rc = _libc.mount(None, f"/proc/self/fd/{fd}".encode(), None, MS_SHARED, None)
         err = ctypes.get_errno()
+    finally:
+        os.close(fd)
+    if rc != 0:
         raise RegionError(f"making {target} a shared mount failed: {os.strerror(err)}")
 
 
 def umount(target: str | os.PathLike[str], *, lazy: bool = False) -> None:
-    """umount2(2); EINVAL (not mounted) is fine, anything else is an error naming the cause."""
-    if _libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
+    """umount2(2); EINVAL (not mounted) is fine, anything else is an error naming the cause.
+
+    ``UMOUNT_NOFOLLOW``: a link at ``target`` is not followed to unmount what it points at."""
+    if _libc.umount2(os.fsencode(target), (MNT_DETACH if lazy else 0) | UMOUNT_NOFOLLOW) != 0:
         err = ctypes.get_errno()
         if err == 22:  # EINVAL: not a mount point (already gone)
             return

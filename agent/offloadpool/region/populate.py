@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import numa, vm
+from offloadpool.region import beneath, numa, places, vm
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.journal import Journal, Unit, units
+from offloadpool.region.manifest import Segment
 from offloadpool.region.planner import Plan
 
 Progress = Callable[[int, int], None]
@@ -239,7 +240,7 @@ def populate(
     fds: list[int] = []
     maps: list[tuple[int, int]] = []
     try:
-        _map_segments(pool_dir, plan, policy, fds, maps)
+        map_segments(pool_dir, plan, policy, fds, maps)
         done = journal.done()
         skipped = sum(u.bytes for u in all_units if done[u.index])
         if rate_limit:
@@ -269,16 +270,25 @@ def populate(
         journal.close()
 
 
-def _map_segments(
+def map_segments(
     pool_dir: Path, plan: Plan, policy: numa.Policy, fds: list[int], maps: list[tuple[int, int]]
 ) -> None:
     """Open and map every segment, bound to its region's NUMA placement; each fd and mapping is
     appended as soon as it exists, so the caller's cleanup releases what a failure left."""
     region_of = [r.index for r in plan.regions for _ in r.segments]
-    for i, seg in enumerate(plan.segments):
-        fd = os.open(pool_dir / seg.file, os.O_RDWR | os.O_CLOEXEC)
-        fds.append(fd)
-        addr = vm.map_shared(fd, seg.bytes)
-        maps.append((addr, seg.bytes))
-        nmode, nodes = numa.placement(policy, region_of[i])
-        numa.mbind(addr, seg.bytes, nmode, nodes)
+    with places.pool_fd(pool_dir) as pool_fd:
+        for i, seg in enumerate(plan.segments):
+            _map_one(pool_dir, pool_fd, seg, fds, maps)
+            nmode, nodes = numa.placement(policy, region_of[i])
+            numa.mbind(maps[-1][0], seg.bytes, nmode, nodes)
+
+
+def _map_one(pool_dir: Path, pool_fd: int, seg: Segment, fds: list[int], maps: list[tuple[int, int]]) -> None:
+    """Open one segment beneath the pool directory (a plain file, its own link and at most
+    vLLM's: never through a link a pod put there) and map it shared."""
+    try:
+        fd = beneath.open_file(pool_fd, seg.file, os.O_RDWR, links=2)
+    except beneath.WrongEntry as exc:
+        raise places.UnsafeEntry(pool_dir, exc) from None
+    fds.append(fd)
+    maps.append((vm.map_shared(fd, seg.bytes), seg.bytes))

@@ -17,6 +17,13 @@ One call does whichever of these the pool needs, judged from what is on disk:
 
 A fresh build that fails (capacity, mount) is torn down, so nothing half-built is left; an
 interrupted one (signal, kill) is left for the next run to finish.
+
+What the node trusts (the record, the journal) is in the pool's root-only state directory;
+everything in the pool directory is a pod's to write (``places``). A name there of the wrong
+kind (a link, a fifo, a device, a file with other links: ``places.UnsafeEntry``) is never
+followed: the pool is torn down and rebuilt when nothing holds it, else the provision fails
+(Failed, naming the entry and why) and the memory is left as it is. A record an older
+offloadpool left in the pool directory is adopted only after re-validation (``migrate``).
 """
 
 from __future__ import annotations
@@ -27,12 +34,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import capacity, hugepage_intent, hugepages, layout_files, locks, mounts, numa, scrub
+from offloadpool.region import (
+    beneath,
+    capacity,
+    hugepage_intent,
+    hugepages,
+    layout_files,
+    migrate,
+    mounts,
+    numa,
+    places,
+    scrub,
+)
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.holders import exclusive_unused
 from offloadpool.region.journal import populated_bytes, units
-from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.lease import LeaseHeld
+from offloadpool.region.manifest import LEASE_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import Plan
 from offloadpool.region.planner import plan as make_plan
@@ -62,13 +81,19 @@ def _drop_interrupted_writes(pool_dir: Path) -> None:
     """Remove the temp files of record/manifest writes that a killed process left behind.
 
     Both are written atomically (temp file, rename); SIGKILL between the two leaves the temp
-    file, which nothing else would ever remove while the pool lives. The caller holds the pool
-    lock, as every writer of these files does, except a failed provision's last record write
-    (made after it let go of the lock): a provision starting at that very moment may remove
-    that write's temp file, and the failing run then reports that instead of its own error.
+    file (``.<name>.<random>.tmp``), which nothing else would ever remove while the pool lives.
+    The caller holds the pool lock, as every writer of these files does, except a failed
+    provision's last record write (made after it let go of the lock): a provision starting at
+    that very moment may remove that write's temp file, and the failing run then reports that
+    instead of its own error. Names are removed as names, never followed.
     """
-    for stale in (*pool_dir.glob(".state.*.tmp"), *pool_dir.glob(".manifest.*.tmp")):
-        stale.unlink(missing_ok=True)
+    with places.pool_fd(pool_dir) as pfd, places.state_fd(pool_dir) as sfd:
+        for fd in (pfd, sfd):
+            if fd is None:
+                continue
+            for name in beneath.listdir(fd):
+                if name.startswith(".") and name.endswith(".tmp"):
+                    places.remove_entry(fd, name)
 
 
 def mount_options(plan: Plan, req: PoolRequest) -> str:
@@ -99,20 +124,6 @@ def _manifest(req: PoolRequest, plan: Plan, compat: str | None, rec: records.Rec
             "hugepage_coverage_percent": rec.hugepage_coverage_percent,
         },
     )
-
-
-def _validate_ready(pool_dir: Path, plan: Plan) -> str | None:
-    """None if the Ready pool on disk matches ``plan``; otherwise why not."""
-    m = mounts.mount_at(pool_dir / MOUNT_NAME)
-    if m is None or m.fstype != plan.medium.fstype:
-        return "its mount is gone (node rebooted or unmounted by hand)"
-    try:
-        manifest = load_manifest(pool_dir)
-    except ManifestError as exc:
-        return str(exc)
-    if manifest.regions != plan.regions or manifest.page_size != plan.page_size:
-        return "its manifest describes other segments"
-    return layout_files.check_segments(pool_dir, plan)
 
 
 def _reserve_hugepages(plan: Plan, pool_dir: Path, rec: records.Record) -> int:
@@ -168,17 +179,24 @@ def provision(
     plan = make_plan(req)  # validates the request: bad input fails before anything is touched
     policy = numa.parse_policy(req.numa)
     numa_nodes = numa.describe(policy, len(plan.regions))  # offline nodes fail here
-    root = Path(root)
-    pool_dir = root / req.name
+    pool_dir = places.pool_dir(root, req.name)  # plan() checked the name; the path says so too
     say = on_phase or (lambda phase: None)
 
-    rec = records.load(pool_dir) if pool_dir.is_dir() else None
+    rec = records.load(pool_dir)
+    if rec is None and places.exists_pool_dir(pool_dir):
+        rec = migrate.adopt(pool_dir)  # an older offloadpool's pool, only if it re-validates
+    unsafe: places.UnsafeEntry | None = None
     if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase in ("Ready", "Populating"):
-        with locks.pool_dir_lock(pool_dir):
-            reused = _reuse(pool_dir, plan, req, t0, progress, say)
+        with places.lock(pool_dir):
+            try:
+                reused = _reuse(pool_dir, plan, req, t0, progress, say)
+            except places.UnsafeEntry as exc:
+                reused, unsafe = None, exc
         if reused is not None:
             say("Ready")
             return reused
+    elif places.exists_pool_dir(pool_dir):
+        unsafe = _unsafe_entry(pool_dir, rec, plan, req)
 
     credit = old_pages = 0
     if rec is not None and mounts.mount_at(pool_dir / MOUNT_NAME) is not None:
@@ -190,29 +208,54 @@ def provision(
             old_pages = old.capacity // plan.page_size
     capacity.check(plan, credit_bytes=credit, credit_pages=old_pages)
 
-    fresh = not pool_dir.is_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    pool_dir.mkdir(mode=0o755, exist_ok=True)
+    fresh = not places.exists(pool_dir)
+    places.make_dirs(pool_dir)
     try:
-        with locks.pool_dir_lock(pool_dir):
+        with places.lock(pool_dir):
             # never build, tear down or populate under an engine, leased or not
-            lease = exclusive_unused(pool_dir)
+            try:
+                lease = exclusive_unused(pool_dir)
+            except LeaseHeld as held:
+                if unsafe is None:
+                    raise
+                raise RegionError(f"{unsafe}; the pool is held, so it is not rebuilt: {held}") from None
             try:
                 return _build(
                     _Call(req, plan, pool_dir, numa_nodes, say, t0),
                     _PrefaultOptions(progress, workers, rate_limit, chunk_bytes),
+                    rebuild=unsafe is not None,
                 )
             finally:
                 lease.close()
     except (RegionError, OSError) as exc:
-        if fresh and pool_dir.is_dir():
+        if fresh and places.exists(pool_dir):
             teardown(pool_dir)  # nothing half-built is left behind
-        elif pool_dir.is_dir():
+        elif places.exists(pool_dir):
             failed = records.load(pool_dir)
             if failed is not None:
                 failed.phase, failed.message = "Failed", str(exc)
                 records.save(pool_dir, failed)
         raise
+
+
+def _unsafe_entry(
+    pool_dir: Path, rec: records.Record | None, plan: Plan, req: PoolRequest
+) -> places.UnsafeEntry | None:
+    """A name of the wrong kind in a pool that is not Ready (or of another shape): the shape
+    the record names is checked, else the requested one. None when there is none."""
+    if rec is not None:
+        try:
+            req = rec.pool_request()
+            plan = make_plan(req)
+        except (RegionError, TypeError, ValueError):
+            pass
+    try:
+        layout_files.check_entries(pool_dir, plan, req)
+    except places.UnsafeEntry as exc:
+        return exc
+    except OSError:
+        return None
+    return None
 
 
 def _finished_but_unrecorded(pool_dir: Path, plan: Plan, rec: records.Record) -> bool:
@@ -222,7 +265,11 @@ def _finished_but_unrecorded(pool_dir: Path, plan: Plan, rec: records.Record) ->
     and engines may already be attached; finishing is only the record, which needs neither
     the exclusive lease nor a pre-fault (the journal must agree, as a second proof).
     """
-    if rec.phase != "Populating" or not (pool_dir / MANIFEST_NAME).exists():
+    if rec.phase != "Populating":
+        return False
+    try:
+        load_manifest(pool_dir)
+    except ManifestError:
         return False
     return populated_bytes(pool_dir, units(plan.segments, plan.page_size)) == plan.total_bytes
 
@@ -236,6 +283,8 @@ def _reuse(
     say: PhaseCallback = lambda phase: None,
     lease_held: bool = False,  # the caller holds the exclusive lease (``_build``)
 ) -> ProvisionResult | None:
+    """Keep a Ready pool of this shape, applying ownership, mode, compat names and generation;
+    None when it does not validate. Raises ``places.UnsafeEntry`` for a name of the wrong kind."""
     _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
     if rec is None or not (rec.phase == "Ready" or _finished_but_unrecorded(pool_dir, plan, rec)):
@@ -252,15 +301,16 @@ def _reuse(
         lease_held=lease_held,
     )
     # -- end of scrub hook ------------------------------------------------------------------
-    if _validate_ready(pool_dir, plan) is not None:
+    if layout_files.check_ready(pool_dir, plan, req) is not None:
         return None
     if rec.phase != "Ready":
-        rec.hugepage_coverage_percent = float(
-            load_manifest(pool_dir).extra.get("hugepage_coverage_percent", rec.hugepage_coverage_percent)
-        )
+        coverage = load_manifest(pool_dir).extra.get("hugepage_coverage_percent")
+        if isinstance(coverage, (int, float)) and not isinstance(coverage, bool) and 0 <= coverage <= 100:
+            rec.hugepage_coverage_percent = float(coverage)
         rec.phase = "Ready"
-    for seg in plan.segments:
-        layout_files.own(pool_dir / seg.file, req)
+    places.make_dirs(pool_dir)  # root's, 0755, whatever a pod did to them
+    layout_files.secure_mount_dir(pool_dir)
+    layout_files.own_segments(pool_dir, plan, req)
     layout_files.ensure_lease_file(pool_dir, req)
     compat = layout_files.sync_compat(pool_dir, plan, req)
     manifest = load_manifest(pool_dir)
@@ -280,6 +330,15 @@ def _reuse(
         skipped_bytes=plan.total_bytes,
         hugepage_coverage_percent=rec.hugepage_coverage_percent,
     )
+
+
+def _holds_something(pool_dir: Path) -> bool:
+    """Whether the pool directory holds more than a lease (or nothing): a mount, a manifest, a
+    ``mnt``, the names an older offloadpool kept there."""
+    if mounts.mount_at(pool_dir / MOUNT_NAME) is not None:
+        return True
+    with places.pool_fd(pool_dir) as pfd:
+        return any(name != LEASE_NAME for name in beneath.listdir(pfd))
 
 
 @dataclass(frozen=True)
@@ -304,23 +363,41 @@ class _PrefaultOptions:
     chunk_bytes: int
 
 
-def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
-    """Build, finish or rebuild the pool; the caller holds the pool's lock and exclusive lease."""
+def _build(call: _Call, opts: _PrefaultOptions, *, rebuild: bool = False) -> ProvisionResult:
+    """Build, finish or rebuild the pool; the caller holds the pool's lock and exclusive lease.
+
+    A name of the wrong kind found while finishing (``places.UnsafeEntry``) makes it start
+    over once from a torn-down pool: nothing holds it (the caller made sure)."""
+    try:
+        return _build_once(call, opts, rebuild=rebuild)
+    except places.UnsafeEntry:
+        if rebuild:
+            raise
+        return _build_once(call, opts, rebuild=True)
+
+
+def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> ProvisionResult:
     req, plan, pool_dir, say, t0 = call.req, call.plan, call.pool_dir, call.say, call.t0
     _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
     rebuilt = False
-    if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == "Ready":
-        if _validate_ready(pool_dir, plan) is None:  # another provisioner finished meanwhile
+    if not rebuild and rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == "Ready":
+        if layout_files.check_ready(pool_dir, plan, req) is None:  # another provisioner finished meanwhile
             reused = _reuse(pool_dir, plan, req, t0, opts.progress, say, lease_held=True)
             if reused is not None:
                 return reused
     if rec is not None and (
-        rec.fingerprint != req.fingerprint() or rec.phase in ("Ready", "Draining", "Failed")
+        rebuild or rec.fingerprint != req.fingerprint() or rec.phase in ("Ready", "Draining", "Failed")
     ):
-        # Different shape, or a Ready pool that no longer validates: rebuild from scratch.
+        # Different shape, a Ready pool that no longer validates, or a name of the wrong kind:
+        # rebuild from scratch.
         teardown(pool_dir, keep_dir=True)  # the caller holds the lock and the exclusive lease
         rec, rebuilt = None, True
+    elif rec is None and _holds_something(pool_dir):
+        # No record of this pool's (lost, or an older offloadpool's that did not re-validate):
+        # what is there is unknown, so it is taken apart, never built upon.
+        teardown(pool_dir, keep_dir=True)
+        rebuilt = True
     if rec is None:
         rec = records.Record.new(req)
     else:
@@ -330,11 +407,14 @@ def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
     say("Provisioning")
 
     mnt = pool_dir / MOUNT_NAME
-    try:
-        mnt.mkdir(mode=0o755)
-        existing = None  # a directory made just now is no mount point: no mount table to read
-    except FileExistsError:
-        existing = mounts.mount_at(mnt)
+    with places.pool_fd(pool_dir) as pfd:
+        made = beneath.mkdir(pfd, MOUNT_NAME, 0o755)
+        try:
+            os.close(beneath.open_dir(pfd, MOUNT_NAME))  # a directory, not a link to one
+        except beneath.WrongEntry as exc:
+            raise places.UnsafeEntry(pool_dir, exc) from None
+    # a directory made just now is no mount point: no mount table to read
+    existing = None if made else mounts.mount_at(mnt)
     if existing is not None and "shared:" not in existing.propagation:
         mounts.make_shared(mnt)  # an earlier run was killed between mount(2) and MS_SHARED
     if existing is None:
@@ -357,6 +437,7 @@ def _build(call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
             mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
         rec.mounted = True
         records.save(pool_dir, rec)
+    layout_files.secure_mount_dir(pool_dir)
     layout_files.create_segments(pool_dir, plan, req)
     layout_files.ensure_lease_file(pool_dir, req)
 

@@ -1,22 +1,27 @@
-"""The provisioning record: ``<pool>/state.json``, the node side's own notes about a pool.
+"""The provisioning record: ``<root>/.state/<pool>/state.json``, the node side's own notes.
 
 The manifest is for engines and exists only once the pool is Ready; the record exists from the
 first step and says what was asked for (the request and its fingerprint), which phase the
 pool is in, what the node changed on the host (huge pages added to the kernel pool, so release
 gives back exactly those), and the last populate figures. It is rewritten atomically at every
 phase change, so a killed provision leaves a record the next run can finish from.
+
+It lives in the pool's root-only state directory (``places``), never where a pod can write:
+release gives back the huge pages it names, so a record a pod could forge would let that pod
+shrink the node's huge page pool. It is still parsed strictly (``parse``), as is the record an
+older offloadpool left in the pool directory, which ``migrate`` reads only to re-validate.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from offloadpool.region import beneath, places
 from offloadpool.region.request import PoolRequest
 
 RECORD_NAME = "state.json"
@@ -63,31 +68,75 @@ def boot_id() -> str:
         return ""
 
 
+#: each field's JSON type(s): a record of other types is unreadable (treated as absent)
+_TYPES: dict[str, tuple[type, ...]] = {
+    "request": (dict,),
+    "fingerprint": (str,),
+    "phase": (str,),
+    "message": (str,),
+    "hugepage_size": (int,),
+    "hugepages_added": (int,),
+    "boot_id": (str,),
+    "mounted": (bool,),
+    "populate": (dict,),
+    "numa_nodes": (list,),
+    "hugepage_coverage_percent": (float, int),
+    "updated": (float, int),
+    "consumer": (dict, type(None)),
+    "scrub_pending": (str,),
+    "scrub": (dict,),
+}
+
+
+def parse(data: bytes) -> Record | None:
+    """The record in ``data``, or None when it is not one (bad JSON, a field of the wrong type,
+    a phase or request that does not exist, a count below zero)."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    known: dict[str, Any] = {}
+    for f in fields(Record):
+        if f.name not in doc:
+            continue
+        value = doc[f.name]
+        types = _TYPES[f.name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            return None
+        known[f.name] = value
+    try:
+        rec = Record(**known)
+        req = rec.pool_request()
+        req.validate()
+    except (TypeError, ValueError):
+        return None
+    if rec.phase not in PHASES or rec.hugepages_added < 0 or rec.hugepage_size < 0:
+        return None
+    return rec
+
+
 def path(pool_dir: str | os.PathLike[str]) -> Path:
-    return Path(pool_dir) / RECORD_NAME
+    return places.state_dir(pool_dir) / RECORD_NAME
 
 
 def load(pool_dir: str | os.PathLike[str]) -> Record | None:
     """The record, or None if there is none (or it is unreadable: treated as absent)."""
     try:
-        data = json.loads(path(pool_dir).read_text())
-        known = {k: v for k, v in data.items() if k in Record.__dataclass_fields__}
-        return Record(**known)
-    except (OSError, ValueError, TypeError):
+        with places.state_fd(pool_dir) as fd:
+            if fd is None:
+                return None
+            return parse(beneath.read_file(fd, RECORD_NAME))
+    except (OSError, places.UnsafeEntry):
         return None
 
 
 def save(pool_dir: str | os.PathLike[str], rec: Record) -> None:
+    """Replace the record atomically (temp file, fsync, rename) in the pool's state directory."""
     rec.updated = time.time()
-    fd, tmp = tempfile.mkstemp(dir=pool_dir, prefix=".state.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(asdict(rec), fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path(pool_dir))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    data = (json.dumps(asdict(rec), indent=2, sort_keys=True) + "\n").encode()
+    with places.state_fd(pool_dir, create=True) as fd:
+        if fd is None:
+            raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
+        beneath.write_file(fd, RECORD_NAME, data, 0o600)

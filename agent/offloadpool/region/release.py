@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from offloadpool.region import places
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.holders import Holder, describe, exclusive_unused, find_holders
 from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.locks import pool_dir_lock
 from offloadpool.region.teardown import teardown
 
 FORCE_CONSEQUENCES = (
@@ -47,26 +46,31 @@ def release(root: str | os.PathLike[str], name: str, *, force: bool = False) -> 
     Raises LeaseHeld (PoolInUse, naming the processes, when it can see them) if any process
     holds the lease or maps or has open the pool's files, and ``force`` is false. Releasing a
     pool that does not exist is not an error (``existed=False``): release is idempotent.
+    A ``name`` that cannot name a pool (``..``, ``x/../..``, ``/``, ``.state``, ...) raises
+    RequestError before any path is made of it. Names the node did not make are left and
+    listed in ``warnings``; nothing is removed recursively.
     """
-    pool_dir = Path(root) / name
-    if not pool_dir.is_dir():
+    pool_dir = places.pool_dir(root, name)  # a name that is no pool name makes no path
+    if not places.exists(pool_dir):
         return ReleaseResult(name, existed=False)
-    with pool_dir_lock(pool_dir):
-        if not pool_dir.is_dir():
+    with places.lock(pool_dir):
+        if not places.exists(pool_dir):
             return ReleaseResult(name, existed=False)
         rec = records.load(pool_dir)
         total = int(rec.request.get("capacity", 0)) if rec else 0
         lease = None
         holders: list[Holder] = []
+        left: list[str] = []
         try:
-            lease = exclusive_unused(pool_dir)
+            if places.exists_pool_dir(pool_dir):
+                lease = exclusive_unused(pool_dir)
         except LeaseHeld:
             if not force:
                 raise
             holders = find_holders(pool_dir)
         try:
             try:
-                given = teardown(pool_dir, lazy=force)
+                given = teardown(pool_dir, lazy=force, left=left)
             except RegionError as exc:
                 if force:
                     raise
@@ -74,5 +78,6 @@ def release(root: str | os.PathLike[str], name: str, *, force: bool = False) -> 
         finally:
             if lease is not None:
                 lease.close()
-        warnings = (FORCE_CONSEQUENCES.format(n=len(holders), holders=describe(holders)),) if holders else ()
-        return ReleaseResult(name, True, total, given, force, len(holders), warnings)
+        warnings = [FORCE_CONSEQUENCES.format(n=len(holders), holders=describe(holders))] if holders else []
+        warnings += [f"left in place: {line}" for line in left]
+        return ReleaseResult(name, True, total, given, force, len(holders), tuple(warnings))

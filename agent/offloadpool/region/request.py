@@ -21,6 +21,7 @@ from typing import Final
 from offloadpool.region.errors import RequestError
 from offloadpool.region.manifest import LAYOUTS
 from offloadpool.region.media import MEDIA
+from offloadpool.region.names import pool_name_error
 
 DEFAULT_MEDIUM: Final = "HugePages-2Mi"
 DEFAULT_LAYOUT: Final = "Replicated"
@@ -40,8 +41,6 @@ MAX_FILES_LIMIT: Final = 32
 SCRUB_POLICIES: Final = ("OnConsumerChange", "Always", "Never")
 DEFAULT_SCRUB: Final = "OnConsumerChange"
 
-# DNS-1123 subdomain, like a Kubernetes object name; it becomes a directory name.
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _NAMESPACES = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(,[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$")
 _POOL_UID = re.compile(r"^[A-Za-z0-9-]{0,128}$")
@@ -93,11 +92,9 @@ class PoolRequest:
 
     def validate(self) -> None:
         """Raise RequestError naming the field for anything that cannot be planned."""
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise RequestError(
-                f"name {self.name!r} must be a lowercase DNS-1123 name (a-z, 0-9, '-', '.'), "
-                f"at most 253 characters"
-            )
+        name_error = pool_name_error(self.name)  # it becomes a directory name: checked first
+        if name_error is not None:
+            raise RequestError(name_error)
         if self.medium not in MEDIA:
             raise RequestError(f"medium {self.medium!r} is unknown; known: {', '.join(MEDIA)}")
         if self.layout_type not in LAYOUTS:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import layout_files, mounts, numa, vm
+from offloadpool.region import beneath, layout_files, mounts, numa, places, vm
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.holders import PoolInUse, exclusive_unused
@@ -57,8 +56,7 @@ from offloadpool.region.journal import Unit, units
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME
 from offloadpool.region.planner import Plan
-from offloadpool.region.populate import DEFAULT_CHUNK, Progress, default_workers, shares
-from offloadpool.region.populate import _map_segments as map_segments
+from offloadpool.region.populate import DEFAULT_CHUNK, Progress, default_workers, map_segments, shares
 from offloadpool.region.request import PoolRequest
 
 PhaseCallback = Callable[[str], None]
@@ -321,28 +319,53 @@ def zero(
 # -- the hooks provision calls ----------------------------------------------------------------
 
 
-def _restrict(pool_dir: Path, plan: Plan) -> None:
+def _restrict(pool_dir: Path, plan: Plan, req: PoolRequest) -> None:
     """Make every segment file root's alone (0600): nothing new opens it until it is handed
-    out again (``layout_files.own``). Mappings made earlier are not affected."""
-    for seg in plan.segments:
-        fd = os.open(pool_dir / seg.file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise RegionError(f"segment {seg.file} of {pool_dir} is not a regular file")
-            os.fchown(fd, 0, 0)
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
+    out again (``layout_files.own``). Mappings made earlier are not affected. Opened beneath
+    the pool directory, never through a link a pod put there."""
+    with places.pool_fd(pool_dir) as pfd:
+        for seg in plan.segments:
+            try:
+                fd = beneath.open_file(pfd, seg.file, links=layout_files.segment_links(req))
+            except beneath.WrongEntry as exc:
+                raise places.UnsafeEntry(pool_dir, exc) from None
+            try:
+                os.fchown(fd, 0, 0)
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
 
 
-def _withhold(pool_dir: Path, plan: Plan, rec: records.Record, due: Due) -> None:
+def _segments_ok(pool_dir: Path, plan: Plan, req: PoolRequest) -> bool:
+    """Every planned segment is there, a plain file of its planned size (the manifest may be
+    withheld by an earlier scrub). Raises ``places.UnsafeEntry`` for a name of the wrong kind."""
+    with places.pool_fd(pool_dir) as pfd:
+        for seg in plan.segments:
+            try:
+                fd = beneath.open_file(pfd, seg.file, links=layout_files.segment_links(req))
+            except FileNotFoundError:
+                return False
+            except beneath.WrongEntry as exc:
+                raise places.UnsafeEntry(pool_dir, exc) from None
+            try:
+                if os.fstat(fd).st_size != seg.bytes:
+                    return False
+            finally:
+                os.close(fd)
+    return True
+
+
+def _withhold(pool_dir: Path, plan: Plan, req: PoolRequest, rec: records.Record, due: Due) -> None:
     """Record the scrub as pending, then take the pool away from engines: in this order, so a
     kill in between leaves a pending scrub, never a pool handed out with another's bytes."""
     if rec.scrub_pending != due.reason:
         rec.scrub_pending = due.reason
         records.save(pool_dir, rec)
-    (pool_dir / MANIFEST_NAME).unlink(missing_ok=True)
-    _restrict(pool_dir, plan)
+    with places.pool_fd(pool_dir) as pfd:
+        why = places.remove_entry(pfd, MANIFEST_NAME)
+    if why is not None:
+        raise RegionError(f"cannot withhold {pool_dir}: {why}")
+    _restrict(pool_dir, plan, req)
 
 
 def _zero_withheld(
@@ -355,7 +378,7 @@ def _zero_withheld(
     say: PhaseCallback,
 ) -> None:
     """Withhold, zero, note the figures; the caller holds the exclusive lease."""
-    _withhold(pool_dir, plan, rec, due)
+    _withhold(pool_dir, plan, req, rec, due)
     say(PHASE)
     try:
         stats = zero(pool_dir, plan, workers=req.workers, progress=progress, numa_policy=req.numa)
@@ -398,7 +421,7 @@ def before_reuse(
     if due is None:
         _handed_to(rec, req)
         return
-    if mounts.mount_at(pool_dir / MOUNT_NAME) is None or layout_files.check_segments(pool_dir, plan):
+    if mounts.mount_at(pool_dir / MOUNT_NAME) is None or not _segments_ok(pool_dir, plan, req):
         return
     lease = None
     try:
@@ -407,7 +430,7 @@ def before_reuse(
     except LeaseHeld as exc:
         if not due.owed:
             return  # Always: an engine of this tenancy is attached; its data stays
-        _withhold(pool_dir, plan, rec, due)
+        _withhold(pool_dir, plan, req, rec, due)
         raise ScrubPending(due, exc) from None
     try:
         _zero_withheld(pool_dir, plan, req, rec, due, progress, say)

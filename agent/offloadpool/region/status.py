@@ -6,18 +6,18 @@ anything, so it can run while a provision is populating (progress comes from the
 
 from __future__ import annotations
 
-import fcntl
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import holders, mounts
+from offloadpool.region import beneath, holders, mounts, places
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.journal import populated_bytes, units
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.names import pool_name_error
 from offloadpool.region.planner import plan as make_plan
 
 PHASES = ("Absent", "Provisioning", "Populating", "Scrubbing", "Ready", "Failed")
@@ -49,34 +49,26 @@ class PoolState:
         return d
 
 
-def _busy(pool_dir: Path) -> bool:
-    """True while a provision/release holds the pool's directory lock."""
-    try:
-        fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
-    pool_dir = Path(root) / name
-    rec = records.load(pool_dir) if pool_dir.is_dir() else None
+    """The pool ``name`` under ``root``, from its record (RequestError for a name that cannot
+    name a pool: no path is made of it)."""
+    pool_dir = places.pool_dir(root, name)
+    rec = records.load(pool_dir)
     if rec is None:
-        if pool_dir.is_dir() and (pool_dir / MANIFEST_NAME).exists():
-            return PoolState(name, "Failed", message="pool has a manifest but no provisioning record")
+        if places.exists_pool_dir(pool_dir) and _has_any(pool_dir, MANIFEST_NAME, places.OLD_RECORD_NAME):
+            return PoolState(
+                name,
+                "Failed",
+                message="pool has no provisioning record of this node's (an older offloadpool's, or lost); "
+                "provision again to adopt or rebuild it",
+            )
         return PoolState(name, "Absent")
     try:
         req = rec.pool_request()
         plan = make_plan(req)
     except (RegionError, TypeError, ValueError) as exc:
         return PoolState(name, "Failed", message=f"unreadable provisioning record: {exc}")
-    busy = _busy(pool_dir)
+    busy = places.busy(pool_dir)
     # every process holding the lease or mapping/opening the files, leased or not, once each
     engines = holders.count(pool_dir)
     # what every phase reports; each return below fills in its phase and progress
@@ -116,14 +108,41 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
     return replace(common, phase=phase, populated_bytes=done, message=message)
 
 
+def local_region(root: str | os.PathLike[str], name: str) -> tuple[int, int] | None:
+    """(generation, total bytes) of the complete region on this node, from the node's own
+    record (never the manifest, which a pod can write); None when there is none."""
+    rec = records.load(places.pool_dir(root, name))
+    if rec is None or rec.phase != "Ready":
+        return None
+    try:
+        req = rec.pool_request()
+        return req.generation, make_plan(req).total_bytes
+    except (RegionError, TypeError, ValueError):
+        return None
+
+
+def _has_any(pool_dir: Path, *names: str) -> bool:
+    try:
+        with places.pool_fd(pool_dir) as fd:
+            return any(beneath.lstat(fd, n) is not None for n in names)
+    except (OSError, places.UnsafeEntry):
+        return False
+
+
 def list_pools(root: str | os.PathLike[str]) -> list[PoolState]:
-    """Every pool under ``root`` (directories holding a record or a manifest), by name."""
+    """Every pool under ``root`` (a state directory, or a pool directory holding a manifest or
+    an older offloadpool's record), by name; names that cannot name a pool are not looked at."""
     root = Path(root)
     if not root.is_dir():
         return []
+    found = {p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink()}
+    state = root / places.STATE_DIR_NAME
+    if state.is_dir() and not state.is_symlink():
+        found |= {p.name for p in state.iterdir()}
     names = sorted(
-        p.name
-        for p in root.iterdir()
-        if p.is_dir() and ((p / records.RECORD_NAME).exists() or (p / MANIFEST_NAME).exists())
+        n
+        for n in found
+        if pool_name_error(n) is None
+        and (records.load(root / n) is not None or _has_any(root / n, MANIFEST_NAME, places.OLD_RECORD_NAME))
     )
     return [pool_state(root, n) for n in names]

@@ -4,34 +4,52 @@ Order matters: the manifest goes first (no new engine attaches to a pool being r
 the mount (which frees every page of every file at once; if some process still has a file open
 or mapped the unmount fails with EBUSY and the manifest is put back: nothing changed), then the
 huge pages this node added to the kernel pool (announced in the huge page intent first, so a kill
-cannot give them back twice), then the directory.
+cannot give them back twice), then the names the node made.
+
+Only those names are removed, one by one, each as a name (``unlinkat``/``rmdir``, never through
+a link): the manifest, the lease, the plan's segment and compat names, ``mnt``, the names an
+older offloadpool kept in the pool directory, then the record, the journal and the state
+directory. Nothing is removed recursively: whatever else is found (a pod's files, a directory
+where a file belongs) is left and reported, and the directory holding it stays.
 """
 
 from __future__ import annotations
 
-import shutil
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from offloadpool.region import hugepage_intent, hugepages, mounts
+from offloadpool.region import beneath, hugepage_intent, hugepages, mounts, places
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
+from offloadpool.region.journal import JOURNAL_NAME
+from offloadpool.region.layout_files import compat_names
 from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
 from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.planner import plan as make_plan
 
 
-def teardown(pool_dir: Path, *, lazy: bool = False, keep_dir: bool = False) -> int:
+def teardown(
+    pool_dir: Path, *, lazy: bool = False, keep_dir: bool = False, left: list[str] | None = None
+) -> int:
     """Remove everything of the pool at ``pool_dir``; return the huge pages given back.
 
     ``lazy`` detaches a busy mount (MNT_DETACH): processes that still map it keep their
     memory until they exit, and the kernel frees it then. ``keep_dir`` empties the directory
-    but keeps it and its lease file (a rebuild holds both while it works).
+    but keeps it, its lease file and the state directory (a rebuild holds them while it works);
+    ``mnt`` goes either way, when it is empty or not a directory.
+    What could not be removed is appended to ``left``, one line each.
     """
     rec = records.load(pool_dir)
     try:
         manifest = load_manifest(pool_dir)
     except ManifestError:
         manifest = None
-    (pool_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    with _pool(pool_dir) as pfd:
+        if pfd is not None:
+            _remove(pfd, MANIFEST_NAME, left)
     mnt = pool_dir / MOUNT_NAME
     if mounts.mount_at(mnt) is not None:
         try:
@@ -52,16 +70,7 @@ def teardown(pool_dir: Path, *, lazy: bool = False, keep_dir: bool = False) -> i
         with hugepages.pool_lock(root):
             if rec is not None and owes:
                 given = _give_back_hugepages(pool_dir, rec)
-    if keep_dir:
-        for entry in pool_dir.iterdir():
-            if entry.name == LEASE_NAME:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-    else:
-        shutil.rmtree(pool_dir)
+    _remove_made(pool_dir, rec, keep_dir=keep_dir, left=left)
     return given
 
 
@@ -86,3 +95,93 @@ def _give_back_hugepages(pool_dir: Path, rec: records.Record) -> int:
     hugepages.shrink(size, pages)
     hugepage_intent.clear(pool_dir.parent)
     return pages
+
+
+def made_names(rec: records.Record | None) -> list[str]:
+    """The names in the pool directory the node made for the pool ``rec`` records, files first."""
+    names: list[str] = []
+    if rec is not None:
+        try:
+            req = rec.pool_request()
+            plan = make_plan(req)
+            names += [seg.file for seg in plan.segments]
+            if req.compat_engine_id:
+                names += compat_names(req.compat_engine_id, len(plan.segments))
+        except (RegionError, TypeError, ValueError):
+            pass  # a record of no plan: only the fixed names below
+    return names
+
+
+def _remove_made(
+    pool_dir: Path, rec: records.Record | None, *, keep_dir: bool, left: list[str] | None
+) -> None:
+    with _pool(pool_dir) as pfd:
+        if pfd is not None:
+            if mounts.mount_at(pool_dir / MOUNT_NAME) is None:  # else a lazy unmount left it busy
+                for rel in made_names(rec):
+                    _remove(pfd, rel, left)
+                _remove(pfd, MOUNT_NAME, left)  # a rebuild makes it again (a link a pod put there too)
+            for name in (places.OLD_RECORD_NAME, places.OLD_JOURNAL_NAME, *_temp_names(pfd)):
+                _remove(pfd, name, left)
+            if not keep_dir:
+                _remove(pfd, LEASE_NAME, left)
+    with places.state_fd(pool_dir) as sfd:
+        if sfd is not None:
+            for name in (JOURNAL_NAME, records.RECORD_NAME, *_temp_names(sfd)):
+                _remove(sfd, name, left)
+    if keep_dir:
+        return
+    _rmdir(pool_dir.parent, pool_dir.name, left)
+    _rmdir(pool_dir.parent, f"{places.STATE_DIR_NAME}/{pool_dir.name}", left)
+    try:
+        _rmdir(pool_dir.parent, places.STATE_DIR_NAME, None)  # shared by every pool: kept while used
+    except OSError:
+        pass
+
+
+@contextmanager
+def _pool(pool_dir: Path) -> Iterator[int | None]:
+    """The pool directory's descriptor, None when it is gone (a state directory alone)."""
+    try:
+        cm = places.pool_fd(pool_dir)
+        fd = cm.__enter__()
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def _temp_names(dirfd: int) -> list[str]:
+    """Temp files of atomic writes a killed process left (``.<name>.<random>.tmp``), and those an
+    older offloadpool named ``.state.*.tmp`` and ``.manifest.*.tmp``."""
+    return [n for n in beneath.listdir(dirfd) if n.startswith(".") and n.endswith(".tmp")]
+
+
+def _remove(dirfd: int, rel: str, left: list[str] | None) -> None:
+    """Remove the name ``rel`` (a link as a link); what cannot be removed goes to ``left``."""
+    try:
+        why = places.remove_entry(dirfd, rel)
+    except FileNotFoundError:
+        return  # a directory on the way is gone: so is the name
+    except beneath.WrongEntry as exc:
+        why = str(exc)
+    if why is not None and left is not None:
+        left.append(why)
+
+
+def _rmdir(root: Path, rel: str, left: list[str] | None) -> None:
+    """rmdir ``rel`` under the host root; a directory that is not empty is left, and said."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        beneath.rmdir(fd, rel)
+    except OSError as exc:
+        if exc.errno != errno.ENOTEMPTY:
+            raise
+        if left is not None:
+            names = sorted(beneath.listdir(fd, rel))
+            left.append(f"{root / rel} still holds {names} (not made by offloadpool): left in place")
+    finally:
+        os.close(fd)
