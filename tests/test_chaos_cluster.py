@@ -35,6 +35,8 @@ from fixtures.cluster import SimCluster, SimNode, mounts_under
 from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import NAMESPACE, OperatorProcess
 from fixtures.wait import wait_for
+from offloadpool.region import places
+from offloadpool.region.journal import JOURNAL_NAME
 
 pytestmark = pytest.mark.controlplane
 
@@ -211,7 +213,7 @@ def check_no_duplicate_work(run: Run, w: World, before: Before, generation: int)
     mounts = {n.name: w.mount_dev(n) for n in w.nodes}
     run.check("no region rebuilt (same mount on every node)", mounts == before.mounts)
     for node in w.nodes:
-        journal = (node.host_path(HOST_ROOT) / w.pool / "populate.journal").read_bytes()
+        journal = (places.state_dir(node.host_path(HOST_ROOT) / w.pool) / JOURNAL_NAME).read_bytes()
         run.check("region complete", len(journal) > 0 and all(journal))
     new = settled_events(w, before.events)
     counts = Counter((e.reason, e.message) for e in new)

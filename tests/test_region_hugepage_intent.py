@@ -57,7 +57,7 @@ def total() -> int:
 
 
 def recorded_pages(root: Path, name: str) -> int:
-    return json.loads((root / name / records.RECORD_NAME).read_text())["hugepages_added"]
+    return json.loads(records.path(root / name).read_text())["hugepages_added"]
 
 
 @pytest.mark.parametrize(

@@ -289,7 +289,11 @@ def _reuse(
     rec = records.load(pool_dir)
     if rec is None or not (rec.phase == "Ready" or _finished_but_unrecorded(pool_dir, plan, rec)):
         return None
-    # -- scrub hook (no bytes cross consumers): zero the memory first when due ----------------
+    # A name of the wrong kind raises UnsafeEntry here, before the scrub touches anything; a
+    # pool an earlier scrub withheld (no manifest) is checked again once the scrub is done.
+    problem = layout_files.check_ready(pool_dir, plan, req)
+    if problem is not None and not rec.scrub_pending:
+        return None
     scrub.before_reuse(
         pool_dir,
         plan,
@@ -300,8 +304,7 @@ def _reuse(
         say=say,
         lease_held=lease_held,
     )
-    # -- end of scrub hook ------------------------------------------------------------------
-    if layout_files.check_ready(pool_dir, plan, req) is not None:
+    if problem is not None and layout_files.check_ready(pool_dir, plan, req) is not None:
         return None
     if rec.phase != "Ready":
         coverage = load_manifest(pool_dir).extra.get("hugepage_coverage_percent")
