@@ -38,6 +38,8 @@ from datetime import datetime
 from functools import partial
 from typing import Any, TypeVar
 
+from kubernetes.client.exceptions import ApiException
+
 from offloadpool.api.base import now as utcnow
 from offloadpool.api.constants import node_object_name
 from offloadpool.api.node import new_object
@@ -164,6 +166,8 @@ class Reconciler:
         self._locks_guard = threading.Lock()
         self._memory: dict[str, PoolMemory] = {}
         self.writes = ParallelWrites(config.write_concurrency)
+        #: the operator's RBAC does not let it read ServiceAccounts (an older release's)
+        self._accounts_forbidden = False
 
     def _send(self, calls: Sequence[Callable[[], T]], result: PassResult) -> Batch[T]:
         """Writes of one step of a pass, several at once (``writes``); their CPU in other
@@ -524,9 +528,19 @@ class Reconciler:
         namespace = self.config.namespace
         pods = self.kube.list_agent_pods(namespace, daemonset.selector_labels(name))
         memory.unschedulable = agentpods.unschedulable(pods)
-        created = {
-            sa: self.kube.service_account_created(namespace, sa) for sa in agentpods.service_accounts(pods)
-        }
+        accounts = agentpods.service_accounts(pods)
+        try:
+            created = {sa: self.kube.service_account_created(namespace, sa) for sa in accounts}
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            if not self._accounts_forbidden:  # RBAC from before this operator: say it once
+                log.warning(
+                    "cannot read ServiceAccounts in %s (403): agent pods whose token predates their "
+                    "ServiceAccount are not replaced; apply this version's RBAC",
+                    namespace,
+                )
+            self._accounts_forbidden, created = True, {}
         for pod in agentpods.stale_credentials(pods, created):
             pod_meta, node = pod["metadata"], daemonset.pod_node(pod)
             account = pod["spec"].get("serviceAccountName") or "default"
