@@ -18,8 +18,8 @@ more than that late). With agents renewing every heartbeat that is a list per po
 heartbeat-timeout rather than every few seconds: at 1,000 nodes each list was ~1 MB of JSON.
 
 The pool's agent pods are listed only while a node's agent is not at work (no report, silent
-past the timeout, or a deletion waiting for it) for longer than ``lease_max_age``, and then at
-most that often (``agentpods``): the scheduler's reason for a pod it cannot place goes into the
+past the timeout, or a deletion waiting for it) for longer than ``agent_pods_period``, and then
+at most that often (``agentpods``): the scheduler's reason for a pod it cannot place goes into the
 pool's status, and a pod whose token predates its ServiceAccount is replaced.
 
 Passes for one pool are serialised by a per-pool lock held in the worker thread itself, so a
@@ -123,6 +123,14 @@ def lease_max_age(config: OperatorConfig) -> float:
     if config.heartbeat_timeout_seconds > 0:
         age = min(age, config.heartbeat_timeout_seconds / 4)
     return age
+
+
+def agent_pods_period(config: OperatorConfig) -> float:
+    """How long a node must have had no agent at work before a pass looks at the pool's agent
+    pods, and how often at most while that lasts: at least ``--node-object-grace`` (a pool over
+    a thousand new nodes lists no thousand pods while its agents start), at least
+    ``lease_max_age``."""
+    return max(lease_max_age(config), config.node_object_grace_seconds)
 
 
 def named(nodes: Sequence[str]) -> str:
@@ -502,9 +510,9 @@ class Reconciler:
         for as long as its pod lives, so neither its status nor a deletion would ever move.
 
         Looked at only while some node's agent has not been at work (no report, silent past the
-        heartbeat timeout; when deleting, any node not yet Released) for ``lease_max_age``, and
-        then at most that often: a converged pool, or one whose agents are just starting, lists
-        no pods.
+        heartbeat timeout; when deleting, any node not yet Released) for ``agent_pods_period``,
+        and then at most that often: a converged pool, or one whose agents are just starting,
+        lists no pods.
         """
         meta = pool["metadata"]
         name, memory = meta["name"], self._memory[meta["name"]]
@@ -516,7 +524,7 @@ class Reconciler:
                 (view := views.get(node)) is None or view.phase is None or view.silent_before(cutoff)
                 for node in selected
             )
-        clock, period = time.monotonic(), lease_max_age(self.config)
+        clock, period = time.monotonic(), agent_pods_period(self.config)
         if not stuck:
             memory.stuck_since, memory.unschedulable = None, {}
             return {}
