@@ -15,6 +15,13 @@ script writes them instead:
   node) becomes ``templates/policy-agent.yaml`` the same way, the agent ServiceAccount's user
   name made the release's, the whole file only when ``agent.nodeRestriction.enabled``.
 
+The agent's objects (its ServiceAccount, RBAC and policy) carry ``helm.sh/resource-policy: keep``:
+``helm uninstall`` leaves them, so the agents of pools that outlive the release keep a token that
+works (a pod's token is bound to its ServiceAccount's uid: delete the account and the agents
+are refused with 401 until their pods are replaced) and stay held to their own nodes; a later
+``helm install`` of the same release name and namespace adopts them (they still carry its
+meta.helm.sh/release-name and release-namespace annotations).
+
 ``--check`` writes nothing and exits 1 naming every file that is not what it would write (the
 test command runs it; tests/test_chart.py also renders the chart and compares the rules).
 
@@ -60,6 +67,7 @@ class Component:
     target: Path
     service_account: str  # Helm expression for the ServiceAccount's name
     condition: str = ""  # a value the whole file is rendered under, if any
+    keep: bool = False  # helm uninstall leaves its objects (helm.sh/resource-policy: keep)
 
     @property
     def user_name(self) -> str:
@@ -88,6 +96,7 @@ COMPONENTS = (
         DEPLOY / "rbac-agent.yaml",
         TEMPLATES / "rbac-agent.yaml",
         "{{ .Values.agent.serviceAccountName }}",
+        keep=True,
     ),
     Component(
         "offloadpool-agent",
@@ -95,6 +104,7 @@ COMPONENTS = (
         TEMPLATES / "policy-agent.yaml",
         "{{ .Values.agent.serviceAccountName }}",
         condition=".Values.agent.nodeRestriction.enabled",
+        keep=True,
     ),
 )
 
@@ -113,6 +123,12 @@ def rbac_template(component: Component, text: str) -> str:
         f"# Generated from deploy/{component.source.name} by hack/sync_chart.py: edit that file, then run",
         "# `python3 hack/sync_chart.py`. The chart renders the same rules (tests/test_chart.py).",
     ]
+    if component.keep:
+        out += [
+            "# helm uninstall keeps these objects (helm.sh/resource-policy: keep): agents of pools",
+            "# that outlive the release keep a working token and their policy; a reinstall of the",
+            "# same release name and namespace adopts them (hack/sync_chart.py, docs/operator.md).",
+        ]
     if component.condition:
         out.append(f"{{{{- if {component.condition} }}}}")
     lines = text.splitlines()
@@ -161,6 +177,8 @@ def rbac_template(component: Component, text: str) -> str:
             open_condition = ""
         out += pending_comments
         pending_comments = []
+        if component.keep and section == "metadata" and key == "labels" and indent == 2:
+            out += ["  annotations:", "    helm.sh/resource-policy: keep"]
         out.append(_line(component, kind, section, line, key, value, where))
         if value in _BLOCK_SCALARS:
             block_indent = indent

@@ -285,3 +285,65 @@ def test_selection_follows_the_daemonset_controller() -> None:
     )
     assert selects({"tolerations": [{"operator": "Exists"}]}, gpu)
     assert not selects({"nodeSelector": {"gpu": "a100"}, "tolerations": [{"operator": "Exists"}]}, gpu)
+
+
+def test_a_node_with_no_agent_at_work_is_named_by_its_cause_not_provisioning():
+    """A node whose agent pod the scheduler cannot place reads AgentUnschedulable with the
+    scheduler's words; one whose agent said Provisioning and went silent reads
+    AgentUnresponsive; neither counts as provisioning, so with no other node at work the pool
+    is Stalled and Degraded."""
+    why = "Unschedulable: 0/3 nodes are available: 1 Insufficient hugepages-2Mi."
+    views = {
+        "a": ready("a"),
+        "c": NodeView(node="c", phase="Provisioning", heartbeat=NOW - timedelta(minutes=5)),
+    }
+    s = aggregate(
+        generation=1,
+        selected=["a", "b", "c"],
+        views=views,
+        now=NOW,
+        heartbeat_timeout=60,
+        unschedulable={"b": why},
+    ).status
+    failing = {f["node"]: f for f in s["failingNodes"]}
+    assert [f["node"] for f in s["failingNodes"]] == ["b", "c"]  # the scheduler's refusal first
+    assert failing["b"] == {
+        "node": "b",
+        "reason": "AgentUnschedulable",
+        "message": f"the agent pod cannot be scheduled: {why}",
+    }
+    assert (
+        failing["c"]["reason"] == "AgentUnresponsive"
+        and "it last said Provisioning" in failing["c"]["message"]
+    )
+    c = conds(s)
+    assert s["phase"] == "Degraded"
+    assert (c["Progressing"]["status"], c["Progressing"]["reason"]) == ("False", "Stalled")
+    assert "b (AgentUnschedulable), c (AgentUnresponsive)" in c["Progressing"]["message"]
+    assert (
+        c["Degraded"]["reason"] == "AgentsUnschedulable"
+        and "Insufficient hugepages-2Mi" in c["Degraded"]["message"]
+    )
+
+    # another node still at work: Provisioning, naming the stalled ones beside it
+    views["d"] = NodeView(node="d", phase="Populating", progress=10, heartbeat=NOW)
+    s = aggregate(
+        generation=1,
+        selected=["a", "b", "c", "d"],
+        views=views,
+        now=NOW,
+        heartbeat_timeout=60,
+        unschedulable={"b": why},
+    ).status
+    prog = conds(s)["Progressing"]
+    assert prog["reason"] == "Provisioning" and prog["message"].startswith("provisioning on 1 node(s): d;"), (
+        prog
+    )
+
+    # a pod the scheduler refused, but an agent reporting live (a replaced pod's predecessor
+    # still running): the agent's own word stands
+    views["b"] = NodeView(node="b", phase="Populating", progress=50, heartbeat=NOW)
+    s = aggregate(
+        generation=1, selected=["b"], views=views, now=NOW, heartbeat_timeout=60, unschedulable={"b": why}
+    ).status
+    assert s["failingNodes"][0]["reason"] == "Populating" and s["phase"] == "Progressing"

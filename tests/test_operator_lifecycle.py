@@ -13,6 +13,7 @@ from kubernetes.client.exceptions import ApiException
 from fixtures.operator_process import QUICK_PASSES, OperatorProcess
 from fixtures.operator_world import MERGE, NAMESPACE, MiB, World, dump
 from fixtures.wait import wait_for
+from offloadpool.api.base import format_time, now
 from offloadpool.api.constants import FINALIZER, GROUP, POOL_PLURAL, VERSION
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.operator_args(*QUICK_PASSES)]
@@ -309,3 +310,107 @@ def test_a_daemonset_deleted_by_hand_is_made_again(
     first = wait_for("DaemonSet", uid)
     w.apps.delete_namespaced_daemon_set(name, NAMESPACE)
     wait_for("DaemonSet made again", lambda: uid() not in (None, first), timeout=30)
+
+
+def agent_pod(w: World, pool: str, node: str) -> dict:
+    """The agent pod the real DaemonSet controller made for ``node`` (pinned to it by affinity)."""
+    from offloadpool.operator.daemonset import pod_node, selector_labels
+
+    selector = ",".join(f"{k}={v}" for k, v in selector_labels(pool).items())
+
+    def find() -> dict | None:
+        items = w.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+        pods = [w.api.sanitize_for_serialization(p) for p in items]  # as JSON: camelCase
+        return next((p for p in pods if pod_node(p) == node), None)
+
+    try:
+        return wait_for(f"agent pod for {node}", find)
+    except AssertionError:
+        ds = w.apps.list_namespaced_daemon_set(NAMESPACE, label_selector=selector).items
+        raise AssertionError(f"no agent pod: node {w.node(node).to_dict()}\nDaemonSets {ds}") from None
+
+
+def test_an_unschedulable_agent_pod_is_named_with_the_schedulers_reason(
+    world: World, offloadpool_operator: OperatorProcess
+) -> None:
+    """No agent reports because the scheduler cannot place its pod: the pool says so, in the
+    scheduler's words (read from the pod's PodScheduled condition), not "provisioning". The
+    test plays the scheduler (the test control plane runs none): it writes the condition the
+    scheduler writes on a pod that fits nowhere."""
+    w = world
+    group = w.name("g")
+    node = w.add_node("full", {"offloadpool-test/group": group})
+    # a Ready node with room, as its kubelet reports it: else the node stays tainted not-ready
+    # and the DaemonSet controller makes it no agent pod at all
+    stamp = format_time(now())
+    ready = {
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": stamp,
+    }
+    room = {"cpu": "8", "memory": "16Gi", "pods": "110"}
+    w.core.patch_node_status(node, {"status": {"capacity": room, "allocatable": room, "conditions": [ready]}})
+    pool = w.create_pool(
+        "unsched", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"offloadpool-test/group": group}}
+    )
+    pod = agent_pod(w, pool, node)
+    why = "0/1 nodes are available: 1 Insufficient memory. preemption: 0/1 nodes are available."
+    w.core.patch_namespaced_pod_status(
+        pod["metadata"]["name"],
+        NAMESPACE,
+        {
+            "status": {
+                "phase": "Pending",
+                "conditions": [
+                    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}
+                ],
+            }
+        },
+    )
+
+    def named() -> dict | None:
+        st = status(w, pool)
+        failing = {f["node"]: f for f in st.get("failingNodes") or ()}
+        return st if (failing.get(node) or {}).get("reason") == "AgentUnschedulable" else None
+
+    st = wait_for("the scheduler's reason in the pool's status", named, timeout=60)
+    failing = {f["node"]: f for f in st["failingNodes"]}
+    assert failing[node]["message"] == f"the agent pod cannot be scheduled: Unschedulable: {why}", dump(st)
+    c = conds(w.pool(pool))
+    assert st["phase"] == "Degraded", dump(st)
+    reasons = (c["Degraded"]["reason"], c["Progressing"]["reason"])
+    assert reasons == ("AgentsUnschedulable", "Stalled"), dump(c)
+    assert "Insufficient memory" in c["Degraded"]["message"] and node in c["Progressing"]["message"]
+    assert "provisioning" not in c["Progressing"]["message"], dump(c)
+
+
+def test_a_frozen_agent_is_not_called_provisioning(
+    world: World, offloadpool_operator: OperatorProcess
+) -> None:
+    """An agent that said Provisioning and then went silent (no status write, no Lease renewal
+    past the timeout) is frozen or gone: the pool names it unresponsive, and its Progressing
+    condition says nothing is at work there, not "provisioning on 1 node(s)"."""
+    w = world
+    group = w.name("g")
+    node = w.add_node("frozen", {"offloadpool-test/group": group})
+    pool = w.create_pool(
+        "frozen", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"offloadpool-test/group": group}}
+    )
+    wait_for("the node selected", lambda: node in w.pool_nodes(pool))
+    w.report(pool, node, phase="Provisioning", observedGeneration=1, heartbeat="2020-01-01T00:00:00Z")
+
+    def stalled() -> dict | None:
+        c = conds(w.pool(pool) or {})
+        return c if (c.get("Progressing") or {}).get("reason") == "Stalled" else None
+
+    try:
+        c = wait_for("Progressing: Stalled", stalled, timeout=60)
+    except AssertionError:
+        raise AssertionError(dump(w.pool(pool))) from None
+    assert f"{node} (AgentUnresponsive)" in c["Progressing"]["message"], dump(c)
+    assert c["Degraded"]["reason"] == "AgentsUnresponsive", dump(c)
+    failing = {f["node"]: f for f in status(w, pool)["failingNodes"]}
+    assert failing[node]["reason"] == "AgentUnresponsive"
+    assert "it last said Provisioning" in failing[node]["message"], failing

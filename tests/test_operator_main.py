@@ -146,3 +146,28 @@ def test_liveness_endpoint(crds_installed: Any, operator_rbac: Path) -> None:
     finally:
         op.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_retried_requests_are_info_and_only_the_last_failure_an_error() -> None:
+    """A fresh install's operator meets 429 "storage is (re)initializing" for the CRDs helm has
+    just made; kopf retries and the request passes, but kopf logs each retry at ERROR. With
+    kopf's own logging set up as main sets it up, the retry reads INFO and the attempt kopf
+    gives up on stays ERROR (the lines are kopf's, word for word, from kopf._cogs.clients.api)."""
+    code = (
+        "import logging, kopf\n"
+        "from offloadpool.operator.main import quiet_retries\n"
+        "kopf.configure(verbose=False, debug=False)\n"
+        "quiet_retries()\n"
+        "log = logging.getLogger('kopf._cogs.clients.api')\n"
+        "what = 'GET https://10.0.0.1/apis/offloadpool.io/v1alpha1/offloadpools'\n"
+        "err = \"APITooManyRequestsError('storage is (re)initializing', {'code': 429})\"\n"
+        "log.error(f'Request attempt 1 failed; will retry: {what} -> {err}')\n"
+        "log.error(f'Request attempt 9 failed; escalating: {what} -> {err}')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "Request attempt" in line]
+    assert len(lines) == 2, lines
+    retried, escalated = lines
+    assert "[INFO" in retried and "ERROR" not in retried, retried
+    assert "[ERROR" in escalated, escalated

@@ -42,6 +42,8 @@ ALLOWED = [
     (OPERATOR, f"update daemonsets -n {NAMESPACE}"),
     (OPERATOR, "create events -n default"),
     (OPERATOR, f"delete pods -n {NAMESPACE}"),
+    # an agent pod made before its ServiceAccount is replaced (operator/agentpods.py)
+    (OPERATOR, f"get serviceaccounts -n {NAMESPACE}"),
 ]
 DENIED = [
     (AGENT, "patch nodes"),
@@ -66,6 +68,9 @@ DENIED = [
     (OPERATOR, "create pods -n default"),
     (OPERATOR, "delete pods -n default"),
     (OPERATOR, f"create pods -n {NAMESPACE}"),
+    (OPERATOR, "get serviceaccounts -n default"),
+    (OPERATOR, f"delete serviceaccounts -n {NAMESPACE}"),
+    (OPERATOR, f"create serviceaccounts/token -n {NAMESPACE}"),
 ]
 
 

@@ -44,6 +44,15 @@ log = logging.getLogger(__name__)
 LEASE_PERIODS = 4
 #: With watches, how many heartbeat periods a step may go on the watched objects without a read.
 REREAD_PERIODS = 6
+#: After the API server has refused our credential (401) for this many heartbeat periods in a
+#: row, the agent exits non-zero: its token authenticates no more (its ServiceAccount was
+#: deleted, perhaps made again), and no retry of this process can mend that. The exit shows on
+#: the pod (restarts, CrashLoopBackOff, the last log line says why); the operator replaces a
+#: pod made before its ServiceAccount, and only a new pod gets a token that works (the kubelet
+#: serves a restarted container the same cached one). Memory is never touched by the exit.
+UNAUTHORIZED_PERIODS = 6
+#: How often the 401 is logged while it lasts (the first time at once).
+UNAUTHORIZED_LOG_SECONDS = 60.0
 
 
 def _revision(obj: dict[str, Any]) -> int:
@@ -120,6 +129,11 @@ class Agent:
         self._last_event: tuple[str, str] | None = None
         self._failures = 0
         self._renewed = float("-inf")
+        #: since when (monotonic) every read was refused with 401, and when that was last logged
+        self._unauthorized_since: float | None = None
+        self._unauthorized_logged = float("-inf")
+        #: set when the loop stopped because the credential no longer authenticates
+        self.credential_rejected = False
         self.thread: threading.Thread | None = None
         #: engines attached at the last heartbeat (scrub Always: provision again when they left)
         self._attached = 0
@@ -265,6 +279,7 @@ class Agent:
             noticed = self._noticed.get(name)
         read_at = time.monotonic()
         obj = get()
+        self._unauthorized_since = None
         with self._seen_lock:
             if self._noticed.get(name) == noticed:  # no event during the read
                 self._seen[name] = obj
@@ -295,14 +310,44 @@ class Agent:
         try:
             pool, pool_node = self._observe()
         except ApiException as exc:
-            log.warning("cannot read pool/OffloadPoolNode: %s %s", exc.status, exc.reason)
             self.metrics.error("ApiRead")
+            if exc.status == 401:
+                return self._unauthorized()
+            log.warning("cannot read pool/OffloadPoolNode: %s %s", exc.status, exc.reason)
             return self.retry_seconds
         try:
             return self._act(pool, pool_node)
         finally:  # after the step's own status write, which may make a renewal needless
             if pool is not None:
                 self._renew_lease(pool)
+
+    def _unauthorized(self) -> float:
+        """A read or a renewal refused with 401: say so plainly (once a minute, not every retry), and once it
+        has lasted ``UNAUTHORIZED_PERIODS`` heartbeats stop the loop, so the process exits
+        non-zero (``main``) instead of retrying for ever."""
+        clock = time.monotonic()
+        if self._unauthorized_since is None:
+            self._unauthorized_since = clock
+        lasted = clock - self._unauthorized_since
+        if lasted >= UNAUTHORIZED_PERIODS * self.heartbeat_seconds:
+            log.error(
+                "the API server has refused this agent's token (401 Unauthorized) for %.0fs: exiting. "
+                "The token's ServiceAccount was deleted (and perhaps made again); this pod can get no "
+                "other token, the next pod will (the operator replaces a pod made before its "
+                "ServiceAccount; or delete this pod). The memory on the node is untouched.",
+                lasted,
+            )
+            self.credential_rejected = True
+            self.stop.set()
+            return 0.0
+        if clock - self._unauthorized_logged >= UNAUTHORIZED_LOG_SECONDS:
+            self._unauthorized_logged = clock
+            log.error(
+                "the API server refuses this agent's token (401 Unauthorized): its ServiceAccount "
+                "was probably deleted (helm uninstall, kubectl delete); exiting if it lasts %.0fs",
+                UNAUTHORIZED_PERIODS * self.heartbeat_seconds,
+            )
+        return self.retry_seconds
 
     def _act(self, pool: dict[str, Any] | None, pool_node: dict[str, Any] | None) -> float:
         if pool is not None and pool_node is None:
@@ -414,7 +459,11 @@ class Agent:
             self.access.renew_lease(max(1, round(self.heartbeat_seconds * LEASE_PERIODS)), pool)
             self._renewed = now
             self._lease_failures = 0
+            self._unauthorized_since = None
         except ApiException as exc:
+            if exc.status == 401:  # every heartbeat, where reads come only every REREAD_PERIODS
+                self._unauthorized()
+                return
             log.warning("cannot renew the heartbeat Lease: %s %s", exc.status, exc.reason)
             self.metrics.error("LeaseRenew")
             self._lease_failures += 1

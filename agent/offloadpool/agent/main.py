@@ -22,6 +22,8 @@ from offloadpool.agent.loop import Agent
 from offloadpool.agent.metrics import AgentMetrics
 
 log = logging.getLogger("offloadpool.agent")
+#: Exit status when the API server no longer accepts the pod's token (``Agent._unauthorized``).
+EXIT_UNAUTHORIZED = 3
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent.start()
     while not stop.wait(1.0):
         if agent.thread is not None and not agent.thread.is_alive():
+            if agent.credential_rejected:
+                return EXIT_UNAUTHORIZED  # the loop said why
             log.error("agent loop died; exiting so the pod restarts")
             return 1
     log.info("SIGTERM: exiting without touching the region")

@@ -15,8 +15,15 @@ Counting rules (one node is counted once):
 
 Conditions: ``Ready`` (every selected node Ready), ``Progressing`` (nodes are provisioning or a
 spec change is rolling out; False with reason Complete, RolloutPending when only nodes held by
-engines remain, RolloutHalted when a node failed at the new generation), ``Degraded`` (a node
-failed or its agent stopped reporting). ``phase`` sums it up for ``kubectl get``.
+engines remain, RolloutHalted when a node failed at the new generation, Stalled when the only
+nodes left have no agent at work: its pod cannot be scheduled, or it went silent), ``Degraded``
+(a node failed, its agent pod cannot be scheduled, or its agent stopped reporting). ``phase``
+sums it up for ``kubectl get``.
+
+A node whose agent is not reporting is named by the cause the reconciler found, most telling
+first: the scheduler's reason its agent pod is not placed (``unschedulable``, read from the
+pod's ``PodScheduled`` condition), then silence past the heartbeat timeout (neither a Lease
+renewal nor a status write: frozen or gone, whatever phase it last wrote), then no report yet.
 """
 
 from __future__ import annotations
@@ -42,7 +49,10 @@ from .nodeview import NodeView, stale_cutoff
 MAX_NAMES_IN_MESSAGE = 5
 
 # Order of "how bad" a node's problem is, for the failingNodes list (worst first).
-_SEVERITY = {"Failed": 0, "Unresponsive": 1, "NotReporting": 2, "Draining": 3}
+_SEVERITY = {"Failed": 0, "Unschedulable": 1, "Unresponsive": 2, "NotReporting": 3, "Draining": 4}
+UNSCHEDULABLE_PREFIX = "the agent pod cannot be scheduled: "
+#: Severities of a node whose agent is not at work (nothing there makes progress).
+_STALLED = frozenset({"Unschedulable", "Unresponsive"})
 
 
 @dataclass(frozen=True)
@@ -63,14 +73,23 @@ def _names(nodes: Sequence[str]) -> str:
 
 
 def _problem(
-    view: NodeView | None, node: str, now: datetime, cutoff: datetime | None
+    view: NodeView | None, node: str, now: datetime, cutoff: datetime | None, unscheduled: str | None
 ) -> tuple[str, str, str]:
-    """(severity key, reason, message) for a node that is not Ready."""
+    """(severity key, reason, message) for a node that is not Ready. ``unscheduled``: the
+    scheduler's reason the node's agent pod is not placed, if it is not."""
+    silent = view is None or view.phase is None or view.silent_before(cutoff)
+    if unscheduled is not None and silent:
+        return "Unschedulable", "AgentUnschedulable", UNSCHEDULABLE_PREFIX + unscheduled
     if view is None or view.phase is None:
         return "NotReporting", "AgentNotReporting", f"no status from the agent on {node} yet"
     if view.silent_before(cutoff):
         age = int((now - view.heartbeat).total_seconds()) if view.heartbeat else 0
-        return "Unresponsive", "AgentUnresponsive", f"last heartbeat {age}s ago (phase {view.phase})"
+        return (
+            "Unresponsive",
+            "AgentUnresponsive",
+            f"agent silent for {age}s (no Lease renewal, no status write; it last said {view.phase}): "
+            "frozen, or its pod is gone",
+        )
     reason = view.reason or view.phase
     message = view.message or view.phase
     if view.phase in ("Populating", "Scrubbing") and view.progress is not None:
@@ -107,8 +126,11 @@ class _Tally:
     held: list[str] = field(default_factory=list)
     #: Failed at the generation the rollout moved them to: the rollout stops
     halted: list[str] = field(default_factory=list)
-    #: neither Ready nor Failed: provisioning, populating, not reporting, unresponsive
+    #: neither Ready nor Failed, with an agent at work (or about to be): provisioning,
+    #: populating, not reporting yet
     busy: list[str] = field(default_factory=list)
+    #: neither Ready nor Failed, with no agent at work: unschedulable or unresponsive
+    stalled: list[str] = field(default_factory=list)
     #: (severity, node, reason, message) of every node not Ready
     problems: list[tuple[str, str, str, str]] = field(default_factory=list)
     total_bytes: int = 0
@@ -117,9 +139,24 @@ class _Tally:
     def unresponsive(self) -> list[str]:
         return [node for severity, node, _, _ in self.problems if severity == "Unresponsive"]
 
+    @property
+    def unschedulable(self) -> list[tuple[str, str]]:
+        """(node, message) of each node whose agent pod the scheduler cannot place."""
+        return [(node, msg) for severity, node, _, msg in self.problems if severity == "Unschedulable"]
+
+    def explained(self, nodes: Sequence[str]) -> str:
+        """``_names`` with each node's reason: "n1 (AgentUnresponsive), n2 (AgentUnschedulable)"."""
+        reasons = {node: reason for _, node, reason, _ in self.problems}
+        return _names([f"{node} ({reasons.get(node, '?')})" for node in nodes])
+
 
 def _tally(
-    generation: int, selected: list[str], views: Mapping[str, NodeView], now: datetime, timeout: float
+    generation: int,
+    selected: list[str],
+    views: Mapping[str, NodeView],
+    now: datetime,
+    timeout: float,
+    unschedulable: Mapping[str, str],
 ) -> _Tally:
     tally, cutoff = _Tally(generation, selected), stale_cutoff(now, timeout)
     for node in selected:
@@ -132,7 +169,7 @@ def _tally(
                 if view.held and view.pending_generation == generation:
                     tally.held.append(node)
             continue
-        severity, reason, message = _problem(view, node, now, cutoff)
+        severity, reason, message = _problem(view, node, now, cutoff, unschedulable.get(node))
         tally.problems.append((severity, node, reason, message))
         if view is not None and view.phase == "Failed" and not view.silent_before(cutoff):
             tally.failed.append(node)
@@ -140,7 +177,7 @@ def _tally(
                 tally.halted.append(node)
         else:
             tally.pending.append(node)
-            tally.busy.append(node)
+            (tally.stalled if severity in _STALLED else tally.busy).append(node)
     return tally
 
 
@@ -165,14 +202,17 @@ def aggregate(
     heartbeat_timeout: float = 0.0,
     deleting: bool = False,
     existing_nodes: Iterable[str] | None = None,
+    unschedulable: Mapping[str, str] | None = None,
 ) -> Aggregate:
     """Compute the pool status.
 
     ``selected``: names of the Nodes the pool selects now. ``views``: the pool's
     OffloadPoolNodes by node name (may include nodes no longer selected; they are ignored unless
     deleting). ``existing_nodes``: Nodes that exist (deletion waits only for those).
+    ``unschedulable``: node -> the scheduler's reason its agent pod is not placed
+    (``agentpods.unschedulable``).
     """
-    tally = _tally(generation, sorted(set(selected)), views, now, heartbeat_timeout)
+    tally = _tally(generation, sorted(set(selected)), views, now, heartbeat_timeout, unschedulable or {})
     unreleased = _unreleased(views, existing_nodes) if deleting else []
     conditions = _Conditions(_previous(previous_conditions), generation, now)
     if deleting:
@@ -219,7 +259,7 @@ def _phase(tally: _Tally, deleting: bool) -> str:
         return "Deleting"
     if not tally.selected:
         return "NoNodes"
-    if tally.failed or tally.unresponsive:
+    if tally.failed or tally.stalled:
         return "Degraded"
     if len(tally.ready) == len(tally.selected):
         return "Ready"
@@ -287,11 +327,19 @@ class _Conditions:
                 f"generation {generation} failed on {_names(t.halted)}; rollout stopped",
             )
         elif t.busy:
+            stalled = f"; no agent at work on {t.explained(t.stalled)}" if t.stalled else ""
             prog = cond(
                 "Progressing",
                 True,
                 "Provisioning",
-                f"provisioning on {len(t.busy)} node(s): {_names(t.busy)}",
+                f"provisioning on {len(t.busy)} node(s): {_names(t.busy)}{stalled}",
+            )
+        elif t.stalled:
+            prog = cond(
+                "Progressing",
+                False,
+                "Stalled",
+                f"no agent at work on {len(t.stalled)} node(s): {t.explained(t.stalled)} (see failingNodes)",
             )
         elif waiting_turn:
             prog = cond(
@@ -313,10 +361,19 @@ class _Conditions:
                 "Progressing", False, "Complete", f"generation {generation} applied on every Ready node"
             )
 
-        unresponsive = t.unresponsive
+        unresponsive, unschedulable = t.unresponsive, t.unschedulable
         if t.failed:
             degraded = cond(
                 "Degraded", True, "NodesFailed", f"failed on {len(t.failed)} node(s): {_names(t.failed)}"
+            )
+        elif unschedulable:
+            first = unschedulable[0][1]
+            degraded = cond(
+                "Degraded",
+                True,
+                "AgentsUnschedulable",
+                f"agent pod not scheduled on {_names([n for n, _ in unschedulable])}: "
+                + first.removeprefix(UNSCHEDULABLE_PREFIX),
             )
         elif unresponsive:
             degraded = cond(

@@ -255,6 +255,16 @@ class Kube:
             _json(self.core.list_namespaced_pod, namespace, label_selector=label_selector).get("items") or []
         )
 
+    def service_account_created(self, namespace: str, name: str) -> datetime | None:
+        """When the ServiceAccount was made (its current incarnation); None when it is absent."""
+        try:
+            body = _json(self.core.read_namespaced_service_account, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return parse_time((body.get("metadata") or {}).get("creationTimestamp"))
+
     def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
         """Delete exactly that pod (uid precondition); True when deleted now."""
         try:

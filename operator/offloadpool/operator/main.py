@@ -118,6 +118,33 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     )
 
 
+#: What kopf says of a request it is about to send again (it says it at ERROR).
+RETRY_MARK = "failed; will retry"
+
+
+class QuietRetries(logging.Filter):
+    """Logs kopf's "request attempt N failed; will retry" at INFO instead of ERROR.
+
+    A healthy start meets refusals that are retried and pass: the first requests for a CRD
+    the API server (or helm) has just made are answered 429 "storage is (re)initializing" for a
+    moment. kopf logs each retry at ERROR, which a user reads as a fault. The last attempt's
+    line ("failed; escalating") stays an ERROR: that one is a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and RETRY_MARK in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
+
+
+def quiet_retries() -> None:
+    """Put ``QuietRetries`` on every handler of the root logger (kopf.configure's included):
+    a filter on a handler sees what every logger propagates to it, kopf's per-object loggers
+    too."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, QuietRetries) for f in handler.filters):
+            handler.addFilter(QuietRetries())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.standalone and not args.peering:
@@ -142,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memo["webhook"] = webhook.WebhookRuntime(webhook.options_from_args(args))
 
     kopf.configure(verbose=args.verbose, debug=args.debug)
+    quiet_retries()
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     if not (args.verbose or args.debug):
         # kopf logs every handler run at INFO ("Handler 'node_event' succeeded"): with 200

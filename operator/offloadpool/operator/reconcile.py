@@ -17,6 +17,11 @@ most every ``lease_max_age`` (short next to the heartbeat timeout, so a stale ve
 more than that late). With agents renewing every heartbeat that is a list per pool about every
 heartbeat-timeout rather than every few seconds: at 1,000 nodes each list was ~1 MB of JSON.
 
+The pool's agent pods are listed only while a node's agent is not at work (no report, silent
+past the timeout, or a deletion waiting for it) for longer than ``agent_pods_period``, and then
+at most that often (``agentpods``): the scheduler's reason for a pod it cannot place goes into the
+pool's status, and a pod whose token predates its ServiceAccount is replaced.
+
 Passes for one pool are serialised by a per-pool lock held in the worker thread itself, so a
 deletion pass never interleaves with a normal pass that is still finishing in its thread.
 """
@@ -33,11 +38,13 @@ from datetime import datetime
 from functools import partial
 from typing import Any, TypeVar
 
+from kubernetes.client.exceptions import ApiException
+
 from offloadpool.api.base import now as utcnow
 from offloadpool.api.constants import node_object_name
 from offloadpool.api.node import new_object
 
-from . import daemonset, nodes, rollout
+from . import agentpods, daemonset, nodes, rollout
 from .aggregate import aggregate
 from .config import OperatorConfig
 from .events import Event, transitions
@@ -97,6 +104,12 @@ class PoolMemory:
     #: node -> (NodeInfo, Ready?) for which a pass found the Node's marks as they should be:
     #: see ``Reconciler._sync_node_marks``
     marked: dict[str, tuple[NodeInfo, bool]] = field(default_factory=dict)
+    #: since when (monotonic) passes find a node whose agent is not at work; None: none is
+    stuck_since: float | None = None
+    #: when the agent pods were last looked at, and what the scheduler said then (node -> why
+    #: its agent pod is not placed): see ``Reconciler._look_at_agent_pods``
+    pods_checked_at: float = float("-inf")
+    unschedulable: dict[str, str] = field(default_factory=dict)
 
 
 #: Names listed in one NodeSelected Event at most (the rest are counted).
@@ -110,6 +123,14 @@ def lease_max_age(config: OperatorConfig) -> float:
     if config.heartbeat_timeout_seconds > 0:
         age = min(age, config.heartbeat_timeout_seconds / 4)
     return age
+
+
+def agent_pods_period(config: OperatorConfig) -> float:
+    """How long a node must have had no agent at work before a pass looks at the pool's agent
+    pods, and how often at most while that lasts: at least ``--node-object-grace`` (a pool over
+    a thousand new nodes lists no thousand pods while its agents start), at least
+    ``lease_max_age``."""
+    return max(lease_max_age(config), config.node_object_grace_seconds)
 
 
 def named(nodes: Sequence[str]) -> str:
@@ -153,6 +174,8 @@ class Reconciler:
         self._locks_guard = threading.Lock()
         self._memory: dict[str, PoolMemory] = {}
         self.writes = ParallelWrites(config.write_concurrency)
+        #: the operator's RBAC does not let it read ServiceAccounts (an older release's)
+        self._accounts_forbidden = False
 
     def _send(self, calls: Sequence[Callable[[], T]], result: PassResult) -> Batch[T]:
         """Writes of one step of a pass, several at once (``writes``); their CPU in other
@@ -265,6 +288,7 @@ class Reconciler:
             if ds_generation is not None:
                 self._replace_outdated_agents(pool, generation, ds_generation, selected, views, result)
 
+        unschedulable = self._look_at_agent_pods(pool, selected, views, now, result)
         agg = aggregate(
             generation=generation,
             selected=selected,
@@ -274,6 +298,7 @@ class Reconciler:
             heartbeat_timeout=timeout,
             deleting=deleting,
             existing_nodes=existing.keys(),
+            unschedulable=unschedulable,
         )
         result.unreleased = agg.unreleased_nodes
         self._sync_node_marks(name, agg.ready_nodes, existing, result)
@@ -470,6 +495,76 @@ class Reconciler:
                         "needs the DaemonSet's current requests and limits",
                     ),
                 )
+
+    def _look_at_agent_pods(
+        self,
+        pool: Mapping[str, Any],
+        selected: Sequence[str],
+        views: Mapping[str, NodeView],
+        now: datetime,
+        result: PassResult,
+    ) -> dict[str, str]:
+        """Why agents are not at work, from their pods: node -> the scheduler's reason its
+        agent pod is not placed. Replaces every agent pod whose token predates its
+        ServiceAccount (``agentpods.stale_credentials``): such an agent answers nothing but 401
+        for as long as its pod lives, so neither its status nor a deletion would ever move.
+
+        Looked at only while some node's agent has not been at work (no report, silent past the
+        heartbeat timeout; when deleting, any node not yet Released) for ``agent_pods_period``,
+        and then at most that often: a converged pool, or one whose agents are just starting,
+        lists no pods.
+        """
+        meta = pool["metadata"]
+        name, memory = meta["name"], self._memory[meta["name"]]
+        if meta.get("deletionTimestamp"):
+            stuck = any(view.phase != "Released" for view in views.values())
+        else:
+            cutoff = stale_cutoff(now, self.config.heartbeat_timeout_seconds)
+            stuck = any(
+                (view := views.get(node)) is None or view.phase is None or view.silent_before(cutoff)
+                for node in selected
+            )
+        clock, period = time.monotonic(), agent_pods_period(self.config)
+        if not stuck:
+            memory.stuck_since, memory.unschedulable = None, {}
+            return {}
+        if memory.stuck_since is None:
+            memory.stuck_since = clock
+        if clock - memory.stuck_since < period or clock - memory.pods_checked_at < period:
+            return memory.unschedulable
+        memory.pods_checked_at = clock
+        namespace = self.config.namespace
+        pods = self.kube.list_agent_pods(namespace, daemonset.selector_labels(name))
+        memory.unschedulable = agentpods.unschedulable(pods)
+        accounts = agentpods.service_accounts(pods)
+        try:
+            created = {sa: self.kube.service_account_created(namespace, sa) for sa in accounts}
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            if not self._accounts_forbidden:  # RBAC from before this operator: say it once
+                log.warning(
+                    "cannot read ServiceAccounts in %s (403): agent pods whose token predates their "
+                    "ServiceAccount are not replaced; apply this version's RBAC",
+                    namespace,
+                )
+            self._accounts_forbidden, created = True, {}
+        for pod in agentpods.stale_credentials(pods, created):
+            pod_meta, node = pod["metadata"], daemonset.pod_node(pod)
+            account = pod["spec"].get("serviceAccountName") or "default"
+            if self.kube.delete_pod(namespace, pod_meta["name"], pod_meta["uid"]):
+                result.writes.append(f"replaced agent pod {pod_meta['name']} on {node} (stale token)")
+                self.emit(
+                    pool,
+                    Event(
+                        "Warning",
+                        "AgentReplaced",
+                        f"agent pod {pod_meta['name']} on node {node} replaced: it was made before "
+                        f"ServiceAccount {namespace}/{account} (deleted and made again since), so the "
+                        "API server refuses its token",
+                    ),
+                )
+        return memory.unschedulable
 
     def _sync_node_marks(
         self, pool: str, ready: frozenset[str], existing: Mapping[str, NodeInfo], result: PassResult

@@ -45,6 +45,7 @@ OnChange = Callable[[str, str, "V | None", "V | None"], None]
 #: resourceVersion): a connection that died silently cannot leave the operator blind longer.
 WATCH_TIMEOUT_SECONDS = 270
 GONE = 410
+TOO_MANY_REQUESTS = 429
 
 
 def _revision(meta: Mapping[str, Any]) -> int:
@@ -160,7 +161,10 @@ class WatchedKind(Generic[V]):
                 if exc.status == GONE:
                     revision = ""  # too old to resume: list again
                     continue
-                log.warning("watch of %s failed (%s); retrying", self.kind, exc.reason or exc.status)
+                # 429: a CRD's storage still initializing (just made), or the API server's
+                # fairness: a moment's wait, not a fault
+                level = logging.INFO if exc.status == TOO_MANY_REQUESTS else logging.WARNING
+                log.log(level, "watch of %s failed (%s); retrying", self.kind, exc.reason or exc.status)
                 self._stop.wait(self._retry_seconds)
             except Exception as exc:  # the API server restarting, a broken connection
                 log.warning("watch of %s failed (%s); retrying", self.kind, exc)
