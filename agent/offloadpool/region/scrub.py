@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import beneath, layout_files, mounts, numa, places, vm
+from offloadpool.region import layout_files, mounts, numa, places, vm
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.holders import PoolInUse, exclusive_unused
@@ -323,35 +323,22 @@ def _restrict(pool_dir: Path, plan: Plan, req: PoolRequest) -> None:
     """Make every segment file root's alone (0600): nothing new opens it until it is handed
     out again (``layout_files.own``). Mappings made earlier are not affected. Opened beneath
     the pool directory, never through a link a pod put there."""
-    with places.pool_fd(pool_dir) as pfd:
-        for seg in plan.segments:
-            try:
-                fd = beneath.open_file(pfd, seg.file, links=layout_files.segment_links(req))
-            except beneath.WrongEntry as exc:
-                raise places.UnsafeEntry(pool_dir, exc) from None
-            try:
-                os.fchown(fd, 0, 0)
-                os.fchmod(fd, 0o600)
-            finally:
-                os.close(fd)
+    for seg in plan.segments:
+        with layout_files.opened(pool_dir, seg.file, links=layout_files.segment_links(req)) as fd:
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0o600)
 
 
 def _segments_ok(pool_dir: Path, plan: Plan, req: PoolRequest) -> bool:
     """Every planned segment is there, a plain file of its planned size (the manifest may be
     withheld by an earlier scrub). Raises ``places.UnsafeEntry`` for a name of the wrong kind."""
-    with places.pool_fd(pool_dir) as pfd:
-        for seg in plan.segments:
-            try:
-                fd = beneath.open_file(pfd, seg.file, links=layout_files.segment_links(req))
-            except FileNotFoundError:
-                return False
-            except beneath.WrongEntry as exc:
-                raise places.UnsafeEntry(pool_dir, exc) from None
-            try:
+    for seg in plan.segments:
+        try:
+            with layout_files.opened(pool_dir, seg.file, links=layout_files.segment_links(req)) as fd:
                 if os.fstat(fd).st_size != seg.bytes:
                     return False
-            finally:
-                os.close(fd)
+        except FileNotFoundError:
+            return False
     return True
 
 
