@@ -117,7 +117,7 @@ def test_defaults_are_applied_by_the_api_server(spec: dict[str, Any], cr_objects
     expected = OffloadPoolSpec.model_validate(spec).model_dump(by_alias=True, exclude_none=True)
     assert created["spec"] == stored["spec"] == expected
     assert stored["spec"]["segments"]["minSize"] == "1Gi"
-    assert stored["spec"]["consumers"] == {"uid": 0, "gid": 0, "mode": "0660", "scrub": "OnConsumerChange"}
+    assert stored["spec"]["consumers"] == {"uid": 0, "gid": 0, "mode": "0660"}
 
 
 def test_valid_edge_values_are_accepted(cr_objects: CustomObjects) -> None:

@@ -59,7 +59,7 @@ def pool_request(pool: OffloadPool | Mapping[str, Any], workers_override: int = 
         compat_row_bytes=vllm.row_bytes() if vllm else None,
         compat_segments=vllm.num_segments if vllm else DEFAULT_VLLM_SEGMENTS,
         generation=max(1, pool.generation),
-        scrub=spec.consumers.scrub,
+        scrub=spec.consumers.scrub_policy,
         consumer_namespaces=",".join(sorted(namespaces)) if namespaces else None,
         pool_uid=str(pool.metadata.get("uid") or ""),
     )

@@ -116,8 +116,15 @@ class ConsumersSpec(SpecModel):
     mode: str = Field(default=DEFAULT_MODE, pattern=r"^0[0-7]{3}$")
     #: When the node zeroes the memory before another consumer can map it
     #: (``offloadpool.region.scrub``); OnConsumerChange also covers a pool re-created over a
-    #: retained region.
-    scrub: ScrubPolicy = DEFAULT_SCRUB
+    #: retained region. None (unset) means ``DEFAULT_SCRUB``, applied in the conversion and not
+    #: by the CRD: a stored default would appear in every existing pool at an upgrade, and the
+    #: agents of the release before refuse a field they do not know.
+    scrub: ScrubPolicy | None = None
+
+    @property
+    def scrub_policy(self) -> str:
+        """The policy in force: ``scrub``, or the default when unset."""
+        return self.scrub or DEFAULT_SCRUB
 
     @field_validator("namespaces")
     @classmethod
