@@ -15,6 +15,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -167,11 +168,13 @@ class Webhook(ClusterClient):
                 pass
 
 
-@pytest.fixture(scope="module")
-def webhook(
-    crds_installed: Any, operator_rbac: Path, tmp_path_factory: pytest.TempPathFactory
+@contextmanager
+def serving_operator(
+    crds_installed: Any, operator_rbac: Path, workdir: Path, ready: str = "ready"
 ) -> Iterator[Webhook]:
-    workdir = tmp_path_factory.mktemp("webhook-operator")
+    """The operator as a process serving the webhook on a free loopback port, with its own
+    certificate directory in ``workdir``, once it has pointed the configurations at itself
+    (``ready``: the name of the ``Webhook`` predicate to wait for); stopped after."""
     port = free_port()
     operator = OperatorProcess(
         crds_installed,
@@ -199,12 +202,20 @@ def webhook(
     try:
         wh.setup()
         operator.start()
-        wait_for("the operator to point the webhook configurations at itself and serve", wh.ready, timeout=90)
+        wait_for("the operator to point the webhook configurations at itself", getattr(wh, ready), timeout=90)
         yield wh
     finally:
         operator.stop()
         wh.teardown()
         print(operator.log(12000))
+
+
+@pytest.fixture(scope="module")
+def webhook(
+    crds_installed: Any, operator_rbac: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Webhook]:
+    with serving_operator(crds_installed, operator_rbac, tmp_path_factory.mktemp("webhook-operator")) as wh:
+        yield wh
 
 
 def wait_admitted(wh: Webhook, body: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:

@@ -22,11 +22,9 @@ import pytest
 from cryptography import x509
 from kubernetes.client.exceptions import ApiException
 
-from fixtures.cluster import free_port
-from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
 from offloadpool.api.pods import LEASE_SIDECAR_NAME
-from test_webhook import SIDECAR_IMAGE, Webhook
+from test_webhook import Webhook, serving_operator
 
 pytestmark = pytest.mark.controlplane
 
@@ -36,41 +34,8 @@ def hook(
     crds_installed: Any, operator_rbac: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Webhook]:
     workdir = tmp_path_factory.mktemp("webhook-restart")
-    port = free_port()
-    operator = OperatorProcess(
-        crds_installed,
-        operator_rbac,
-        workdir,
-        extra_args=(
-            "--webhook",
-            "--webhook-listen",
-            "127.0.0.1",
-            "--webhook-port",
-            str(port),
-            "--webhook-url",
-            f"https://127.0.0.1:{port}",
-            "--webhook-cert-dir",
-            str(workdir / "certs"),
-            "--webhook-resync",
-            "1",
-            "--sidecar-image",
-            SIDECAR_IMAGE,
-            "--resync",
-            "5",
-        ),
-    )
-    wh = Webhook(crds_installed, operator, port)
-    try:
-        wh.setup()
-        operator.start()
-        wait_for(
-            "the operator to point the webhook configurations at itself", wh.pointed_at_operator, timeout=90
-        )
+    with serving_operator(crds_installed, operator_rbac, workdir, ready="pointed_at_operator") as wh:
         yield wh
-    finally:
-        operator.stop()
-        wh.teardown()
-        print(operator.log(12000))
 
 
 def bundle(hook: Webhook) -> list[x509.Certificate]:
