@@ -498,15 +498,17 @@ class Agent:
             )
         except LeaseHeld as exc:
             # a newer spec cannot replace a region an engine holds: keep the old one, say why;
-            # a scrub owed to new consumers withheld the region (no manifest): Pending
+            # a scrub owed to new consumers withheld the region (no manifest): Pending, whatever
+            # the record says it holds, so the node is not advertised for it
             self.metrics.error("LeaseHeld")
-            old = self._local()
+            withheld = isinstance(exc, ScrubPending)
+            old = None if withheld else self._local()
             fields: dict[str, Any] = {}
             if old is not None:
                 fields = dict(bytes_total=old[1], bytes_populated=old[1], progress=100)
             self._phase(
                 "Ready" if old is not None else "Pending",
-                reason="ScrubPending" if isinstance(exc, ScrubPending) else "LeaseHeld",
+                reason="ScrubPending" if withheld else "LeaseHeld",
                 message=f"generation {req.generation} pending: {exc}",
                 pending_generation=req.generation,
                 observed_generation=old[0] if old else None,
