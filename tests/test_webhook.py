@@ -377,27 +377,31 @@ def guard_calls(wh: Webhook) -> int:
     """The guard's requests so far, from the operator's own access log, once it has been still
     for a second (a line of an earlier test's request may still be on its way)."""
 
-    def still() -> int | None:
+    def still() -> tuple[int] | None:  # a tuple: a count of 0 is an answer too
         first = wh.operator.log(10**8).count("POST /guard-pod")
         time.sleep(1)
-        return first if wh.operator.log(10**8).count("POST /guard-pod") == first else None
+        return (first,) if wh.operator.log(10**8).count("POST /guard-pod") == first else None
 
-    return wait_for("the operator's access log to be still", still, timeout=30)
+    return wait_for("the operator's access log to be still", still, timeout=30)[0]
 
 
 def test_an_unlabelled_pod_is_untouched_and_an_ordinary_one_never_reaches_the_webhook(
     webhook: Webhook,
 ) -> None:
-    """matchConditions: the API server calls the guard for a pod with a hostPath, never for one
-    without (counted in the operator's access log)."""
+    """matchConditions: the API server calls the guard for a pod with a hostPath that could
+    reach the host root, never for one without a hostPath or with a plain path elsewhere
+    (counted in the operator's access log)."""
     before = guard_calls(webhook)
     body = webhook.pod_body("plain", None)
     body["spec"]["volumes"] = [{"name": "scratch", "emptyDir": {}}]
     pod = webhook.create_pod(body)
-    assert guard_calls(webhook) == before
     logs = webhook.pod_body("plain-logs", None)
     logs["spec"]["volumes"] = [{"name": "logs", "hostPath": {"path": "/var/log"}}]
-    webhook.create_pod(logs)  # beside the host root: admitted, after the guard was asked
+    webhook.create_pod(logs)  # a plain path beside the host root: the guard is not asked
+    assert guard_calls(webhook) == before
+    dotted = webhook.pod_body("dotted-logs", None)
+    dotted["spec"]["volumes"] = [{"name": "logs", "hostPath": {"path": "/var/log/./app"}}]
+    webhook.create_pod(dotted)  # not plain: the guard normalises it (/var/log/app) and admits it
     assert guard_calls(webhook) == before + 1
     assert "initContainers" not in pod["spec"] and "affinity" not in pod["spec"]
     assert pod["spec"]["volumes"] == [{"name": "scratch", "emptyDir": {}}]
