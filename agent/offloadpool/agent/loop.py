@@ -11,7 +11,6 @@ only when they outlast its progress interval.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -23,9 +22,11 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from offloadpool.agent import kube
+from offloadpool.agent.credential import Credential
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.reconcile import Action, Decision, decide
-from offloadpool.agent.status_writer import RETRY_FIRST_SECONDS, StatusWriter, retry_after
+from offloadpool.agent.retry_soon import RetrySoon
+from offloadpool.agent.status_writer import StatusWriter
 from offloadpool.api.constants import DEFAULT_HEARTBEAT_SECONDS, GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
 from offloadpool.api.conversion import SpecError
 from offloadpool.api.media import is_hugetlbfs
@@ -44,15 +45,6 @@ log = logging.getLogger(__name__)
 LEASE_PERIODS = 4
 #: With watches, how many heartbeat periods a step may go on the watched objects without a read.
 REREAD_PERIODS = 6
-#: After the API server has refused our credential (401) for this many heartbeat periods in a
-#: row, the agent exits non-zero: its token authenticates no more (its ServiceAccount was
-#: deleted, perhaps made again), and no retry of this process can mend that. The exit shows on
-#: the pod (restarts, CrashLoopBackOff, the last log line says why); the operator replaces a
-#: pod made before its ServiceAccount, and only a new pod gets a token that works (the kubelet
-#: serves a restarted container the same cached one). Memory is never touched by the exit.
-UNAUTHORIZED_PERIODS = 6
-#: How often the 401 is logged while it lasts (the first time at once).
-UNAUTHORIZED_LOG_SECONDS = 60.0
 
 
 def _revision(obj: dict[str, Any]) -> int:
@@ -125,15 +117,11 @@ class Agent:
         self._create_failures = 0
         self._lease_failures = 0
         #: a step's wish to come again sooner than it would (a refused create or Lease write)
-        self._soon = 0.0
+        self.soon = RetrySoon(retry_seconds)
         self._last_event: tuple[str, str] | None = None
         self._failures = 0
         self._renewed = float("-inf")
-        #: since when (monotonic) every read was refused with 401, and when that was last logged
-        self._unauthorized_since: float | None = None
-        self._unauthorized_logged = float("-inf")
-        #: set when the loop stopped because the credential no longer authenticates
-        self.credential_rejected = False
+        self.credential = Credential(heartbeat_seconds, retry_seconds, self.stop)
         self.thread: threading.Thread | None = None
         #: engines attached at the last heartbeat (scrub Always: provision again when they left)
         self._attached = 0
@@ -176,6 +164,11 @@ class Agent:
             return None
         found = engine_id_mismatch.find(self.pool_dir)
         return engine_id_mismatch.describe(found, engine_id)[:4096] if found else None
+
+    @property
+    def credential_rejected(self) -> bool:
+        """The loop stopped because the API server no longer accepts the token (``Credential``)."""
+        return self.credential.rejected
 
     # -- health ------------------------------------------------------------------------------
     def live(self) -> tuple[bool, str]:
@@ -279,7 +272,7 @@ class Agent:
             noticed = self._noticed.get(name)
         read_at = time.monotonic()
         obj = get()
-        self._unauthorized_since = None
+        self.credential.accepted()
         with self._seen_lock:
             if self._noticed.get(name) == noticed:  # no event during the read
                 self._seen[name] = obj
@@ -302,9 +295,8 @@ class Agent:
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> float:
         """Observe, decide, act; return seconds until the next step unless woken earlier."""
-        self._soon = 0.0
-        delay = self._step()
-        return min(delay, self._soon) if self._soon else delay
+        self.soon.reset()
+        return self.soon.bound(self._step())
 
     def _step(self) -> float:
         try:
@@ -312,7 +304,7 @@ class Agent:
         except ApiException as exc:
             self.metrics.error("ApiRead")
             if exc.status == 401:
-                return self._unauthorized()
+                return self.credential.refused()
             log.warning("cannot read pool/OffloadPoolNode: %s %s", exc.status, exc.reason)
             return self.retry_seconds
         try:
@@ -320,34 +312,6 @@ class Agent:
         finally:  # after the step's own status write, which may make a renewal needless
             if pool is not None:
                 self._renew_lease(pool)
-
-    def _unauthorized(self) -> float:
-        """A read or a renewal refused with 401: say so plainly (once a minute, not every retry), and once it
-        has lasted ``UNAUTHORIZED_PERIODS`` heartbeats stop the loop, so the process exits
-        non-zero (``main``) instead of retrying for ever."""
-        clock = time.monotonic()
-        if self._unauthorized_since is None:
-            self._unauthorized_since = clock
-        lasted = clock - self._unauthorized_since
-        if lasted >= UNAUTHORIZED_PERIODS * self.heartbeat_seconds:
-            log.error(
-                "the API server has refused this agent's token (401 Unauthorized) for %.0fs: exiting. "
-                "The token's ServiceAccount was deleted (and perhaps made again); this pod can get no "
-                "other token, the next pod will (the operator replaces a pod made before its "
-                "ServiceAccount; or delete this pod). The memory on the node is untouched.",
-                lasted,
-            )
-            self.credential_rejected = True
-            self.stop.set()
-            return 0.0
-        if clock - self._unauthorized_logged >= UNAUTHORIZED_LOG_SECONDS:
-            self._unauthorized_logged = clock
-            log.error(
-                "the API server refuses this agent's token (401 Unauthorized): its ServiceAccount "
-                "was probably deleted (helm uninstall, kubectl delete); exiting if it lasts %.0fs",
-                UNAUTHORIZED_PERIODS * self.heartbeat_seconds,
-            )
-        return self.retry_seconds
 
     def _act(self, pool: dict[str, Any] | None, pool_node: dict[str, Any] | None) -> float:
         if pool is not None and pool_node is None:
@@ -398,22 +362,13 @@ class Agent:
             self.metrics.error("CreatePoolNode")
             self._create_refused = exc.status == 403
             self._create_failures += 1
-            self._again(exc, self._create_failures)
+            self.soon.after(exc, self._create_failures)
             return None
         self._create_failures = 0
         with self._seen_lock:
             self._seen[self.access.node_object] = made
             self._fresh[self.access.node_object] = time.monotonic()
         return made
-
-    def _again(self, exc: ApiException, failures: int) -> None:
-        """Come back for a refused write after the server's Retry-After, or 1 s doubling per
-        failure in a row, each with up to half again at random so the agents' retries spread
-        (the client already sent a throttled request again several times: ``kube.throttled_retries``);
-        never later than the retry period."""
-        delay = max(retry_after(exc), RETRY_FIRST_SECONDS * 2 ** (failures - 1))
-        soon = min(self.retry_seconds, delay * random.uniform(1.0, 1.5))
-        self._soon = min(self._soon, soon) if self._soon else soon
 
     def _idle(self, d: Decision) -> float:
         log.debug("%s: %s", d.reason, d.message)
@@ -459,15 +414,15 @@ class Agent:
             self.access.renew_lease(max(1, round(self.heartbeat_seconds * LEASE_PERIODS)), pool)
             self._renewed = now
             self._lease_failures = 0
-            self._unauthorized_since = None
+            self.credential.accepted()
         except ApiException as exc:
             if exc.status == 401:  # every heartbeat, where reads come only every REREAD_PERIODS
-                self._unauthorized()
+                self.credential.refused()
                 return
             log.warning("cannot renew the heartbeat Lease: %s %s", exc.status, exc.reason)
             self.metrics.error("LeaseRenew")
             self._lease_failures += 1
-            self._again(exc, self._lease_failures)
+            self.soon.after(exc, self._lease_failures)
 
     def _provision(self, d: Decision) -> float:
         req = d.request

@@ -22,7 +22,7 @@ from offloadpool.agent.loop import Agent
 from offloadpool.agent.metrics import AgentMetrics
 
 log = logging.getLogger("offloadpool.agent")
-#: Exit status when the API server no longer accepts the pod's token (``Agent._unauthorized``).
+#: Exit status when the API server no longer accepts the pod's token (``Credential.refused``).
 EXIT_UNAUTHORIZED = 3
 
 
