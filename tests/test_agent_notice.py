@@ -51,7 +51,7 @@ def test_a_pool_status_change_wakes_nothing_a_spec_change_or_deletion_does(tmp_p
     a.wake.clear()
     a.notice({**pool, "metadata": {**pool["metadata"], "resourceVersion": "6"}, "status": {"readyNodes": 3}})
     assert not a.wake.is_set(), "the operator's status write woke every agent"
-    assert a._seen["p"]["status"] == {"readyNodes": 3}, "the newer pool is kept all the same"
+    assert a.observation.seen["p"]["status"] == {"readyNodes": 3}, "the newer pool is kept all the same"
     changes = (
         ({**pool, "metadata": {**pool["metadata"], "generation": 2}}, False),
         ({**pool, "metadata": {**pool["metadata"], "deletionTimestamp": "2026-12-01T00:00:00Z"}}, False),
@@ -61,7 +61,7 @@ def test_a_pool_status_change_wakes_nothing_a_spec_change_or_deletion_does(tmp_p
         a.notice(obj, deleted=deleted)
         assert a.wake.is_set(), obj
         a.wake.clear()
-    assert a._seen["p"] is None, "a deleted pool is remembered as absent"
+    assert a.observation.seen["p"] is None, "a deleted pool is remembered as absent"
 
 
 def test_a_step_reads_only_what_no_event_brought_and_not_what_it_will_create(tmp_path: Path) -> None:
@@ -83,8 +83,8 @@ def test_an_object_read_absent_long_ago_is_not_read_again_before_its_create(tmp_
     (long after: the read is stale), the step creates the object without reading it again."""
     access = kube.KubeAccess(client.ApiClient(client.Configuration()), "p", "p.n1", "ns")
     a = Agent(access, tmp_path, metrics=AgentMetrics("p", "n1", CollectorRegistry()), reread_seconds=60)
-    a._seen["p.n1"] = None  # what the read at start found
-    a._fresh["p.n1"] = float("-inf")  # ... so long ago that a read is due
+    a.observation.seen["p.n1"] = None  # what the read at start found
+    a.observation.fresh["p.n1"] = float("-inf")  # ... so long ago that a read is due
     pool = {"metadata": {"name": "p", "uid": "u1", "generation": 1, "resourceVersion": "5"}}
     a.notice(pool)
     assert a._observe() == (pool, None)

@@ -60,8 +60,9 @@ from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
 from offloadpool.agent import kube, loop
-from offloadpool.agent.loop import REREAD_PERIODS, Agent
+from offloadpool.agent.loop import Agent
 from offloadpool.agent.metrics import AgentMetrics
+from offloadpool.agent.observation import REREAD_PERIODS
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_NAME_LABEL, POOL_PLURAL, VERSION
 from offloadpool.operator.daemonset import daemonset_name, pod_node, selector_labels
 

@@ -13,21 +13,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from offloadpool.agent import kube
 from offloadpool.agent.credential import Credential
 from offloadpool.agent.metrics import AgentMetrics
+from offloadpool.agent.observation import REREAD_PERIODS, Observation
 from offloadpool.agent.reconcile import Action, Decision, decide
 from offloadpool.agent.retry_soon import RetrySoon
 from offloadpool.agent.status_writer import StatusWriter
-from offloadpool.api.constants import DEFAULT_HEARTBEAT_SECONDS, GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
+from offloadpool.api.constants import DEFAULT_HEARTBEAT_SECONDS, NODE_PLURAL, POOL_PLURAL
 from offloadpool.api.conversion import SpecError
 from offloadpool.api.media import is_hugetlbfs
 from offloadpool.region import engine_id_mismatch, holders, places
@@ -43,20 +42,6 @@ log = logging.getLogger(__name__)
 
 #: The Lease's leaseDurationSeconds, in heartbeat periods (as the kubelet: 40 s for 10 s renewals).
 LEASE_PERIODS = 4
-#: With watches, how many heartbeat periods a step may go on the watched objects without a read.
-REREAD_PERIODS = 6
-
-
-def _revision(obj: dict[str, Any]) -> int:
-    """An object's resourceVersion as a number (etcd's revision, as the operator compares)."""
-    rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-    return int(rv) if rv.isdigit() else 0
-
-
-def _acted_on(pool: dict[str, Any]) -> tuple[Any, ...]:
-    """What of a pool an agent acts on: its identity, spec (generation) and deletion."""
-    meta = pool.get("metadata") or {}
-    return meta.get("uid"), meta.get("generation"), meta.get("deletionTimestamp")
 
 
 @dataclass
@@ -91,18 +76,11 @@ class Agent:
         # With watches, a step takes the pool and the OffloadPoolNode from their last events
         # and reads them from the API server only this often (a missed event costs at most
         # this); without, every step reads (polling). Liveness is the Lease, renewed regardless.
-        self.reread_seconds = (
+        reread_seconds = (
             reread_seconds
             if reread_seconds is not None
             else (REREAD_PERIODS * heartbeat_seconds if watches else 0.0)
         )
-        #: the pool and our OffloadPoolNode as last read or delivered by a watch (None: absent)
-        self._seen: dict[str, dict[str, Any] | None] = {}
-        #: events noticed per object name: a read that raced an event must not replace it
-        self._noticed: dict[str, int] = {}
-        self._seen_lock = threading.Lock()
-        #: when a read or a watch event last brought each object (monotonic)
-        self._fresh: dict[str, float] = {}
         self.status = StatusWriter(access.patch_status, kube.now)
         self.wake = threading.Event()
         self.stop = threading.Event()
@@ -122,6 +100,9 @@ class Agent:
         self._failures = 0
         self._renewed = float("-inf")
         self.credential = Credential(heartbeat_seconds, retry_seconds, self.stop)
+        self.observation = Observation(
+            access, self.status, self.credential, self.wake, reread_seconds=reread_seconds
+        )
         self.thread: threading.Thread | None = None
         #: engines attached at the last heartbeat (scrub Always: provision again when they left)
         self._attached = 0
@@ -186,97 +167,22 @@ class Agent:
         if self.watches:
             for plural, name in ((POOL_PLURAL, self.access.pool), (NODE_PLURAL, self.access.node_object)):
                 threading.Thread(
-                    target=self._watch, args=(plural, name), name=f"watch-{plural}", daemon=True
+                    target=self.observation.watch,
+                    args=(plural, name, self.stop, self.retry_seconds),
+                    name=f"watch-{plural}",
+                    daemon=True,
                 ).start()
         return self
 
-    def _watch(self, plural: str, name: str) -> None:
-        """Wake the loop on any change of one named object. Errors: back off and re-watch."""
-        while not self.stop.is_set():
-            w = watch.Watch()
-            try:
-                for event in w.stream(
-                    self.access.custom.list_cluster_custom_object,
-                    GROUP,
-                    VERSION,
-                    plural,
-                    field_selector=f"metadata.name={name}",
-                    timeout_seconds=120,
-                ):
-                    self.notice(event["object"], deleted=event["type"] == "DELETED")
-                    if self.stop.is_set():
-                        break
-            except Exception as exc:  # API restarts, expired resourceVersion, RBAC: re-list later
-                log.debug("watch %s/%s ended: %s", plural, name, exc)
-                self.stop.wait(self.retry_seconds)
-            finally:
-                w.stop()
-
     def notice(self, obj: dict[str, Any], *, deleted: bool = False) -> None:
-        """A watch event about our pool or OffloadPoolNode: keep the object for the next step
-        and wake the loop — unless the event is our own last status write coming back (a step
-        for it would find nothing new; at a thousand nodes, two reads per write for nothing)."""
-        meta = obj.get("metadata") or {}
-        name = meta.get("name")
-        if name not in (self.access.pool, self.access.node_object):
-            return
-        if (
-            name == self.access.node_object
-            and meta.get("resourceVersion") is not None
-            and meta.get("resourceVersion") == self.status.written_version
-        ):
-            return
-        with self._seen_lock:
-            before = self._seen.get(name)
-            self._seen[name] = None if deleted else obj
-            self._noticed[name] = self._noticed.get(name, 0) + 1
-            self._fresh[name] = time.monotonic()
-        if (
-            name == self.access.pool
-            and before is not None
-            and not deleted
-            and _acted_on(before) == _acted_on(obj)
-        ):
-            return  # the pool's status (the operator's passes write it often): nothing to do here
-        self.wake.set()
+        """A watch event about our pool or OffloadPoolNode (``Observation.notice``): the real
+        agent's own watches deliver them, the scale test's shared watches too."""
+        self.observation.notice(obj, deleted=deleted)
 
     def _observe(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The pool and our OffloadPoolNode: as their watches last delivered them, or read.
-
-        Each is read when never seen, or when neither a read nor a watch event brought it for
-        ``reread_seconds`` (a missed event costs at most that). A read is what ``notice`` keeps
-        too, so a late event of an older version is the only way to go back in time, and the
-        next event or read corrects it. Our OffloadPoolNode is not read while the step is about
-        to create it (``_may_create``: never seen, or last seen absent): a new pool's agent makes
-        one request instead of a read that finds nothing and then the create; the create's 409
-        reads it.
-        """
-        pool_name, node_name = self.access.pool, self.access.node_object
-        if self._due(pool_name):
-            self._read(pool_name, self.access.get_pool)
-        pool = self._seen.get(pool_name)
-        if self._due(node_name) and not (self._seen.get(node_name) is None and self._may_create(pool)):
-            self._read(node_name, self.access.get_pool_node)
-        pool_node, written = self._seen.get(node_name), self.status.written_object
-        if pool_node is not None and written is not None and _revision(written) > _revision(pool_node):
-            pool_node = written  # our own later write: its event is not kept (or not here yet)
-        return pool, pool_node
-
-    def _due(self, name: str) -> bool:
-        with self._seen_lock:
-            fresh = self._fresh.get(name, float("-inf"))
-            return name not in self._seen or time.monotonic() - fresh >= self.reread_seconds
-
-    def _read(self, name: str, get: Callable[[], dict[str, Any] | None]) -> None:
-        with self._seen_lock:
-            noticed = self._noticed.get(name)
-        read_at = time.monotonic()
-        obj = get()
-        self.credential.accepted()
-        with self._seen_lock:
-            if self._noticed.get(name) == noticed:  # no event during the read
-                self._seen[name] = obj
-            self._fresh[name] = max(self._fresh.get(name, float("-inf")), read_at)
+        """The pool and our OffloadPoolNode, read only when due (``Observation.observe``), not
+        our OffloadPoolNode when this step is about to create it."""
+        return self.observation.observe(self._may_create)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -365,9 +271,7 @@ class Agent:
             self.soon.after(exc, self._create_failures)
             return None
         self._create_failures = 0
-        with self._seen_lock:
-            self._seen[self.access.node_object] = made
-            self._fresh[self.access.node_object] = time.monotonic()
+        self.observation.created(made)
         return made
 
     def _idle(self, d: Decision) -> float:
