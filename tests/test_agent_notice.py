@@ -88,7 +88,7 @@ def test_an_object_read_absent_long_ago_is_not_read_again_before_its_create(tmp_
     pool = {"metadata": {"name": "p", "uid": "u1", "generation": 1, "resourceVersion": "5"}}
     a.notice(pool)
     assert a._observe() == (pool, None)
-    a._pool_node_seen = True  # seen once and gone since (the operator removed it): not ours to make
+    a.creation.seen = True  # seen once and gone since (the operator removed it): not ours to make
     with pytest.raises(Exception, match="No host specified"):
         a._observe()
 

@@ -118,14 +118,14 @@ def test_an_agent_without_create_permission_is_refused_once_and_waits(
         metrics=AgentMetrics(pool, node, registry),
         watches=False,
     )
-    assert agent._create_pool_node(pool_obj) is None
+    assert agent.creation.create(pool_obj) is None
     assert (
         registry.get_sample_value(
             "offloadpool_agent_errors_total", {"pool": pool, "node": node, "reason": "CreatePoolNode"}
         )
         == 1.0
     )
-    assert agent._create_pool_node(pool_obj) is None
+    assert agent.creation.create(pool_obj) is None
     assert (
         registry.get_sample_value(
             "offloadpool_agent_errors_total", {"pool": pool, "node": node, "reason": "CreatePoolNode"}
@@ -169,4 +169,4 @@ def test_a_create_refused_for_another_reason_is_tried_again_soon_and_spread(worl
         )
         == 3.0
     )
-    assert not agent._create_refused, "a refusal other than RBAC's stopped the agent trying"
+    assert not agent.creation.refused, "a refusal other than RBAC's stopped the agent trying"

@@ -21,8 +21,10 @@ from kubernetes.client.rest import ApiException
 
 from offloadpool.agent import kube
 from offloadpool.agent.credential import Credential
+from offloadpool.agent.heartbeat import Heartbeat
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.observation import REREAD_PERIODS, Observation
+from offloadpool.agent.pool_node_creation import PoolNodeCreation
 from offloadpool.agent.reconcile import Action, Decision, decide
 from offloadpool.agent.retry_soon import RetrySoon
 from offloadpool.agent.status_writer import StatusWriter
@@ -39,9 +41,6 @@ from offloadpool.region.scrub import ScrubPending
 from offloadpool.region.status import local_region
 
 log = logging.getLogger(__name__)
-
-#: The Lease's leaseDurationSeconds, in heartbeat periods (as the kubelet: 40 s for 10 s renewals).
-LEASE_PERIODS = 4
 
 
 @dataclass
@@ -88,20 +87,17 @@ class Agent:
         self.released = False
         self.last_tick = time.monotonic()
         self._pool_node: dict[str, Any] | None = None
-        #: this process has seen its OffloadPoolNode (so a missing one was removed: not ours
-        #: to make again) or may not create it (RBAC of an older release): see ``_create_pool_node``
-        self._pool_node_seen = False
-        self._create_refused = False
-        self._create_failures = 0
-        self._lease_failures = 0
         #: a step's wish to come again sooner than it would (a refused create or Lease write)
         self.soon = RetrySoon(retry_seconds)
         self._last_event: tuple[str, str] | None = None
         self._failures = 0
-        self._renewed = float("-inf")
         self.credential = Credential(heartbeat_seconds, retry_seconds, self.stop)
         self.observation = Observation(
             access, self.status, self.credential, self.wake, reread_seconds=reread_seconds
+        )
+        self.creation = PoolNodeCreation(access, metrics, self.observation, self.soon)
+        self.heartbeat = Heartbeat(
+            access, self.status, metrics, self.credential, self.soon, heartbeat_seconds=heartbeat_seconds
         )
         self.thread: threading.Thread | None = None
         #: engines attached at the last heartbeat (scrub Always: provision again when they left)
@@ -182,7 +178,7 @@ class Agent:
     def _observe(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The pool and our OffloadPoolNode, read only when due (``Observation.observe``), not
         our OffloadPoolNode when this step is about to create it."""
-        return self.observation.observe(self._may_create)
+        return self.observation.observe(self.creation.may_create)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -217,12 +213,12 @@ class Agent:
             return self._act(pool, pool_node)
         finally:  # after the step's own status write, which may make a renewal needless
             if pool is not None:
-                self._renew_lease(pool)
+                self.heartbeat.beat(pool)
 
     def _act(self, pool: dict[str, Any] | None, pool_node: dict[str, Any] | None) -> float:
         if pool is not None and pool_node is None:
-            pool_node = self._create_pool_node(pool)
-        self._pool_node_seen = self._pool_node_seen or pool_node is not None
+            pool_node = self.creation.create(pool)
+        self.creation.saw(pool_node)
         self._pool_node = pool_node
         try:
             decision = decide(pool, pool_node, self.local_generation(), self.workers)
@@ -237,42 +233,6 @@ class Agent:
             Action.RETAIN: self._retain,
         }[decision.action]
         return act(decision)
-
-    def _may_create(self, pool: dict[str, Any] | None) -> bool:
-        """Whether this step creates our OffloadPoolNode if it is missing (``_create_pool_node``)."""
-        if pool is None or self._pool_node_seen or self._create_refused:
-            return False
-        meta = pool.get("metadata") or {}
-        return not meta.get("deletionTimestamp") and bool(meta.get("uid"))
-
-    def _create_pool_node(self, pool: dict[str, Any]) -> dict[str, Any] | None:
-        """Create this node's OffloadPoolNode, as node-feature-discovery's workers create their
-        NodeFeature objects: the operator would otherwise make one per selected node in its
-        passes, which was a third of its CPU while a new pool converged (docs/scale.md).
-
-        Only while the pool is live, and only when this process has never seen the object: one
-        that disappeared after it was seen was removed by the operator (the node was
-        deselected or is going) and is the operator's to make again, which it does for every
-        selected node whose agent has not within ``--node-object-grace``. Refused by RBAC (a
-        release before agents could create it): logged once, the operator makes it. Refused
-        otherwise (a new pool's agents all start at once, and the API server's priority and
-        fairness answers 429 to many): tried again after its Retry-After, or 1 s doubling up
-        to the retry period, each with up to half again at random so the retries spread.
-        """
-        if not self._may_create(pool):
-            return None
-        try:
-            made = self.access.create_pool_node(pool)
-        except ApiException as exc:
-            log.warning("cannot create the OffloadPoolNode: %s %s", exc.status, exc.reason)
-            self.metrics.error("CreatePoolNode")
-            self._create_refused = exc.status == 403
-            self._create_failures += 1
-            self.soon.after(exc, self._create_failures)
-            return None
-        self._create_failures = 0
-        self.observation.created(made)
-        return made
 
     def _idle(self, d: Decision) -> float:
         log.debug("%s: %s", d.reason, d.message)
@@ -300,33 +260,6 @@ class Agent:
         An agent restarted while a mismatch was shown still clears it: the read shows it.
         """
         return seen.get("engineIdMismatch") is not None or self.status.current.engine_id_mismatch is not None
-
-    def _renew_lease(self, pool: dict[str, Any]) -> None:
-        """Renew the heartbeat Lease (creating it first), unless this agent showed itself alive
-        less than half a heartbeat period ago — by a renewal, or by a status write, whose
-        ``heartbeat`` the operator takes as a sign of life too (the later of the two counts).
-        So a step that wrote the status renews nothing, and a new agent, which writes its status
-        as soon as its region is built, makes its Lease a heartbeat later: on a pool that
-        converges within a heartbeat, no Lease write at all (one per node before). A failure is
-        logged and the step goes on; the next step comes soon (``_again``), not a heartbeat
-        period later, and tries again: the Lease is how the operator tells a live agent from a
-        silent one."""
-        now = time.monotonic()
-        if now - max(self._renewed, self.status.written_at) < self.heartbeat_seconds / 2:
-            return
-        try:
-            self.access.renew_lease(max(1, round(self.heartbeat_seconds * LEASE_PERIODS)), pool)
-            self._renewed = now
-            self._lease_failures = 0
-            self.credential.accepted()
-        except ApiException as exc:
-            if exc.status == 401:  # every heartbeat, where reads come only every REREAD_PERIODS
-                self.credential.refused()
-                return
-            log.warning("cannot renew the heartbeat Lease: %s %s", exc.status, exc.reason)
-            self.metrics.error("LeaseRenew")
-            self._lease_failures += 1
-            self.soon.after(exc, self._lease_failures)
 
     def _provision(self, d: Decision) -> float:
         req = d.request

@@ -93,8 +93,8 @@ class StatusWriter:
         #: the object as our last status write left it (its watch event is our own news: the
         #: agent does not wake for it, and takes it as the object's latest known state)
         self.written_object: dict[str, Any] | None = None
-        #: monotonic time of the last write that went through: it carried a heartbeat, so it
-        #: showed the agent alive as a Lease renewal does (``Agent._renew_lease``)
+        #: monotonic time of the last write that went through: its ``heartbeat`` field showed
+        #: the agent alive as its heartbeat Lease does (``Heartbeat.beat``)
         self.written_at = float("-inf")
 
     @property
