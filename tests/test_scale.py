@@ -59,7 +59,7 @@ from fixtures.cluster import mounts_under, release_everything
 from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
-from offloadpool.agent import kube, loop
+from offloadpool.agent import actions, kube
 from offloadpool.agent.loop import Agent
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.observation import REREAD_PERIODS
@@ -146,7 +146,7 @@ def test_pool_converges_at_scale(
     op = offloadpool_operator
     on_its_own_cpu = threading.BoundedSemaphore(REGIONS_AT_ONCE)
     for name in ("provision", "release"):
-        monkeypatch.setattr(loop, name, through_gate(getattr(loop, name), on_its_own_cpu))
+        monkeypatch.setattr(actions, name, through_gate(getattr(actions, name), on_its_own_cpu))
     if WARMUP_NODES:
         print(f"\nSCALE WARMUP {json.dumps(run_one(op, WARMUP_NODES, warmup=True))}")
     reports: list[dict[str, Any]] = []

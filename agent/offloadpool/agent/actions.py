@@ -1,0 +1,316 @@
+"""What the agent does on the node for a decision, and what it reports of it.
+
+``offloadpool.agent.reconcile.decide`` says what to do (pure); this does it through the node
+engine (provision, keep, release, retain) and reports it: the status fields as
+``offloadpool.api.node.OffloadPoolNodeStatus`` names them, written through the throttled status
+writer, the phase metric, and Events. Provisioning runs in the loop's thread; its progress
+callback (from populate workers) goes straight to the status writer, which writes the transient
+phases (Provisioning, Populating) only when they outlast its progress interval. Each action
+returns the seconds until the next step: a heartbeat period when the node holds what it should,
+the retry period while waiting, a doubling backoff after a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from offloadpool.agent.events import NodeEvents
+from offloadpool.agent.metrics import AgentMetrics
+from offloadpool.agent.node_region import NodeRegion
+from offloadpool.agent.reconcile import Decision
+from offloadpool.agent.status_writer import StatusWriter
+from offloadpool.api.media import is_hugetlbfs
+from offloadpool.region.errors import CapacityError, RegionError
+from offloadpool.region.lease import LeaseHeld
+from offloadpool.region.provision import provision
+from offloadpool.region.release import release
+from offloadpool.region.request import PoolRequest
+from offloadpool.region.scrub import ScrubPending
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Applied:
+    """What this process last made true on the node (so a heartbeat does not re-provision)."""
+
+    request: PoolRequest
+    total_bytes: int
+
+
+class NodeActions:
+    """The node's side of each decision, and its report; keeps what this process applied."""
+
+    def __init__(
+        self,
+        region: NodeRegion,
+        status: StatusWriter,
+        metrics: AgentMetrics,
+        events: NodeEvents,
+        *,
+        heartbeat_seconds: float,
+        retry_seconds: float,
+    ) -> None:
+        self.region = region
+        self.status = status
+        self.metrics = metrics
+        self.events = events
+        self.heartbeat_seconds = heartbeat_seconds
+        self.retry_seconds = retry_seconds
+        self.applied: Applied | None = None
+        self.released = False
+        #: our OffloadPoolNode as this step found it (None: none yet): what it shows, and what
+        #: Events are about
+        self.pool_node: dict[str, Any] | None = None
+        self._failures = 0
+        #: engines attached at the last heartbeat (scrub Always: provision again when they left)
+        self._attached = 0
+        #: the provision in progress zeroed the memory (said Scrubbing)
+        self._scrubbed = False
+
+    def idle(self, d: Decision) -> float:
+        log.debug("%s: %s", d.reason, d.message)
+        return self.retry_seconds
+
+    def _refresh(self, **fields: Any) -> None:
+        n = self.region.engines_attached()
+        self._attached = n
+        self.metrics.engines(n)
+        # the object as read this step lost what we wrote (re-created by the operator, edited
+        # by hand): write all of it again, not just what changed
+        seen = (self.pool_node or {}).get("status") or {}
+        mismatch = self.region.engine_id_mismatch(
+            self.applied.request.compat_engine_id if self.applied else None
+        )
+        if mismatch is not None or self._mismatch_shown(seen):
+            fields["engine_id_mismatch"] = mismatch  # set it, or clear what is shown
+        self.status.set(full=seen.get("phase") != self.status.phase, engines_attached=n, **fields)
+        if mismatch is not None:
+            self._event("Warning", "EngineIdMismatch", mismatch)
+
+    def _mismatch_shown(self, seen: dict[str, Any]) -> bool:
+        """Whether the object (as read this step, or as this process wrote it) shows a mismatch.
+
+        Only then is a None worth sending: a null for a field that was never there would be a
+        status write on every pool's first heartbeat, for nothing (liveness writes no status).
+        An agent restarted while a mismatch was shown still clears it: the read shows it.
+        """
+        return seen.get("engineIdMismatch") is not None or self.status.current.engine_id_mismatch is not None
+
+    def provision_region(self, d: Decision) -> float:
+        req = d.request
+        assert req is not None
+        if (
+            self.applied
+            and self.applied.request == req
+            and self.status.phase == "Ready"
+            and self.status.exists
+        ):
+            attached = self._attached
+            self._refresh()
+            if req.scrub != "Always" or not attached or self._attached:
+                return self.heartbeat_seconds
+            # scrub Always: the last holder left; provision again now, which zeroes the memory
+            # before anything attaches next (region.scrub)
+        self.released = False
+        self._scrubbed = False
+        try:
+            # no status before the engine says it builds: a region that is reused, or that an
+            # engine holds, must never show "Provisioning" (the memory is not being touched)
+            result = provision(
+                req,
+                self.region.root,
+                progress=self._progress,
+                workers=req.workers or None,
+                on_phase=lambda phase: self._on_phase(phase, req),
+            )
+        except LeaseHeld as exc:
+            # a newer spec cannot replace a region an engine holds: keep the old one, say why;
+            # a scrub owed to new consumers withheld the region (no manifest): Pending, whatever
+            # the record says it holds, so the node is not advertised for it
+            self.metrics.error("LeaseHeld")
+            withheld = isinstance(exc, ScrubPending)
+            old = None if withheld else self.region.local()
+            fields: dict[str, Any] = {}
+            if old is not None:
+                fields = dict(bytes_total=old[1], bytes_populated=old[1], progress=100)
+            self._phase(
+                "Ready" if old is not None else "Pending",
+                reason="ScrubPending" if withheld else "LeaseHeld",
+                message=f"generation {req.generation} pending: {exc}",
+                pending_generation=req.generation,
+                observed_generation=old[0] if old else None,
+                engines_attached=self.region.engines_attached(),
+                **fields,
+            )
+            self.events.post(
+                self.pool_node, "Normal", "LeaseHeld", f"generation {req.generation} waits: {exc}"
+            )
+            return self.retry_seconds
+        except CapacityError as exc:
+            return self.fail(
+                "InsufficientHugePages" if is_hugetlbfs(req.medium) else "InsufficientMemory", str(exc)
+            )
+        except RegionError as exc:
+            return self.fail("ProvisionFailed", str(exc))
+        m = result.manifest
+        total = int(m.total_bytes)
+        self.metrics.provisioned(
+            total, int(result.populated_bytes), float(result.seconds), float(result.gib_per_s)
+        )
+        self.applied = Applied(req, total)
+        self._failures = 0
+        if result.reused:
+            message = f"validated the existing region ({total} bytes); nothing re-populated"
+            if self._scrubbed:
+                message += "; zeroed first for its new consumers (scrub)"
+        else:
+            message = (
+                f"populated {result.populated_bytes} bytes in {result.seconds:.2f} s "
+                f"({result.gib_per_s:.2f} GiB/s)"
+            )
+            if result.skipped_bytes:
+                message += f"; {result.skipped_bytes} bytes were already populated by an interrupted run"
+            if result.rebuilt:
+                message += "; the previous region was torn down first"
+        numa_nodes = sorted({n for region in (m.extra or {}).get("numa_nodes") or [] for n in region})
+        self._phase(
+            "Ready",
+            reason="Reused" if result.reused else ("Resumed" if result.skipped_bytes else "Populated"),
+            message=message,
+            observed_generation=req.generation,
+            pending_generation=None,
+            bytes_total=total,
+            bytes_populated=total,
+            progress=100,
+            populate_gib_per_second=round(float(result.gib_per_s), 3)
+            if not result.reused
+            else self.status.current.populate_gib_per_second,
+            huge_page_coverage=float(result.hugepage_coverage_percent),
+            numa_nodes=numa_nodes or None,
+            engines_attached=self.region.engines_attached(),
+        )
+        self._event("Normal", "Ready", self.status.current.message or "region Ready")
+        return self.heartbeat_seconds
+
+    def keep(self, d: Decision) -> float:
+        self._refresh(
+            reason=d.reason,
+            message=d.message,
+            pending_generation=d.pending_generation,
+            observed_generation=self.region.generation(),
+        )
+        return self.heartbeat_seconds
+
+    def release_region(self, d: Decision) -> float:
+        if self.released and self.status.phase == "Released":
+            self._refresh()
+            return self.heartbeat_seconds
+        try:
+            result = release(
+                self.region.root, self.region.pool_name
+            )  # idempotent: a pool never built is "released"
+        except LeaseHeld as exc:
+            self.metrics.error("LeaseHeld")
+            n = self.region.engines_attached()
+            self._phase(
+                "Draining",
+                reason="LeaseHeld",
+                message=f"pool deleted but {n} engine(s) still attached; release waits: {exc}",
+                engines_attached=n,
+            )
+            self.events.post(
+                self.pool_node, "Warning", "LeaseHeld", f"release waits for {n} attached engine(s)"
+            )
+            return self.retry_seconds
+        except RegionError as exc:
+            return self.fail("ReleaseFailed", str(exc))
+        for warning in result.warnings:  # names left in place: never removed recursively
+            log.warning("release of %s: %s", self.region.pool_name, warning)
+            self._event("Warning", "LeftInPlace", warning[:1024])
+        self.released = True
+        self.applied = None
+        self.metrics.released()
+        self._phase(
+            "Released",
+            reason="Released",
+            message="region released, memory returned to the node",
+            bytes_populated=0,
+            progress=0,
+            engines_attached=0,
+            pending_generation=None,
+        )
+        self._event("Normal", "Released", "region released")
+        return self.heartbeat_seconds
+
+    def retain(self, d: Decision) -> float:
+        if self.status.phase != "Released":
+            self._phase("Released", reason=d.reason, message=d.message)
+            self._event("Normal", "Retained", d.message)
+        else:
+            self._refresh()
+        return self.heartbeat_seconds
+
+    # -- reporting helpers -------------------------------------------------------------------
+    def _phase(self, phase: str, *, defer: bool = False, **fields: Any) -> None:
+        self.metrics.phase(phase)
+        self.status.set(phase=phase, defer=defer, **fields)
+
+    def _on_phase(self, phase: str, req: PoolRequest) -> None:
+        """The engine's own phase changes (Provisioning, Populating, Scrubbing, Ready) as they happen.
+
+        Provisioning and Populating are transient: recorded now (metrics, readiness), written
+        only if they last ``progress_interval`` (StatusWriter ``defer``), so a small pool that
+        is Ready sooner costs one status write — one watch event for the operator — not three.
+        """
+        if phase == "Provisioning":
+            self._phase(
+                "Provisioning",
+                defer=True,
+                reason=None,
+                message=None,
+                pending_generation=None,
+                observed_generation=self.region.generation(),
+                bytes_total=req.capacity,
+                bytes_populated=0,
+                progress=0,
+            )
+        elif phase == "Populating" and self.status.phase != "Populating":
+            self._phase("Populating", defer=True)
+        elif phase == "Scrubbing":
+            # written at once, unlike the two above: rare (consumers changed), and it says the
+            # region is withheld from engines until its memory is zero
+            self._scrubbed = True
+            self._phase(
+                "Scrubbing",
+                reason="Scrubbing",
+                message="zeroing the memory before it is handed out again",
+                bytes_total=req.capacity,
+                bytes_populated=req.capacity,
+                progress=0,
+            )
+
+    def _progress(self, done: int, total: int) -> None:
+        self.metrics.progress(done, total)
+        if self.status.phase not in ("Populating", "Scrubbing"):
+            self.metrics.phase("Populating")
+        self.status.progress(done, total)
+
+    def fail(self, reason: str, message: str) -> float:
+        """Report Failed; return the delay before the next try.
+
+        Failures are retried (memory may free up, an admin may fix the node) with a backoff that
+        doubles up to a minute, so a node that cannot host the pool costs the API server little.
+        """
+        log.error("%s: %s", reason, message)
+        self.metrics.error(reason)
+        self.applied = None
+        self._failures += 1
+        self._phase("Failed", reason=reason, message=message[:1024])
+        self._event("Warning", reason, message)
+        return min(self.retry_seconds * 2 ** (self._failures - 1), max(60.0, self.retry_seconds))
+
+    def _event(self, type_: str, reason: str, note: str) -> None:
+        self.events.post(self.pool_node, type_, reason, note)

@@ -1,0 +1,58 @@
+"""This node's region of the pool: what the node's own record says it holds, and who uses it.
+
+The agent decides from the node's record (in the pool's root-only state directory), never from
+the manifest in the pool directory, which pods can write. Who uses the region is read from the
+kernel (``offloadpool.region.holders``): engines holding the pool's lease, and processes that map
+or hold open its files, so stock vLLM, which takes no lease, counts too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from offloadpool.region import engine_id_mismatch, holders, places
+from offloadpool.region.status import local_region
+
+
+class NodeRegion:
+    """One pool's region under one host root."""
+
+    def __init__(self, root: Path, pool_name: str) -> None:
+        self.root = Path(root)
+        self.pool_name = pool_name
+
+    @property
+    def pool_dir(self) -> Path:
+        return places.pool_dir(self.root, self.pool_name)
+
+    def local(self) -> tuple[int, int] | None:
+        """(generation, total bytes) of the complete region on this node, from the node's own
+        record: the manifest is in the pod-writable pool directory and is not trusted."""
+        return local_region(self.root, self.pool_name)
+
+    def generation(self) -> int | None:
+        """Generation of the complete region on this node (None if there is none)."""
+        local = self.local()
+        return None if local is None else local[0]
+
+    def engines_attached(self) -> int:
+        """Processes holding the lease or mapping/opening the pool's files, each once.
+
+        Stock vLLM takes no lease: counting mappings too is what makes it visible. The scan
+        sees other pods' processes only when this agent reads the host's /proc. The scan runs
+        only when a file of the pool is open or mapped somewhere (``holders.count``).
+        """
+        return holders.count(self.pool_dir)
+
+    def engine_id_mismatch(self, engine_id: str | None) -> str | None:
+        """For a stock-vLLM compat pool (``engine_id`` its vLLM engine id; None: not one): a
+        process that was given the pool but maps a vLLM region of its own (another engine id),
+        in one line; None when there is none.
+
+        vLLM itself reports nothing in that case (it builds its own region and the pool stays
+        unused), so this is the only place the mistake becomes visible.
+        """
+        if engine_id is None:
+            return None
+        found = engine_id_mismatch.find(self.pool_dir)
+        return engine_id_mismatch.describe(found, engine_id)[:4096] if found else None
