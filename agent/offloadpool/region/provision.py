@@ -62,19 +62,33 @@ from offloadpool.region.teardown import teardown
 PhaseCallback = Callable[[str], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProvisionResult:
+    """What one ``provision`` call left on the node and what it cost (the CLI's summary, the
+    agent's status and metrics). Built by keyword only: most fields are numbers of one kind."""
+
+    #: the pool's directory (what engines attach: ``<root>/<pool>``)
     pool_dir: Path
+    #: the manifest as written for engines (the region's shape, segments, files)
     manifest: Manifest
-    populated_bytes: int  # populated by this call
-    seconds: float  # wall time of this call
-    gib_per_s: float  # populate rate of this call (0 when reused)
+    #: bytes this call pre-faulted (0 when it reused the region)
+    populated_bytes: int
+    #: wall time of this call, seconds
+    seconds: float
+    #: this call's populate rate (0 when it reused the region)
+    gib_per_s: float
+    #: the region was there already, validated and kept (nothing populated)
     reused: bool
-    skipped_bytes: int = 0  # already populated by an interrupted earlier run
+    #: bytes already populated by an interrupted earlier run (the whole region when reused)
+    skipped_bytes: int = 0
+    #: populate workers used (0 when nothing was populated)
     workers: int = 0
+    #: huge pages this call added to the kernel's pool (``nr_hugepages``)
     hugepages_added: int = 0
+    #: share of the region backed by huge pages, percent
     hugepage_coverage_percent: float = 0.0
-    rebuilt: bool = False  # an older, different-shaped region was torn down first
+    #: an older, different-shaped region was torn down first
+    rebuilt: bool = False
 
 
 def _drop_interrupted_writes(pool_dir: Path) -> None:
@@ -324,12 +338,12 @@ def _reuse(
     rec.request = records.Record.new(req).request
     records.save(pool_dir, rec)
     return ProvisionResult(
-        pool_dir,
-        manifest,
-        0,
-        time.perf_counter() - t0,
-        0.0,
-        True,
+        pool_dir=pool_dir,
+        manifest=manifest,
+        populated_bytes=0,
+        seconds=time.perf_counter() - t0,
+        gib_per_s=0.0,
+        reused=True,
         skipped_bytes=plan.total_bytes,
         hugepage_coverage_percent=rec.hugepage_coverage_percent,
     )
@@ -478,15 +492,15 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
     records.save(pool_dir, rec)
     say("Ready")
     return ProvisionResult(
-        pool_dir,
-        manifest,
-        stats.populated_bytes,
-        time.perf_counter() - t0,
-        stats.gib_per_s,
-        False,
-        stats.skipped_bytes,
-        stats.workers,
-        rec.hugepages_added,
-        coverage,
-        rebuilt,
+        pool_dir=pool_dir,
+        manifest=manifest,
+        populated_bytes=stats.populated_bytes,
+        seconds=time.perf_counter() - t0,
+        gib_per_s=stats.gib_per_s,
+        reused=False,
+        skipped_bytes=stats.skipped_bytes,
+        workers=stats.workers,
+        hugepages_added=rec.hugepages_added,
+        hugepage_coverage_percent=coverage,
+        rebuilt=rebuilt,
     )
