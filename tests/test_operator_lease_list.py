@@ -22,7 +22,7 @@ from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.events import Event
 from offloadpool.operator.kube import Kube
 from offloadpool.operator.nodeview import NodeView
-from offloadpool.operator.reconcile import Reconciler, lease_max_age
+from offloadpool.operator.reconcile import Reconciler, heartbeat_list_max_age
 
 pytestmark = pytest.mark.controlplane
 
@@ -39,7 +39,7 @@ class CountingKube(Kube):
 
 
 def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds_installed: Any) -> None:
-    assert lease_max_age(CONFIG) == 1.0
+    assert heartbeat_list_max_age(CONFIG) == 1.0
     api = crds_installed.api_client()
     kube = CountingKube(api)
     tag = uuid.uuid4().hex[:6]
@@ -63,7 +63,7 @@ def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds
         agent.renew_lease(40, body)
         assert (ready(), kube.lists) == (1, 1), "the first pass lists"
 
-        time.sleep(1.5)  # the list is older than lease_max_age, but nobody is stale by it
+        time.sleep(1.5)  # the list is older than heartbeat_list_max_age, but nobody is stale by it
         assert (ready(), kube.lists) == (1, 1), "listed again though no node was stale by the last list"
 
         agent.renew_lease(40, body)
@@ -75,7 +75,7 @@ def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds
 
         time.sleep(max(0.0, renewed1 + TIMEOUT + 0.3 - time.monotonic()))
         assert (ready(), kube.lists) == (0, 3), "no renewal for longer than the timeout: unresponsive"
-        assert ready() == 0 and kube.lists == 3, "a stale node made a list sooner than lease_max_age"
+        assert ready() == 0 and kube.lists == 3, "a stale node made a list sooner than heartbeat_list_max_age"
     finally:
         nodes.stop()
         objects.stop()

@@ -13,7 +13,7 @@ Agents' heartbeat Leases are listed, not watched (renewals are the one steady st
 and nobody should wake for them). A renewTime only ever moves forward, so a list can only err
 one way as it ages: it may take a live agent for a silent one, never the reverse. So a pass
 reuses the last list for as long as no node is stale by it, and lists again when one is — at
-most every ``lease_max_age`` (short next to the heartbeat timeout, so a stale verdict is never
+most every ``heartbeat_list_max_age`` (short next to the heartbeat timeout, so a stale verdict is never
 more than that late). With agents renewing every heartbeat that is a list per pool about every
 heartbeat-timeout rather than every few seconds: at 1,000 nodes each list was ~1 MB of JSON.
 
@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
@@ -85,25 +85,55 @@ class PassResult:
         return max(0.0, self.cpu_seconds - self.write_cpu_seconds)
 
 
+class Renewed(NamedTuple):
+    """A node's view and the same view with its agent's heartbeat from the last Lease list."""
+
+    view: NodeView
+    renewed: NodeView
+
+
+class AppliedDaemonSet(NamedTuple):
+    """The DaemonSet rendering this process last applied for a pool."""
+
+    rendering: str
+    generation: int
+    at: float  # monotonic
+
+
+class Marked(NamedTuple):
+    """A Node whose marks a pass found as they should be, and the pool's verdict then."""
+
+    info: NodeInfo
+    ready: bool
+
+
+class MarkWrite(NamedTuple):
+    """A Node's marks to write: the pool Ready there or not, and the status patch."""
+
+    node: str
+    ready: bool
+    patch: dict[str, Any]
+
+
 @dataclass
 class PoolMemory:
     """What one pool's passes keep for the next in this process (all of it derived from the
     cluster, so a restarted operator starts without it): a cache, never a source of truth."""
 
-    #: the last list of the pool's Leases (Lease name -> renewTime) and when it was made
-    leases: dict[str, datetime] | None = None
-    leases_listed_at: float = float("-inf")
-    #: node -> (view, view with its renewal from ``leases``): see ``Reconciler._renewed``
-    renewed: dict[str, tuple[NodeView, NodeView]] = field(default_factory=dict)
-    #: (DaemonSet rendering applied, its generation, when): see ``Reconciler._apply_daemonset``
-    daemonset: tuple[str, int, float] | None = None
+    #: the last list of the pool's heartbeats (Lease name -> renewTime) and when it was made
+    heartbeats: dict[str, datetime] | None = None
+    heartbeats_listed_at: float = float("-inf")
+    #: node -> its view with the heartbeat from ``heartbeats``: see ``Reconciler._renewed``
+    renewed: dict[str, Renewed] = field(default_factory=dict)
+    #: the DaemonSet last applied: see ``Reconciler._apply_daemonset``
+    daemonset: AppliedDaemonSet | None = None
     #: node -> when a pass first found it selected without an OffloadPoolNode
     unclaimed: dict[str, float] = field(default_factory=dict)
     #: which nodes the pool selects, decided again only for Nodes that changed
     selection: Selection = field(default_factory=Selection)
-    #: node -> (NodeInfo, Ready?) for which a pass found the Node's marks as they should be:
-    #: see ``Reconciler._sync_node_marks``
-    marked: dict[str, tuple[NodeInfo, bool]] = field(default_factory=dict)
+    #: node -> the Node for which a pass found its marks as they should be: see
+    #: ``Reconciler._sync_node_marks``
+    marked: dict[str, Marked] = field(default_factory=dict)
     #: since when (monotonic) passes find a node whose agent is not at work; None: none is
     stuck_since: float | None = None
     #: when the agent pods were last looked at, and what the scheduler said then (node -> why
@@ -116,8 +146,8 @@ class PoolMemory:
 EVENT_NODE_NAMES = 10
 
 
-def lease_max_age(config: OperatorConfig) -> float:
-    """How long a pass may reuse the last list of the pool's Leases even when a node is stale
+def heartbeat_list_max_age(config: OperatorConfig) -> float:
+    """How long a pass may reuse the last list of the pool's heartbeats even when a node is stale
     by it (the longest a revived agent is taken for silent)."""
     age = config.resync_seconds / 2
     if config.heartbeat_timeout_seconds > 0:
@@ -129,8 +159,8 @@ def agent_pods_period(config: OperatorConfig) -> float:
     """How long a node must have had no agent at work before a pass looks at the pool's agent
     pods, and how often at most while that lasts: at least ``--node-object-grace`` (a pool over
     a thousand new nodes lists no thousand pods while its agents start), at least
-    ``lease_max_age``."""
-    return max(lease_max_age(config), config.node_object_grace_seconds)
+    ``heartbeat_list_max_age``."""
+    return max(heartbeat_list_max_age(config), config.node_object_grace_seconds)
 
 
 def named(nodes: Sequence[str]) -> str:
@@ -186,41 +216,40 @@ class Reconciler:
         return batch
 
     def _views(self, pool: str, now: datetime) -> dict[str, NodeView]:
-        """The pool's OffloadPoolNodes by node, each with its agent's last Lease renewal.
+        """The pool's OffloadPoolNodes by node, each with its agent's last heartbeat.
 
-        The last list of the pool's Leases is reused unless a node is stale by it and the list
-        is at least ``lease_max_age`` old (see the module's docstring).
+        The last list of the pool's heartbeat Leases is reused unless a node is stale by it and the list
+        is at least ``heartbeat_list_max_age`` old (see the module's docstring).
         """
         objects, memory = self.node_objects.group(pool), self._memory[pool]
-        if memory.leases is not None:
+        if memory.heartbeats is not None:
             views = self._renewed(pool, objects, memory)
             cutoff = stale_cutoff(now, self.config.heartbeat_timeout_seconds)
-            if time.monotonic() - memory.leases_listed_at < lease_max_age(self.config) or not any(
-                view.silent_before(cutoff) for view in views.values()
-            ):
+            recent = time.monotonic() - memory.heartbeats_listed_at < heartbeat_list_max_age(self.config)
+            if recent or not any(view.silent_before(cutoff) for view in views.values()):
                 return views
-        memory.leases_listed_at = time.monotonic()
-        memory.leases = self.kube.list_agent_leases(self.config.namespace, pool)
+        memory.heartbeats_listed_at = time.monotonic()
+        memory.heartbeats = self.kube.list_agent_leases(self.config.namespace, pool)
         memory.renewed = {}
         return self._renewed(pool, objects, memory)
 
     @staticmethod
     def _renewed(pool: str, objects: Mapping[str, NodeView], memory: PoolMemory) -> dict[str, NodeView]:
-        """Each view with its renewal from the last Lease list (``NodeView.renewed``),
+        """Each view with its heartbeat from the last Lease list (``NodeView.renewed``),
         remembered for as long as the view is the same object and the list the same: most of a
         pool's views and its list outlast many passes, and making each again was a tenth of a
         pass at 1,000 nodes."""
-        renewals, memo, views = memory.leases or {}, memory.renewed, {}
+        renewals, memo, views = memory.heartbeats or {}, memory.renewed, {}
         for node, view in objects.items():
             hit = memo.get(node)
-            if hit is None or hit[0] is not view:  # memo holds the view: its id stays unique
-                hit = (view, view.renewed(renewals.get(node_object_name(pool, node))))
+            if hit is None or hit.view is not view:  # memo holds the view: its id stays unique
+                hit = Renewed(view, view.renewed(renewals.get(node_object_name(pool, node))))
                 memo[node] = hit
-            views[node] = hit[1]
+            views[node] = hit.renewed
         return views
 
     def forget(self, pool: str) -> None:
-        """Drop the memory of a deleted pool's passes (``PoolMemory``: its Lease list, its
+        """Drop the memory of a deleted pool's passes (``PoolMemory``: its heartbeat list, its
         nodes' views, selection and marks — O(nodes)). A pool is gone for good once its
         deletion is done; one made again under the same name starts afresh. The lock stays: a
         pass still finishing holds it."""
@@ -323,13 +352,13 @@ class Reconciler:
         last = memory.daemonset
         if (
             last is not None
-            and last[0] == rendered
-            and time.monotonic() - last[2] < self.config.resync_seconds
+            and last.rendering == rendered
+            and time.monotonic() - last.at < self.config.resync_seconds
         ):
-            return "unchanged", last[1]
+            return "unchanged", last.generation
         outcome, generation = self.kube.apply_daemonset(body)
         if generation is not None:
-            memory.daemonset = (rendered, generation, time.monotonic())
+            memory.daemonset = AppliedDaemonSet(rendered, generation, time.monotonic())
         return outcome, generation
 
     def _sync_node_objects(
@@ -578,24 +607,24 @@ class Reconciler:
         looking at every Node every pass was a quarter of a pass.
         """
         marked = self._memory[pool].marked
-        todo: list[tuple[str, bool, dict[str, Any]]] = []
+        todo: list[MarkWrite] = []
         for info in existing.values():
             is_ready = info.name in ready
             hit = marked.get(info.name)
-            if hit is not None and hit[0] is info and hit[1] is is_ready:
+            if hit is not None and hit.info is info and hit.ready is is_ready:
                 continue
             patch = None
             if is_ready or nodes.carries_pool(pool, info):
                 patch = nodes.marks_patch(pool, info, is_ready)
             if patch:
-                todo.append((info.name, is_ready, patch))
+                todo.append(MarkWrite(info.name, is_ready, patch))
             else:
-                marked[info.name] = (info, is_ready)
+                marked[info.name] = Marked(info, is_ready)
         if len(marked) > len(existing):  # Nodes deleted since: forget them
             for node in set(marked).difference(existing):
                 del marked[node]
-        batch = self._send([partial(self.kube.patch_node_status, n, patch) for n, _, patch in todo], result)
-        for (node, is_ready, _), answer in batch.answered(todo):
+        batch = self._send([partial(self.kube.patch_node_status, w.node, w.patch) for w in todo], result)
+        for write, answer in batch.answered(todo):
             self.nodes.apply(answer)
-            result.writes.append(f"{'marked' if is_ready else 'unmarked'} node {node}")
+            result.writes.append(f"{'marked' if write.ready else 'unmarked'} node {write.node}")
         batch.raise_first()
