@@ -13,7 +13,7 @@ the retry period while waiting, a doubling backoff after a failure.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from offloadpool.agent.events import NodeEvents
@@ -40,35 +40,28 @@ class Applied:
     total_bytes: int
 
 
+@dataclass(kw_only=True)
 class NodeActions:
     """The node's side of each decision, and its report; keeps what this process applied."""
 
-    def __init__(
-        self,
-        region: NodeRegion,
-        status: StatusWriter,
-        metrics: AgentMetrics,
-        events: NodeEvents,
-        *,
-        heartbeat_seconds: float,
-        retry_seconds: float,
-    ) -> None:
-        self.region = region
-        self.status = status
-        self.metrics = metrics
-        self.events = events
-        self.heartbeat_seconds = heartbeat_seconds
-        self.retry_seconds = retry_seconds
-        self.applied: Applied | None = None
-        self.released = False
-        #: our OffloadPoolNode as this step found it (None: none yet): what it shows, and what
-        #: Events are about
-        self.pool_node: dict[str, Any] | None = None
-        self._failures = 0
-        #: engines attached at the last heartbeat (scrub Always: provision again when they left)
-        self._attached = 0
-        #: the provision in progress zeroed the memory (said Scrubbing)
-        self._scrubbed = False
+    region: NodeRegion
+    status: StatusWriter
+    metrics: AgentMetrics
+    events: NodeEvents
+    heartbeat_seconds: float
+    retry_seconds: float
+    applied: Applied | None = field(default=None, init=False)
+    #: this process released the region (so a heartbeat does not release it again)
+    released: bool = field(default=False, init=False)
+    #: our OffloadPoolNode as this step found it (None: none yet): what it shows, and what
+    #: Events are about
+    pool_node: dict[str, Any] | None = field(default=None, init=False)
+    #: failures in a row (the backoff of ``fail``)
+    _failures: int = field(default=0, init=False)
+    #: engines attached at the last heartbeat (scrub Always: provision again when they left)
+    _attached: int = field(default=0, init=False)
+    #: the provision in progress zeroed the memory (said Scrubbing)
+    _scrubbed: bool = field(default=False, init=False)
 
     def idle(self, d: Decision) -> float:
         log.debug("%s: %s", d.reason, d.message)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.rest import ApiException
@@ -28,27 +29,21 @@ log = logging.getLogger(__name__)
 DURATION_PERIODS = 4
 
 
+@dataclass(kw_only=True)
 class Heartbeat:
     """Renews the heartbeat Lease at most every half period, after the step's own work."""
 
-    def __init__(
-        self,
-        access: kube.KubeAccess,
-        status: StatusWriter,
-        metrics: AgentMetrics,
-        credential: Credential,
-        soon: RetrySoon,
-        *,
-        heartbeat_seconds: float,
-    ) -> None:
-        self.access = access
-        self.status = status
-        self.metrics = metrics
-        self.credential = credential
-        self.soon = soon
-        self.heartbeat_seconds = heartbeat_seconds
-        self._sent = float("-inf")
-        self._failures = 0
+    access: kube.KubeAccess
+    #: our status writes: one that went through showed the agent alive too
+    status: StatusWriter
+    metrics: AgentMetrics
+    credential: Credential
+    soon: RetrySoon
+    heartbeat_seconds: float
+    #: when (monotonic) the last heartbeat went through
+    _sent: float = field(default=float("-inf"), init=False)
+    #: heartbeats refused in a row
+    _failures: int = field(default=0, init=False)
 
     def beat(self, pool: dict[str, Any]) -> None:
         """Renew the heartbeat Lease (creating it first), unless this agent showed itself alive

@@ -73,18 +73,29 @@ class Agent:
         self.soon = RetrySoon(retry_seconds)
         self.credential = Credential(heartbeat_seconds, retry_seconds, self.stop)
         self.observation = Observation(
-            access, self.status, self.credential, self.wake, reread_seconds=reread_seconds
+            access=access,
+            status=self.status,
+            credential=self.credential,
+            wake=self.wake,
+            reread_seconds=reread_seconds,
         )
-        self.creation = PoolNodeCreation(access, metrics, self.observation, self.soon)
+        self.creation = PoolNodeCreation(
+            access=access, metrics=metrics, observation=self.observation, soon=self.soon
+        )
         self.heartbeat = Heartbeat(
-            access, self.status, metrics, self.credential, self.soon, heartbeat_seconds=heartbeat_seconds
+            access=access,
+            status=self.status,
+            metrics=metrics,
+            credential=self.credential,
+            soon=self.soon,
+            heartbeat_seconds=heartbeat_seconds,
         )
         self.region = NodeRegion(root, access.pool)
         self.actions = NodeActions(
-            self.region,
-            self.status,
-            metrics,
-            NodeEvents(access),
+            region=self.region,
+            status=self.status,
+            metrics=metrics,
+            events=NodeEvents(access),
             heartbeat_seconds=heartbeat_seconds,
             retry_seconds=retry_seconds,
         )

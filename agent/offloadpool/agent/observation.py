@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import watch
@@ -44,6 +45,7 @@ def _acted_on(pool: Obj) -> tuple[Any, ...]:
     return meta.get("uid"), meta.get("generation"), meta.get("deletionTimestamp")
 
 
+@dataclass(kw_only=True)
 class Observation:
     """The pool and our OffloadPoolNode as last read or delivered by a watch (None: absent).
 
@@ -51,28 +53,22 @@ class Observation:
     access to what was seen holds one lock; a read that raced an event never replaces it.
     """
 
-    def __init__(
-        self,
-        access: kube.KubeAccess,
-        status: StatusWriter,
-        credential: Credential,
-        wake: threading.Event,
-        *,
-        reread_seconds: float,
-    ) -> None:
-        self.access = access
-        #: our own status writes: their events are not news, and a write is newer than a read
-        self.status = status
-        self.credential = credential
-        self.wake = wake
-        self.reread_seconds = reread_seconds
-        #: the objects by name (None: absent)
-        self.seen: dict[str, Obj | None] = {}
-        #: events noticed per object name: a read that raced an event must not replace it
-        self._noticed: dict[str, int] = {}
-        #: when a read or a watch event last brought each object (monotonic)
-        self.fresh: dict[str, float] = {}
-        self._lock = threading.Lock()
+    access: kube.KubeAccess
+    #: our own status writes: their events are not news, and a write is newer than a read
+    status: StatusWriter
+    #: told of every read that went through
+    credential: Credential
+    #: set to wake the loop
+    wake: threading.Event
+    #: how long a step may go on an object without a read (0: read at every step)
+    reread_seconds: float
+    #: the objects by name (None: absent)
+    seen: dict[str, Obj | None] = field(default_factory=dict, init=False)
+    #: when a read or a watch event last brought each object (monotonic)
+    fresh: dict[str, float] = field(default_factory=dict, init=False)
+    #: events noticed per object name: a read that raced an event must not replace it
+    _noticed: dict[str, int] = field(default_factory=dict, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def watch(self, plural: str, name: str, stop: threading.Event, retry_seconds: float) -> None:
         """Notice every change of one named object until ``stop``. Errors: back off and re-watch."""

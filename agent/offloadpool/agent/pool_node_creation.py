@@ -11,6 +11,7 @@ that disappeared after it was seen is the operator's to make again).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.rest import ApiException
@@ -23,22 +24,22 @@ from offloadpool.agent.retry_soon import RetrySoon
 log = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True)
 class PoolNodeCreation:
     """Whether and when this process creates its OffloadPoolNode; the create itself."""
 
-    def __init__(
-        self, access: kube.KubeAccess, metrics: AgentMetrics, observation: Observation, soon: RetrySoon
-    ) -> None:
-        self.access = access
-        self.metrics = metrics
-        self.observation = observation
-        self.soon = soon
-        #: this process has seen its OffloadPoolNode (so a missing one was removed: not ours to
-        #: make again)
-        self.seen = False
-        #: the create was refused by RBAC (an older release's, where only the operator makes it)
-        self.refused = False
-        self._failures = 0
+    access: kube.KubeAccess
+    metrics: AgentMetrics
+    #: where the created object is kept, as if a read had brought it
+    observation: Observation
+    soon: RetrySoon
+    #: this process has seen its OffloadPoolNode (so a missing one was removed: not ours to
+    #: make again)
+    seen: bool = field(default=False, init=False)
+    #: the create was refused by RBAC (an older release's, where only the operator makes it)
+    refused: bool = field(default=False, init=False)
+    #: creates refused in a row
+    _failures: int = field(default=0, init=False)
 
     def saw(self, pool_node: dict[str, Any] | None) -> None:
         """What a step found of the object: once seen, a missing one is not ours to make."""
