@@ -64,10 +64,14 @@ class NodeActions:
     _scrubbed: bool = field(default=False, init=False)
 
     def idle(self, d: Decision) -> float:
+        """Nothing to act on (no OffloadPoolNode yet, or the pool is gone): look again after the
+        retry period."""
         log.debug("%s: %s", d.reason, d.message)
         return self.retry_seconds
 
     def _refresh(self, **fields: Any) -> None:
+        """The report of a step that changed nothing on the node: engines attached, an engine-id
+        mismatch, and ``fields``; written only where they changed (``StatusWriter.set``)."""
         n = self.region.engines_attached()
         self._attached = n
         self.metrics.engines(n)
@@ -93,6 +97,8 @@ class NodeActions:
         return seen.get("engineIdMismatch") is not None or self.status.current.engine_id_mismatch is not None
 
     def provision_region(self, d: Decision) -> float:
+        """Make the region the decision's request asks for (the engine reuses one that is
+        there), unless this process made it already and it is Ready: then only report."""
         req = d.request
         assert req is not None
         if (
@@ -189,6 +195,8 @@ class NodeActions:
         return self.heartbeat_seconds
 
     def keep(self, d: Decision) -> float:
+        """Leave the region as it is (a newer generation waits for the operator's rollout) and
+        say why."""
         self._refresh(
             reason=d.reason,
             message=d.message,
@@ -198,6 +206,8 @@ class NodeActions:
         return self.heartbeat_seconds
 
     def release_region(self, d: Decision) -> float:
+        """Give the memory back (the pool deleted, reclaimPolicy Delete), unless an engine
+        still holds it: then Draining, and try again after the retry period."""
         if self.released and self.status.phase == "Released":
             self._refresh()
             return self.heartbeat_seconds
@@ -239,6 +249,7 @@ class NodeActions:
         return self.heartbeat_seconds
 
     def retain(self, d: Decision) -> float:
+        """The pool deleted, reclaimPolicy Retain: report Released, leave the memory."""
         if self.status.phase != "Released":
             self._phase("Released", reason=d.reason, message=d.message)
             self._event("Normal", "Retained", d.message)
@@ -306,4 +317,5 @@ class NodeActions:
         return min(self.retry_seconds * 2 ** (self._failures - 1), max(60.0, self.retry_seconds))
 
     def _event(self, type_: str, reason: str, note: str) -> None:
+        """An Event about our OffloadPoolNode as this step found it (``NodeEvents``)."""
         self.events.post(self.pool_node, type_, reason, note)
