@@ -23,10 +23,11 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from offloadpool.agent import kube
+from offloadpool.agent.config import AgentConfig
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.reconcile import Action, Decision, decide
 from offloadpool.agent.status_writer import RETRY_FIRST_SECONDS, StatusWriter, retry_after
-from offloadpool.api.constants import DEFAULT_HEARTBEAT_SECONDS, GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
+from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_PLURAL, VERSION
 from offloadpool.api.conversion import SpecError
 from offloadpool.api.media import is_hugetlbfs
 from offloadpool.region import engine_id_mismatch, holders, places
@@ -82,8 +83,9 @@ class Agent:
         root: Path,
         *,
         metrics: AgentMetrics,
-        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-        retry_seconds: float = 5.0,
+        heartbeat_seconds: float = AgentConfig.heartbeat_seconds,
+        retry_seconds: float = AgentConfig.retry_seconds,
+        watch_timeout_seconds: int = AgentConfig.watch_timeout_seconds,
         workers: int = 0,
         watches: bool = True,
         reread_seconds: float | None = None,
@@ -94,6 +96,7 @@ class Agent:
         self.metrics = metrics
         self.heartbeat_seconds = heartbeat_seconds
         self.retry_seconds = retry_seconds
+        self.watch_timeout_seconds = watch_timeout_seconds
         self.workers = workers
         self.watches = watches
         # With watches, a step takes the pool and the OffloadPoolNode from their last events
@@ -208,7 +211,7 @@ class Agent:
                     VERSION,
                     plural,
                     field_selector=f"metadata.name={name}",
-                    timeout_seconds=120,
+                    timeout_seconds=self.watch_timeout_seconds,
                 ):
                     self.notice(event["object"], deleted=event["type"] == "DELETED")
                     if self.stop.is_set():

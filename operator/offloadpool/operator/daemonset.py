@@ -33,7 +33,15 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from offloadpool.api.constants import HEARTBEAT_ENV, POOL_NAME_LABEL
+from offloadpool.api.agent_env import (
+    HEARTBEAT_ENV,
+    HTTP_PORT_ENV,
+    NODE_NAME_ENV,
+    POD_NAMESPACE_ENV,
+    POOL_NAME_ENV,
+    ROOT_ENV,
+)
+from offloadpool.api.constants import POOL_NAME_LABEL
 from offloadpool.api.media import SCHEDULING_RESOURCE, is_hugetlbfs
 from offloadpool.api.node import pool_owner_reference
 from offloadpool.api.quantity import format_quantity, parse_quantity
@@ -102,11 +110,11 @@ def _env(pool: str, config: OperatorConfig) -> list[dict[str, Any]]:
         return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
 
     return [
-        {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
-        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
-        {"name": "POOL_NAME", "value": pool},
-        {"name": "OFFLOADPOOL_ROOT", "value": config.host_root},
-        {"name": "OFFLOADPOOL_HTTP_PORT", "value": str(config.http_port)},
+        {"name": NODE_NAME_ENV, "valueFrom": field("spec.nodeName")},
+        {"name": POD_NAMESPACE_ENV, "valueFrom": field("metadata.namespace")},
+        {"name": POOL_NAME_ENV, "value": pool},
+        {"name": ROOT_ENV, "value": config.host_root},
+        {"name": HTTP_PORT_ENV, "value": str(config.http_port)},
         {"name": HEARTBEAT_ENV, "value": f"{config.agent_heartbeat_seconds:.15g}"},  # 10.0: "10"
     ]
 
