@@ -91,7 +91,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--liveness",
-        default=env("OFFLOADPOOL_LIVENESS", "http://0.0.0.0:8080/healthz"),
+        default=env("OFFLOADPOOL_LIVENESS", defaults.liveness),
         help="kopf liveness endpoint URL ('' to disable)",
     )
     webhook.add_arguments(p)
@@ -101,6 +101,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    """The settings the flags name; a flag not given leaves its field's default."""
     return OperatorConfig(
         namespace=args.namespace,
         agent_image=args.agent_image,
@@ -115,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         deletion_retry_seconds=args.deletion_retry,
         node_object_grace_seconds=args.node_object_grace,
         write_concurrency=args.write_concurrency,
+        liveness=args.liveness,
     )
 
 
@@ -185,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         clusterwide=True,
         standalone=args.standalone,
         peering_name=args.peering,
-        liveness_endpoint=args.liveness or None,
+        liveness_endpoint=config.liveness or None,
         memo=memo,
     )
     return 0
