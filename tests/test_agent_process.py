@@ -28,6 +28,15 @@ from kubernetes.client.rest import ApiException
 
 from fixtures.cluster import free_port, mounts_under, release_everything
 from fixtures.wait import wait_for
+from offloadpool.api.agent_env import (
+    HEARTBEAT_ENV,
+    HTTP_PORT_ENV,
+    NODE_NAME_ENV,
+    POD_NAMESPACE_ENV,
+    POOL_NAME_ENV,
+    RETRY_ENV,
+    ROOT_ENV,
+)
 
 pytestmark = pytest.mark.controlplane
 
@@ -42,13 +51,13 @@ class AgentRun:
         env = {
             **os.environ,
             "KUBECONFIG": str(cp.kubeconfig),
-            "POOL_NAME": pool,
-            "NODE_NAME": node,
-            "POD_NAMESPACE": "default",
-            "OFFLOADPOOL_ROOT": str(root),
-            "OFFLOADPOOL_HTTP_PORT": str(self.port),
-            "OFFLOADPOOL_HEARTBEAT_SECONDS": "1",
-            "OFFLOADPOOL_RETRY_SECONDS": "1",
+            POOL_NAME_ENV: pool,
+            NODE_NAME_ENV: node,
+            POD_NAMESPACE_ENV: "default",
+            ROOT_ENV: str(root),
+            HTTP_PORT_ENV: str(self.port),
+            HEARTBEAT_ENV: "1",
+            RETRY_ENV: "1",
             "PYTHONUNBUFFERED": "1",
         }
         exe = str(Path(sys.executable).parent / "offloadpool-agent")
