@@ -180,3 +180,15 @@ def test_the_agent_docs_state_the_settings_defaults_and_environment_names() -> N
         assert rows[env][0] == flag
         assert rows[env][1] == number(getattr(AgentConfig, name)), env
     assert {agent_env.POOL_NAME_ENV, agent_env.NODE_NAME_ENV, agent_env.KUBECONFIG_ENV} <= set(rows)
+
+
+def test_the_operators_help_shows_each_default(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in OPERATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for flag, name in OPERATOR_FLAGS.items():
+        assert f"(default: {getattr(OperatorConfig, name)})" in shown, flag
