@@ -7,21 +7,14 @@ from pathlib import Path
 import pytest
 
 from offloadpool.agent.config import AgentConfig, ConfigError, load
-from offloadpool.api.agent_env import (
-    HEARTBEAT_ENV,
-    HTTP_PORT_ENV,
-    NODE_NAME_ENV,
-    POD_NAMESPACE_ENV,
-    POOL_NAME_ENV,
-    ROOT_ENV,
-)
+from offloadpool.api import agent_env
 
 ENV = {
-    POOL_NAME_ENV: "kv",
-    NODE_NAME_ENV: "node-a",
-    POD_NAMESPACE_ENV: "offloadpool-system",
-    ROOT_ENV: "/var/lib/offloadpool",
-    HTTP_PORT_ENV: "9475",
+    agent_env.POOL_NAME_ENV: "kv",
+    agent_env.NODE_NAME_ENV: "node-a",
+    agent_env.POD_NAMESPACE_ENV: "offloadpool-system",
+    agent_env.ROOT_ENV: "/var/lib/offloadpool",
+    agent_env.HTTP_PORT_ENV: "9475",
 }
 
 
@@ -45,12 +38,12 @@ def test_flags_override_environment() -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({POOL_NAME_ENV: ""}, "no pool"),
-        ({NODE_NAME_ENV: ""}, "no node name"),
-        ({ROOT_ENV: "relative/dir"}, "absolute"),
-        ({HTTP_PORT_ENV: "http"}, "malformed"),
-        ({HTTP_PORT_ENV: "70000"}, "not a TCP port"),
-        ({HEARTBEAT_ENV: "0"}, "positive"),
+        ({agent_env.POOL_NAME_ENV: ""}, "no pool"),
+        ({agent_env.NODE_NAME_ENV: ""}, "no node name"),
+        ({agent_env.ROOT_ENV: "relative/dir"}, "absolute"),
+        ({agent_env.HTTP_PORT_ENV: "http"}, "malformed"),
+        ({agent_env.HTTP_PORT_ENV: "70000"}, "not a TCP port"),
+        ({agent_env.HEARTBEAT_ENV: "0"}, "positive"),
     ],
 )
 def test_bad_settings_fail_with_the_name_of_the_setting(change: dict, message: str) -> None:

@@ -28,15 +28,7 @@ from kubernetes.client.rest import ApiException
 
 from fixtures.cluster import free_port, mounts_under, release_everything
 from fixtures.wait import wait_for
-from offloadpool.api.agent_env import (
-    HEARTBEAT_ENV,
-    HTTP_PORT_ENV,
-    NODE_NAME_ENV,
-    POD_NAMESPACE_ENV,
-    POOL_NAME_ENV,
-    RETRY_ENV,
-    ROOT_ENV,
-)
+from offloadpool.api import agent_env
 
 pytestmark = pytest.mark.controlplane
 
@@ -51,13 +43,13 @@ class AgentRun:
         env = {
             **os.environ,
             "KUBECONFIG": str(cp.kubeconfig),
-            POOL_NAME_ENV: pool,
-            NODE_NAME_ENV: node,
-            POD_NAMESPACE_ENV: "default",
-            ROOT_ENV: str(root),
-            HTTP_PORT_ENV: str(self.port),
-            HEARTBEAT_ENV: "1",
-            RETRY_ENV: "1",
+            agent_env.POOL_NAME_ENV: pool,
+            agent_env.NODE_NAME_ENV: node,
+            agent_env.POD_NAMESPACE_ENV: "default",
+            agent_env.ROOT_ENV: str(root),
+            agent_env.HTTP_PORT_ENV: str(self.port),
+            agent_env.HEARTBEAT_ENV: "1",
+            agent_env.RETRY_ENV: "1",
             "PYTHONUNBUFFERED": "1",
         }
         exe = str(Path(sys.executable).parent / "offloadpool-agent")
