@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one agent heartbeat (a Lease renewal) costs the machine, against a real control plane.
 
-Every Ready agent renews its Lease once per ``--agent-heartbeat`` (10 s by default), for as long
+Every Ready agent renews its Lease once per ``--agent-heartbeat`` (the agents' default), for as long
 as it runs: at N nodes that is N / heartbeat writes a second, the steady state's only writes and,
 while a big pool converges, a cost that grows with the nodes already Ready times the seconds the
 rest take. This renews ``--leases`` Leases through the agent's own code (``KubeAccess.

@@ -28,6 +28,7 @@ from kubernetes.client.rest import ApiException
 
 from fixtures.cluster import free_port, mounts_under, release_everything
 from fixtures.wait import wait_for
+from offloadpool.api import agent_env
 
 pytestmark = pytest.mark.controlplane
 
@@ -42,13 +43,13 @@ class AgentRun:
         env = {
             **os.environ,
             "KUBECONFIG": str(cp.kubeconfig),
-            "POOL_NAME": pool,
-            "NODE_NAME": node,
-            "POD_NAMESPACE": "default",
-            "OFFLOADPOOL_ROOT": str(root),
-            "OFFLOADPOOL_HTTP_PORT": str(self.port),
-            "OFFLOADPOOL_HEARTBEAT_SECONDS": "1",
-            "OFFLOADPOOL_RETRY_SECONDS": "1",
+            agent_env.POOL_NAME_ENV: pool,
+            agent_env.NODE_NAME_ENV: node,
+            agent_env.POD_NAMESPACE_ENV: "default",
+            agent_env.ROOT_ENV: str(root),
+            agent_env.HTTP_PORT_ENV: str(self.port),
+            agent_env.HEARTBEAT_ENV: "1",
+            agent_env.RETRY_ENV: "1",
             "PYTHONUNBUFFERED": "1",
         }
         exe = str(Path(sys.executable).parent / "offloadpool-agent")

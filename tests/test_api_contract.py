@@ -15,6 +15,7 @@ import yaml
 from offloadpool.agent.config import load as load_agent_config
 from offloadpool.agent.reconcile import decide
 from offloadpool.api import HOST_ROOT, OffloadPool, is_hugetlbfs, node_object_name, pool_request, status_patch
+from offloadpool.api.agent_env import ROOT_ENV
 from offloadpool.api.constants import AGENT_HTTP_PORT
 from offloadpool.api.spec import DEFAULT_MEDIUM, MAX_FILES_LIMIT
 from offloadpool.cli.commands import request_from_args
@@ -44,7 +45,7 @@ POOL: dict[str, Any] = {
 
 
 def test_one_host_root_and_port_for_cli_agent_and_operator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OFFLOADPOOL_ROOT", raising=False)
+    monkeypatch.delenv(ROOT_ENV, raising=False)
     cli = build_parser().parse_args(["status"])
     agent = load_agent_config(["--pool", "kv", "--node", "n1"], environ={})
     operator = OperatorConfig()

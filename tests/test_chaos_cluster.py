@@ -35,6 +35,7 @@ from fixtures.cluster import SimCluster, SimNode, mounts_under
 from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import NAMESPACE, OperatorProcess
 from fixtures.wait import wait_for
+from offloadpool.api.agent_env import POOL_NAME_ENV
 from offloadpool.region import places
 from offloadpool.region.journal import JOURNAL_NAME
 
@@ -87,7 +88,7 @@ class World:
         return {
             uid: (a.pid, a.restarts)
             for uid, a in list(self.cluster.agents.items())
-            if a.env.get("POOL_NAME") == self.pool
+            if a.env.get(POOL_NAME_ENV) == self.pool
         }
 
     def events(self) -> list[Any]:

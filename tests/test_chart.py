@@ -20,6 +20,8 @@ import yaml
 
 from fixtures.operator_process import wait_agent_policy_in_force
 from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
+from offloadpool.operator.config import OperatorConfig
+from offloadpool.operator.main import config_from_args, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "offloadpool"
@@ -35,6 +37,17 @@ ABSENT_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("cert-manager.io/v1", "Certificate"),
     ("cert-manager.io/v1", "Issuer"),
+}
+
+
+#: Values that are the operator's own settings: (section, key) -> (flag, OperatorConfig field,
+#: a value unlike the default). values.yaml only comments them; set, they become the flag.
+OPERATOR_SETTINGS = {
+    ("operator", "heartbeatTimeoutSeconds"): ("--heartbeat-timeout", "heartbeat_timeout_seconds", 0),
+    ("operator", "resyncSeconds"): ("--resync", "resync_seconds", 7),
+    ("agent", "cpuRequest"): ("--agent-cpu-request", "agent_cpu_request", "250m"),
+    ("agent", "memoryOverhead"): ("--agent-memory-overhead", "agent_memory_overhead", "1Gi"),
+    ("agent", "heartbeatSeconds"): ("--agent-heartbeat", "agent_heartbeat_seconds", 20),
 }
 
 
@@ -172,7 +185,8 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["offloadpool-operator"] and "--standalone" in c["args"]
     assert "--agent-service-account=offloadpool-agent" in c["args"]
-    assert {"--heartbeat-timeout=60", "--agent-heartbeat=10"} <= set(c["args"])
+    flags = [flag for flag, _, _ in OPERATOR_SETTINGS.values()]
+    assert [a for a in c["args"] if a.split("=")[0] in flags] == []  # the operator's defaults apply
     assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
     kinds = sorted({d["kind"] for d in rendered})
     assert kinds == [
@@ -566,31 +580,74 @@ def test_helm_install_refuses_invalid_values_and_clashing_ports(control_plane: A
         out.stderr
     )
     # a timeout shorter than three agent heartbeats: nodes would flap between Ready and not
-    # (the chart's check and the operator's are the one rule: MIN_HEARTBEATS_PER_TIMEOUT)
-    least = 60 // MIN_HEARTBEATS_PER_TIMEOUT  # the largest heartbeat the default 60 s spans
+    # (the chart's check and the operator's are the one rule: MIN_HEARTBEATS_PER_TIMEOUT); the
+    # chart checks it when both are set, the operator against its default when one is
+    timeout = 60
+    least = timeout // MIN_HEARTBEATS_PER_TIMEOUT  # the largest heartbeat the timeout spans
     out = control_plane.helm(
-        "template", "op", str(CHART), "--set", f"agent.heartbeatSeconds={least + 1}", check=False
+        "template",
+        "op",
+        str(CHART),
+        "--set",
+        f"operator.heartbeatTimeoutSeconds={timeout}",
+        "--set",
+        f"agent.heartbeatSeconds={least + 1}",
+        check=False,
     )
     assert (
         out.returncode != 0
         and (
-            f"operator.heartbeatTimeoutSeconds 60 is shorter than {MIN_HEARTBEATS_PER_TIMEOUT} agent "
+            f"operator.heartbeatTimeoutSeconds {timeout} is shorter than {MIN_HEARTBEATS_PER_TIMEOUT} agent "
             f"heartbeats (agent.heartbeatSeconds {least + 1}, so at least "
             f"{MIN_HEARTBEATS_PER_TIMEOUT * (least + 1)})"
         )
         in out.stderr
     ), out.stderr
     for fine in (
-        (f"agent.heartbeatSeconds={least}",),
+        (f"agent.heartbeatSeconds={least}", f"operator.heartbeatTimeoutSeconds={timeout}"),
         (f"agent.heartbeatSeconds={least + 1}", "operator.heartbeatTimeoutSeconds=0"),
     ):
         sets = [a for v in fine for a in ("--set", v)]
-        args = by_kind_and_app(
-            docs_of(control_plane.helm("template", "op", str(CHART), *sets).stdout),
-            "Deployment",
-            "offloadpool-operator",
-        )["spec"]["template"]["spec"]["containers"][0]["args"]
+        args = operator_args(control_plane, *sets)
         assert f"--agent-heartbeat={fine[0].split('=')[1]}" in args
+
+
+def operator_args(control_plane: Any, *helm_args: str) -> list[str]:
+    """The operator container's args as ``helm template`` renders them with ``helm_args``."""
+    docs = docs_of(control_plane.helm("template", "op", str(CHART), *helm_args).stdout)
+    dep = by_kind_and_app(docs, "Deployment", "offloadpool-operator")
+    return list(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_values_yaml_comments_the_operators_defaults_and_sets_none_of_them() -> None:
+    """The operator's settings are written once, in ``OperatorConfig``: values.yaml leaves them
+    unset and shows each default in a comment (``# resyncSeconds: 15``), which must be the
+    settings' default."""
+    text = (CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    section = ""
+    commented: dict[tuple[str, str], Any] = {}
+    for line in text.splitlines():
+        if line and not line.startswith((" ", "#")):
+            section = line.rstrip(":")
+        elif line.startswith("  # ") and ": " in line and " " not in line[4:].split(": ")[0]:
+            key, value = line[4:].split(": ", 1)
+            commented[(section, key)] = yaml.safe_load(value)
+    defaults = OperatorConfig()
+    for (sec, key), (_, name, _) in OPERATOR_SETTINGS.items():
+        assert key not in values[sec], f"values.yaml sets {sec}.{key}: leave it to the operator"
+        assert commented.get((sec, key)) == getattr(defaults, name), (sec, key)
+
+
+@pytest.mark.controlplane
+def test_a_value_set_becomes_the_operators_setting(control_plane: Any) -> None:
+    """Each of the operator's settings the chart can set reaches the operator: the rendered
+    args, parsed by the operator's own flags, give that value."""
+    sets = [a for (sec, key), (_, _, v) in OPERATOR_SETTINGS.items() for a in ("--set", f"{sec}.{key}={v}")]
+    config = config_from_args(parse_args(operator_args(control_plane, *sets)))
+    for (sec, key), (_, name, value) in OPERATOR_SETTINGS.items():
+        assert value != getattr(OperatorConfig(), name), (sec, key)  # a value unlike the default
+        assert getattr(config, name) == value, (sec, key)
 
 
 def kubectl_json(cp: Any, *args: str) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from fixtures.host import other_tenant_holds_free_hugepages
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
 from offloadpool.agent.status_writer import PROGRESS_INTERVAL
+from offloadpool.api.agent_env import HEARTBEAT_ENV, NODE_NAME_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -164,7 +165,7 @@ def hugetlb_mount(path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-#: the operator's --agent-heartbeat in test_pool_on_three_of_four_nodes (the default is 10)
+#: the operator's --agent-heartbeat in test_pool_on_three_of_four_nodes (not the default)
 AGENT_HEARTBEAT = 4
 
 
@@ -201,11 +202,11 @@ def test_pool_on_three_of_four_nodes(e2e: E2E) -> None:
             "HugePages-2Mi",
         )
         agent = e2e.cluster.agent(n.name)
-        assert agent.argv[1:] == ["--pool", pool] and agent.env["NODE_NAME"] == n.name
+        assert agent.argv[1:] == ["--pool", pool] and agent.env[NODE_NAME_ENV] == n.name
         assert agent.get("/readyz")[0] == 200
         # the operator's --agent-heartbeat reached the agent through its pod, and the agent
         # renews its Lease on it: the Lease says four heartbeats (16 s; 40 s by default)
-        assert agent.env["OFFLOADPOOL_HEARTBEAT_SECONDS"] == str(AGENT_HEARTBEAT)
+        assert agent.env[HEARTBEAT_ENV] == str(AGENT_HEARTBEAT)
         lease = wait_for(
             f"{n.name}'s heartbeat Lease",
             lambda n=n: e2e.lease(e2e.operator.namespace, f"{pool}.{n.name}"),

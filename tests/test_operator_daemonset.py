@@ -11,6 +11,8 @@ from kubernetes import client
 from fixtures.operator_process import QUICK_PASSES, OperatorProcess
 from fixtures.operator_world import MERGE, NAMESPACE, World
 from fixtures.wait import wait_for
+from offloadpool.agent.config import AgentConfig
+from offloadpool.api import agent_env
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.daemonset import HASH_ANNOTATION, render
 
@@ -58,14 +60,14 @@ def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
     assert agent["resources"] == {"requests": requests, "limits": limits}
     assert agent["command"] == ["offloadpool-agent"] and agent["args"] == ["--pool", "kv"]
     env = {e["name"]: e for e in agent["env"]}
-    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env[agent_env.NODE_NAME_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env[agent_env.POD_NAMESPACE_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert (
-        env["POOL_NAME"]["value"],
-        env["OFFLOADPOOL_ROOT"]["value"],
-        env["OFFLOADPOOL_HTTP_PORT"]["value"],
-        env["OFFLOADPOOL_HEARTBEAT_SECONDS"]["value"],
-    ) == ("kv", "/var/lib/offloadpool", "9475", "10")
+        env[agent_env.POOL_NAME_ENV]["value"],
+        env[agent_env.ROOT_ENV]["value"],
+        env[agent_env.HTTP_PORT_ENV]["value"],
+        env[agent_env.HEARTBEAT_ENV]["value"],
+    ) == ("kv", "/var/lib/offloadpool", "9475", f"{AgentConfig.heartbeat_seconds:g}")
     assert agent["volumeMounts"] == [
         {"name": "host-root", "mountPath": "/var/lib/offloadpool", "mountPropagation": "Bidirectional"}
     ]
@@ -100,8 +102,8 @@ def test_the_agents_heartbeat_is_the_operators_setting_and_the_agent_reads_it() 
         ds = render(with_medium("Memory"), replace(CONFIG, agent_heartbeat_seconds=seconds))
         (agent,) = ds["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in agent["env"]}
-        assert env["OFFLOADPOOL_HEARTBEAT_SECONDS"] == text
-        loaded = load_agent_config(agent["args"], environ={**env, "NODE_NAME": "n1"})
+        assert env[agent_env.HEARTBEAT_ENV] == text
+        loaded = load_agent_config(agent["args"], environ={**env, agent_env.NODE_NAME_ENV: "n1"})
         assert loaded.heartbeat_seconds == seconds
 
 

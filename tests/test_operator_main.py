@@ -16,6 +16,8 @@ import pytest
 
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
+from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
+from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.main import config_from_args, parse_args
 
 EXE = str(Path(sys.executable).parent / "offloadpool-operator")
@@ -82,18 +84,26 @@ def test_flags_reach_the_config() -> None:
     assert cfg.problem() is None
 
 
+#: The settings' defaults the refusals below are measured against.
+TIMEOUT, HEARTBEAT = OperatorConfig.heartbeat_timeout_seconds, OperatorConfig.agent_heartbeat_seconds
+#: A timeout a second short of three default heartbeats, and a heartbeat a third of the
+#: default timeout and one more.
+SHORT, SLOW = MIN_HEARTBEATS_PER_TIMEOUT * HEARTBEAT - 1, TIMEOUT / MIN_HEARTBEATS_PER_TIMEOUT + 1
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (
-            ["--heartbeat-timeout", "25"],
-            "--heartbeat-timeout 25 is shorter than 3 agent heartbeats (--agent-heartbeat 10, so at "
-            "least 30): a renewal a little late would make a healthy node unready",
+            ["--heartbeat-timeout", f"{SHORT:g}"],
+            f"--heartbeat-timeout {SHORT:g} is shorter than {MIN_HEARTBEATS_PER_TIMEOUT} agent heartbeats "
+            f"(--agent-heartbeat {HEARTBEAT:g}, so at least {MIN_HEARTBEATS_PER_TIMEOUT * HEARTBEAT:g}): "
+            "a renewal a little late would make a healthy node unready",
         ),
         (
-            ["--agent-heartbeat", "30"],
-            "--heartbeat-timeout 60 is shorter than 3 agent heartbeats (--agent-heartbeat 30, "
-            "so at least 90)",
+            ["--agent-heartbeat", f"{SLOW:g}"],
+            f"--heartbeat-timeout {TIMEOUT:g} is shorter than {MIN_HEARTBEATS_PER_TIMEOUT} agent heartbeats "
+            f"(--agent-heartbeat {SLOW:g}, so at least {MIN_HEARTBEATS_PER_TIMEOUT * SLOW:g})",
         ),
         (["--agent-heartbeat", "0"], "--agent-heartbeat must be positive, got 0"),
         (["--heartbeat-timeout", "-1"], "--heartbeat-timeout must be 0 (never) or positive, got -1"),
@@ -110,7 +120,8 @@ def test_a_timeout_shorter_than_three_agent_heartbeats_is_refused_before_startin
 
 
 def test_a_timeout_of_three_heartbeats_or_none_is_accepted() -> None:
-    for flags in (["--heartbeat-timeout", "30"], ["--heartbeat-timeout", "0", "--agent-heartbeat", "120"]):
+    least = f"{MIN_HEARTBEATS_PER_TIMEOUT * HEARTBEAT:g}"
+    for flags in (["--heartbeat-timeout", least], ["--heartbeat-timeout", "0", "--agent-heartbeat", "120"]):
         assert config_from_args(parse_args(["--standalone", *flags])).problem() is None
 
 

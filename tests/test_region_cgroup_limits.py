@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from fixtures.host import cli_argv, hugepage_totals
+from offloadpool.api import agent_env
 from offloadpool.region import cgroup_limits, mounts
 
 pytestmark = pytest.mark.root  # builds images, mounts, cgroups: root only
@@ -300,13 +301,13 @@ def test_agent_reports_the_cgroup_limit_in_status(agent_world, cgroups) -> None:
     env = {
         **os.environ,
         "KUBECONFIG": str(agent_world["cp"].kubeconfig),
-        "POOL_NAME": pool,
-        "NODE_NAME": node,
-        "POD_NAMESPACE": "default",
-        "OFFLOADPOOL_ROOT": str(root),
-        "OFFLOADPOOL_HTTP_PORT": str(free_port()),
-        "OFFLOADPOOL_HEARTBEAT_SECONDS": "1",
-        "OFFLOADPOOL_RETRY_SECONDS": "1",
+        agent_env.POOL_NAME_ENV: pool,
+        agent_env.NODE_NAME_ENV: node,
+        agent_env.POD_NAMESPACE_ENV: "default",
+        agent_env.ROOT_ENV: str(root),
+        agent_env.HTTP_PORT_ENV: str(free_port()),
+        agent_env.HEARTBEAT_ENV: "1",
+        agent_env.RETRY_ENV: "1",
         "PYTHONUNBUFFERED": "1",
     }
     exe = str(Path(sys.executable).parent / "offloadpool-agent")

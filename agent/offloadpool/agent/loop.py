@@ -21,6 +21,7 @@ from kubernetes.client.rest import ApiException
 
 from offloadpool.agent import kube
 from offloadpool.agent.actions import NodeActions
+from offloadpool.agent.config import AgentConfig
 from offloadpool.agent.credential import Credential
 from offloadpool.agent.events import NodeEvents
 from offloadpool.agent.heartbeat import Heartbeat
@@ -31,7 +32,7 @@ from offloadpool.agent.pool_node_creation import PoolNodeCreation
 from offloadpool.agent.reconcile import Action, decide
 from offloadpool.agent.retry_soon import RetrySoon
 from offloadpool.agent.status_writer import StatusWriter
-from offloadpool.api.constants import DEFAULT_HEARTBEAT_SECONDS, NODE_PLURAL, POOL_PLURAL
+from offloadpool.api.constants import NODE_PLURAL, POOL_PLURAL
 from offloadpool.api.conversion import SpecError
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ class Agent:
         root: Path,
         *,
         metrics: AgentMetrics,
-        heartbeat_seconds: float = DEFAULT_HEARTBEAT_SECONDS,
-        retry_seconds: float = 5.0,
+        heartbeat_seconds: float = AgentConfig.heartbeat_seconds,
+        retry_seconds: float = AgentConfig.retry_seconds,
+        watch_timeout_seconds: int = AgentConfig.watch_timeout_seconds,
         workers: int = 0,
         watches: bool = True,
         reread_seconds: float | None = None,
@@ -56,6 +58,7 @@ class Agent:
         self.metrics = metrics
         self.heartbeat_seconds = heartbeat_seconds
         self.retry_seconds = retry_seconds
+        self.watch_timeout_seconds = watch_timeout_seconds
         self.workers = workers
         self.watches = watches
         # With watches, a step takes the pool and the OffloadPoolNode from their last events
@@ -78,6 +81,7 @@ class Agent:
             credential=self.credential,
             wake=self.wake,
             reread_seconds=reread_seconds,
+            watch_timeout_seconds=watch_timeout_seconds,
         )
         self.creation = PoolNodeCreation(
             access=access, metrics=metrics, observation=self.observation, soon=self.soon

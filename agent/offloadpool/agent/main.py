@@ -56,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics=metrics,
         heartbeat_seconds=cfg.heartbeat_seconds,
         retry_seconds=cfg.retry_seconds,
+        watch_timeout_seconds=cfg.watch_timeout_seconds,
         workers=cfg.workers,
     )
     server = HealthServer(cfg.http_port, metrics.registry, agent.live, agent.ready).start()

@@ -62,6 +62,8 @@ class Observation:
     wake: threading.Event
     #: how long a step may go on an object without a read (0: read at every step)
     reread_seconds: float
+    #: how long one watch request may last before it is made again (``AgentConfig``)
+    watch_timeout_seconds: int
     #: the objects by name (None: absent)
     seen: dict[str, Obj | None] = field(default_factory=dict, init=False)
     #: when a read or a watch event last brought each object (monotonic)
@@ -81,7 +83,7 @@ class Observation:
                     VERSION,
                     plural,
                     field_selector=f"metadata.name={name}",
-                    timeout_seconds=120,
+                    timeout_seconds=self.watch_timeout_seconds,
                 ):
                     self.notice(event["object"], deleted=event["type"] == "DELETED")
                     if stop.is_set():

@@ -43,7 +43,7 @@ POOL_NAME_LABEL = f"{GROUP}/pool"
 FINALIZER = f"{GROUP}/release"
 
 #: The host directory holding every pool's directory (``<root>/<pool>/``) on a node: the
-#: agents' hostPath, the webhook's pod volumes, and the CLI's default (``OFFLOADPOOL_ROOT``).
+#: agents' hostPath, the webhook's pod volumes, and the CLI's default (``agent_env.ROOT_ENV``).
 HOST_ROOT = "/var/lib/offloadpool"
 #: The agent's one HTTP port (/healthz, /readyz, /metrics).
 AGENT_HTTP_PORT = 9475
@@ -53,12 +53,8 @@ AGENT_HTTP_PORT = 9475
 #: Renewals are cheap writes nobody watches, so a heartbeat never wakes the operator; the
 #: OffloadPoolNode's status is written only when something in it changes.
 LEASE_API_VERSION = "coordination.k8s.io/v1"
-#: How often an agent renews its Lease (and steps without events), as the kubelet renews its
-#: node Lease; the operator's DaemonSet passes its ``--agent-heartbeat`` to every agent in
-#: this variable. A cluster of N nodes takes N / period renewals a second from the agents.
-HEARTBEAT_ENV = "OFFLOADPOOL_HEARTBEAT_SECONDS"
-DEFAULT_HEARTBEAT_SECONDS = 10.0
-#: The operator's heartbeat timeout must span at least this many agent heartbeats: a renewal
+#: The operator's heartbeat timeout must span at least this many agent heartbeats (the agent's
+#: ``AgentConfig.heartbeat_seconds``, which the operator passes to every agent): a renewal
 #: a little late (a busy API server, a step that provisions) must not make a node unready.
 MIN_HEARTBEATS_PER_TIMEOUT = 3
 

@@ -17,19 +17,9 @@ change is pending; nothing was touched).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 EXIT_ERROR, EXIT_USAGE, EXIT_HELD = 1, 2, 3
-
-
-def default_root() -> str:
-    """``OFFLOADPOOL_ROOT``, else the agents' host root, so ``offloadpool status`` on a cluster
-    node shows the pools the agents made. Imported here, not at the top: ``hold-lease`` (the
-    inference pods' sidecar) must load nothing but the standard library."""
-    from offloadpool.api.constants import HOST_ROOT
-
-    return os.environ.get("OFFLOADPOOL_ROOT") or HOST_ROOT
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -58,8 +48,11 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from offloadpool.cli.config import CliConfig
+
+    settings = CliConfig.from_environment()
+    root = settings.root
     parser = argparse.ArgumentParser(prog="offloadpool", description=__doc__.split("\n\n")[0])
-    root = default_root()
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("provision", help="provision (or validate, or finish) a pool on this node")
@@ -87,10 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
 
     d = sub.add_parser("demo", help="the main job: provision a pool here, show it, release it")
-    d.add_argument("--capacity", default="4Gi")
+    d.add_argument("--capacity", default=settings.demo_capacity)
     d.add_argument("--medium", help="default: HugePages-2Mi if the pages can be reserved, else MemoryTHP")
     d.add_argument("--root", default=root)
-    d.add_argument("--name", default="demo")
+    d.add_argument("--name", default=settings.demo_name)
     d.add_argument("--keep", action="store_true", help="leave the pool provisioned")
 
     b = sub.add_parser("bench", help="benchmarks")

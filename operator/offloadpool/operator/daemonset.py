@@ -33,7 +33,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from offloadpool.api.constants import HEARTBEAT_ENV, POOL_NAME_LABEL
+from offloadpool.api import agent_env
+from offloadpool.api.constants import POOL_NAME_LABEL
 from offloadpool.api.media import SCHEDULING_RESOURCE, is_hugetlbfs
 from offloadpool.api.node import pool_owner_reference
 from offloadpool.api.quantity import format_quantity, parse_quantity
@@ -102,12 +103,12 @@ def _env(pool: str, config: OperatorConfig) -> list[dict[str, Any]]:
         return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
 
     return [
-        {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
-        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
-        {"name": "POOL_NAME", "value": pool},
-        {"name": "OFFLOADPOOL_ROOT", "value": config.host_root},
-        {"name": "OFFLOADPOOL_HTTP_PORT", "value": str(config.http_port)},
-        {"name": HEARTBEAT_ENV, "value": f"{config.agent_heartbeat_seconds:.15g}"},  # 10.0: "10"
+        {"name": agent_env.NODE_NAME_ENV, "valueFrom": field("spec.nodeName")},
+        {"name": agent_env.POD_NAMESPACE_ENV, "valueFrom": field("metadata.namespace")},
+        {"name": agent_env.POOL_NAME_ENV, "value": pool},
+        {"name": agent_env.ROOT_ENV, "value": config.host_root},
+        {"name": agent_env.HTTP_PORT_ENV, "value": str(config.http_port)},
+        {"name": agent_env.HEARTBEAT_ENV, "value": f"{config.agent_heartbeat_seconds:.15g}"},  # 10.0: "10"
     ]
 
 

@@ -59,8 +59,8 @@ async def _sleep(wake: asyncio.Event | None, stopped: kopf.DaemonStopped, timeou
 # would run a sync handler in a worker thread).
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    operator_settings.configure(settings)
     runtime = _runtime(memo)
+    operator_settings.configure(settings, runtime.config)
     runtime.connect(asyncio.get_running_loop())
     logger.info("offloadpool operator: agent DaemonSets in namespace %s", runtime.config.namespace)
 
@@ -105,7 +105,7 @@ async def pool_daemon(
         except Exception:  # a pass that fails is retried; the daemon must never die
             failures += 1
             logger.exception("pass over pool %s failed (attempt %d); retrying", name, failures)
-            await asyncio.sleep(min(30.0, 0.5 * 2**failures))
+            await asyncio.sleep(config.failed_pass_delay(failures))
             wake.set()
 
 

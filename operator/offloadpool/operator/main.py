@@ -33,7 +33,11 @@ def positive_int(text: str) -> int:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults = OperatorConfig()
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="offloadpool-operator", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="offloadpool-operator",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     peering = p.add_mutually_exclusive_group()
     peering.add_argument(
         "--standalone", action="store_true", help="no peering: exactly one operator must run"
@@ -42,22 +46,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--peering", metavar="NAME", help="kopf peering name (ClusterKopfPeering must exist)"
     )
     p.add_argument("--namespace", default=default_namespace(), help="namespace of the agent DaemonSets")
-    p.add_argument("--agent-image", default=env("OFFLOADPOOL_AGENT_IMAGE", defaults.agent_image))
+    p.add_argument(
+        "--agent-image",
+        default=env("OFFLOADPOOL_AGENT_IMAGE", defaults.agent_image),
+        help="the agents' image",
+    )
     p.add_argument(
         "--agent-image-pull-policy",
         default=env("OFFLOADPOOL_AGENT_IMAGE_PULL_POLICY", defaults.agent_image_pull_policy),
+        help="the agents' imagePullPolicy",
     )
     p.add_argument(
         "--agent-service-account",
         default=env("OFFLOADPOOL_AGENT_SERVICE_ACCOUNT", defaults.agent_service_account),
+        help="ServiceAccount of the agent pods",
     )
-    p.add_argument("--agent-cpu-request", default=defaults.agent_cpu_request)
+    p.add_argument(
+        "--agent-cpu-request", default=defaults.agent_cpu_request, help="CPU request of every agent pod"
+    )
     p.add_argument(
         "--agent-memory-overhead",
         default=defaults.agent_memory_overhead,
         help="memory the agent needs besides the pool (added to tmpfs pools' request)",
     )
-    p.add_argument("--agent-priority-class", default=env("OFFLOADPOOL_AGENT_PRIORITY_CLASS") or None)
+    p.add_argument(
+        "--agent-priority-class",
+        default=env("OFFLOADPOOL_AGENT_PRIORITY_CLASS") or defaults.agent_priority_class,
+        help="priorityClassName of the agent pods",
+    )
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -74,7 +90,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--resync", type=float, default=defaults.resync_seconds, help="seconds between passes without events"
     )
-    p.add_argument("--deletion-retry", type=float, default=defaults.deletion_retry_seconds)
+    p.add_argument(
+        "--deletion-retry",
+        type=float,
+        default=defaults.deletion_retry_seconds,
+        help="seconds between checks while a deleted pool waits for its nodes",
+    )
     p.add_argument(
         "--node-object-grace",
         type=float,
@@ -91,7 +112,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--liveness",
-        default=env("OFFLOADPOOL_LIVENESS", "http://0.0.0.0:8080/healthz"),
+        default=env("OFFLOADPOOL_LIVENESS", defaults.liveness),
         help="kopf liveness endpoint URL ('' to disable)",
     )
     webhook.add_arguments(p)
@@ -101,6 +122,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    """The settings the flags name; a flag not given leaves its field's default."""
     return OperatorConfig(
         namespace=args.namespace,
         agent_image=args.agent_image,
@@ -115,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         deletion_retry_seconds=args.deletion_retry,
         node_object_grace_seconds=args.node_object_grace,
         write_concurrency=args.write_concurrency,
+        liveness=args.liveness,
     )
 
 
@@ -185,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         clusterwide=True,
         standalone=args.standalone,
         peering_name=args.peering,
-        liveness_endpoint=args.liveness or None,
+        liveness_endpoint=config.liveness or None,
         memo=memo,
     )
     return 0

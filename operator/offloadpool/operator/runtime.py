@@ -93,13 +93,17 @@ class Runtime:
             return
         self._loop = loop
         kube = Kube(load_client())
-        self.nodes = WatchedKind("nodes", kube.core.list_node, node_info, node_key, self._node_event).start()
+        timeout = self.config.watch_timeout_seconds
+        self.nodes = WatchedKind(
+            "nodes", kube.core.list_node, node_info, node_key, self._node_event, timeout_seconds=timeout
+        ).start()
         self.node_objects = WatchedKind(
             "offloadpoolnodes",
             kube.list_all_node_objects,
             NodeView.from_body,
             node_object_key,
             self._view_event,
+            timeout_seconds=timeout,
         ).start()
         self.reconciler = Reconciler(kube, self.config, post_event, self.nodes, self.node_objects)
 

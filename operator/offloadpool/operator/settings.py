@@ -9,8 +9,8 @@ Why each one:
   (and the status belongs to the aggregate alone);
 - only warnings and errors from kopf's own logging become Kubernetes Events; the operator posts
   its own Events for transitions (see ``events``), so info-level chatter does not bury them;
-- watches are restarted by the server every few minutes, so a silently dead connection cannot
-  leave the operator blind for long;
+- watches are restarted by the server every ``OperatorConfig.watch_timeout_seconds``, so a
+  silently dead connection cannot leave the operator blind for long;
 - peering: ``--standalone`` (one replica, the Deployment uses Recreate) or a named peering;
 - kopf watches OffloadPools only (and builds its diff base for them alone): Nodes and
   OffloadPoolNodes are watched by ``watched``, where an event costs a JSON parse instead of
@@ -25,8 +25,10 @@ import kopf
 
 from offloadpool.api.constants import FINALIZER, GROUP
 
+from .config import OperatorConfig
 
-def configure(settings: kopf.OperatorSettings) -> None:
+
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     """Apply the operator's settings (called from the startup handler)."""
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -35,8 +37,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     )
     settings.posting.enabled = True
     settings.posting.level = logging.WARNING
-    settings.watching.server_timeout = 270
-    settings.watching.client_timeout = 300
+    settings.watching.server_timeout = config.watch_timeout_seconds
+    # the client gives up a little after the server should have ended the watch
+    settings.watching.client_timeout = config.watch_timeout_seconds + 30
     settings.watching.connect_timeout = 30
     settings.watching.reconnect_backoff = 1.0
     settings.networking.request_timeout = 60

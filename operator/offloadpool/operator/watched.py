@@ -33,6 +33,8 @@ from typing import Any, Generic, TypeVar
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from .config import OperatorConfig
+
 log = logging.getLogger(__name__)
 
 V = TypeVar("V")
@@ -41,9 +43,6 @@ KeyOf = Callable[[Mapping[str, Any]], "tuple[str, str] | None"]
 #: (key, value before, value after) for a change; None before: added, None after: deleted.
 OnChange = Callable[[str, str, "V | None", "V | None"], None]
 
-#: The API server ends a watch after this many seconds (then it is resumed from the last
-#: resourceVersion): a connection that died silently cannot leave the operator blind longer.
-WATCH_TIMEOUT_SECONDS = 270
 GONE = 410
 TOO_MANY_REQUESTS = 429
 
@@ -65,6 +64,7 @@ class WatchedKind(Generic[V]):
         key_of: KeyOf,
         on_change: OnChange[V] | None = None,
         retry_seconds: float = 1.0,
+        timeout_seconds: int = OperatorConfig.watch_timeout_seconds,
     ) -> None:
         self.kind = kind
         self._list_call = list_call
@@ -72,6 +72,7 @@ class WatchedKind(Generic[V]):
         self._key_of = key_of
         self._on_change = on_change
         self._retry_seconds = retry_seconds
+        self._timeout_seconds = timeout_seconds
         self._lock = threading.Lock()
         self._groups: dict[str, dict[str, V]] = {}
         #: object name -> (group, key, revision) of what the index holds for it
@@ -193,7 +194,7 @@ class WatchedKind(Generic[V]):
             watch=True,
             resource_version=revision,
             allow_watch_bookmarks=True,
-            timeout_seconds=WATCH_TIMEOUT_SECONDS,
+            timeout_seconds=self._timeout_seconds,
             _preload_content=False,
         )
         try:

@@ -35,12 +35,11 @@ from offloadpool.api.pods import WEBHOOK_CONFIGURATION_NAME
 
 from . import certs
 from .admission import InjectionSettings
+from .config import OperatorConfig
 from .webhookconfig import Configurator, Endpoint, excluded_namespaces
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 9443
-DEFAULT_SERVICE = "offloadpool-webhook"
 #: After writing a new bundle at start-up, wait this long before serving: the API server's
 #: cache of the configurations follows a write within milliseconds.
 SETTLE_SECONDS = 1.0
@@ -48,22 +47,30 @@ SETTLE_SECONDS = 1.0
 
 @dataclass(frozen=True)
 class WebhookOptions:
-    """How the webhook is served and reached (``--webhook-*`` flags)."""
+    """How the webhook is served and reached (``--webhook-*`` flags, whose defaults these are)."""
 
     enabled: bool = False
-    #: Where the HTTPS server listens.
+    """Serve the webhook and keep its configurations current (``--webhook``)."""
     listen: str = "0.0.0.0"
-    port: int = DEFAULT_PORT
-    #: clientConfig: a base URL (``https://127.0.0.1:9443``), else the Service below.
+    """Where the HTTPS server listens (``--webhook-listen``)."""
+    port: int = 9443
+    """The HTTPS port (``--webhook-port``)."""
     url: str | None = None
-    service: str = DEFAULT_SERVICE
-    namespace: str = "offloadpool-system"
-    #: Certificates: given ones (tls.crt/tls.key[/ca.crt]) or where made ones go; None: a
-    #: private temporary directory, removed at exit.
+    """clientConfig: a base URL (``https://127.0.0.1:9443``, ``--webhook-url``); None: the
+    Service below."""
+    service: str = "offloadpool-webhook"
+    """The Service in front of the webhook port, in ``namespace`` (``--webhook-service``)."""
+    namespace: str = OperatorConfig.namespace
+    """The operator's namespace (``--namespace``)."""
     cert_dir: str | None = None
+    """Certificates: given ones (tls.crt/tls.key[/ca.crt]) or where made ones go
+    (``--webhook-cert-dir``); None: a private temporary directory, removed at exit."""
     configuration: str = WEBHOOK_CONFIGURATION_NAME
+    """Name of the Mutating/ValidatingWebhookConfiguration (``--webhook-configuration``)."""
     resync_seconds: float = 60.0
+    """Seconds between checks of the configurations (``--webhook-resync``)."""
     injection: InjectionSettings = field(default_factory=InjectionSettings)
+    """What a labelled pod is given (from ``--agent-image``, ``--sidecar-image``, ...)."""
 
     def endpoint(self) -> Endpoint:
         if self.url:
@@ -80,26 +87,30 @@ class WebhookOptions:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = WebhookOptions
     g = p.add_argument_group("admission webhook (pods labelled offloadpool.io/pool get the pool injected)")
     g.add_argument(
         "--webhook",
         action="store_true",
         help="serve the admission webhook and keep its configurations current",
     )
-    g.add_argument("--webhook-listen", default="0.0.0.0", help="address the HTTPS server listens on")
-    g.add_argument("--webhook-port", type=int, default=DEFAULT_PORT)
+    g.add_argument("--webhook-listen", default=d.listen, help="address the HTTPS server listens on")
+    g.add_argument("--webhook-port", type=int, default=d.port)
     g.add_argument("--webhook-url", help="base URL the API server calls (else the Service in --namespace)")
-    g.add_argument("--webhook-service", default=DEFAULT_SERVICE, help="Service in front of the webhook port")
+    g.add_argument("--webhook-service", default=d.service, help="Service in front of the webhook port")
     g.add_argument(
         "--webhook-cert-dir", help="tls.crt/tls.key[/ca.crt] to use, or where made certificates go"
     )
     g.add_argument(
         "--webhook-configuration",
-        default=WEBHOOK_CONFIGURATION_NAME,
+        default=d.configuration,
         help="name of the Mutating/ValidatingWebhookConfiguration (created by the installer)",
     )
     g.add_argument(
-        "--webhook-resync", type=float, default=60.0, help="seconds between checks of the configurations"
+        "--webhook-resync",
+        type=float,
+        default=d.resync_seconds,
+        help="seconds between checks of the configurations",
     )
     g.add_argument(
         "--webhook-exclude-namespace",
