@@ -29,6 +29,7 @@ from offloadpool.region.layout_files import compat_names
 from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.vocabulary import DRAINING
 
 
 def teardown(
@@ -59,7 +60,7 @@ def teardown(
                 manifest.write(pool_dir)
             raise
     if rec is not None:
-        rec.phase = "Draining"
+        rec.phase = DRAINING
         rec.mounted = False
         records.save(pool_dir, rec)
     given = 0
