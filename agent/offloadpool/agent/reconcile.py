@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from offloadpool.api.conversion import pool_request
+from offloadpool.api.spec import DEFAULT_RECLAIM
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.vocabulary import RECLAIM_RETAIN
 
 
 class Action(enum.Enum):
@@ -67,8 +69,8 @@ def decide(
         return Decision(Action.IDLE, reason="PoolGone", message="the OffloadPool no longer exists")
     meta = pool.get("metadata") or {}
     if meta.get("deletionTimestamp"):
-        policy = _get(pool, "spec", "reclaimPolicy", default="Delete")
-        if policy == "Retain":
+        policy = _get(pool, "spec", "reclaimPolicy", default=DEFAULT_RECLAIM)
+        if policy == RECLAIM_RETAIN:
             return Decision(
                 Action.RETAIN,
                 reason="Retained",
