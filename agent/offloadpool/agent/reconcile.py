@@ -15,6 +15,7 @@ from typing import Any
 
 from offloadpool.api.conversion import pool_request
 from offloadpool.api.spec import DEFAULT_RECLAIM
+from offloadpool.api.status import ROLLOUT_PENDING
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import RECLAIM_RETAIN
 
@@ -95,6 +96,6 @@ def decide(
     return Decision(
         Action.KEEP,
         request,
-        reason="RolloutPending",
+        reason=ROLLOUT_PENDING,
         message=f"generation {desired} waits for the operator's rollout (this node may apply {target})",
     )

@@ -22,7 +22,7 @@ from rich.table import Table
 from offloadpool.region.errors import fmt_bytes
 from offloadpool.region.provision import ProvisionResult
 from offloadpool.region.status import PoolState
-from offloadpool.region.vocabulary import READY
+from offloadpool.region.vocabulary import READY, SCRUBBING
 
 
 def dump(obj: Any) -> None:
@@ -61,7 +61,7 @@ def populate_bar(console: Console, label: str) -> Iterator[tuple]:
                     bar.update(task, completed=done, total=total)
 
         def phase(name: str) -> None:
-            if name == "Scrubbing":  # counts again from 0: the bytes zeroed
+            if name == SCRUBBING:  # counts again from 0: the bytes zeroed
                 with lock:
                     best[0] = 0
                     bar.update(task, completed=0)

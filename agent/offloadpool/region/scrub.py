@@ -63,7 +63,7 @@ from offloadpool.region.vocabulary import NUMA_NONE, READY, SCRUB_ALWAYS, SCRUB_
 PhaseCallback = Callable[[str], None]
 METHODS = ("memset", "punch", "remove")
 #: The fastest method per file system, measured with ``offloadpool bench scrub`` (see
-#: docs/bench-populate.md, "Scrubbing"): writing zeros in user space beats freeing and
+#: docs/bench-populate.md, section Scrubbing): writing zeros in user space beats freeing and
 #: re-faulting pages on both.
 METHOD_FOR = {"tmpfs": "memset", "hugetlbfs": "memset"}
 #: What identifies a consumer: who may open the files (uid, gid, mode), who gets the mount
