@@ -258,12 +258,12 @@ def reserved_pages(medium: str, cap: int) -> Iterator[None]:
     if not med.hugetlb:
         yield
         return
-    with hugepages.pool_lock():
+    with hugepages.reservation_lock():
         added = hugepages.grow(med.page_size, cap // med.page_size)
     try:
         yield
     finally:
-        with hugepages.pool_lock():
+        with hugepages.reservation_lock():
             hugepages.shrink(med.page_size, added)
 
 

@@ -295,11 +295,11 @@ class Attachment:
                 raise
             if not background:
                 return self._run_pin(impl, plan)  # holds the lock; close() cancels via the event
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offloadpool-pin")
+            executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offloadpool-pin")
             try:
-                future = pool.submit(self._run_pin, impl, plan)
+                future = executor.submit(self._run_pin, impl, plan)
             finally:
-                pool.shutdown(wait=False)
+                executor.shutdown(wait=False)
             self._pin_future = future
             future.add_done_callback(self._pin_finished)
             return future

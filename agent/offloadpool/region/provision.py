@@ -130,7 +130,7 @@ def _manifest(req: PoolRequest, plan: Plan, compat: str | None, rec: records.Rec
 def _reserve_hugepages(plan: Plan, pool_dir: Path, rec: records.Record) -> int:
     """Grow the kernel pool so a min_size mount of this plan succeeds; return pages added.
 
-    The caller holds :func:`hugepages.pool_lock`. Before ``nr_hugepages`` is written, the
+    The caller holds :func:`hugepages.reservation_lock`. Before ``nr_hugepages`` is written, the
     intent to grow is (``hugepage_intent``); it stays until the caller has recorded the pages in
     ``rec`` (then clears it), so a kill in between leaves the pages to be given back, not lost.
     """
@@ -430,7 +430,7 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
             # Growing the pool and mounting (which reserves the pages) under one lock, so two
             # offloadpool processes cannot take each other's freshly added pages. Taking it
             # settles a grow or give-back a killed process left unrecorded (hugepage_intent).
-            with hugepages.pool_lock(pool_dir.parent):
+            with hugepages.reservation_lock(pool_dir.parent):
                 added = _reserve_hugepages(plan, pool_dir, rec)
                 rec.hugepages_added += added
                 records.save(pool_dir, rec)
