@@ -16,7 +16,7 @@ from offloadpool.agent.config import load as load_agent_config
 from offloadpool.agent.reconcile import decide
 from offloadpool.api import HOST_ROOT, OffloadPool, is_hugetlbfs, node_object_name, pool_request, status_patch
 from offloadpool.api.agent_env import ROOT_ENV
-from offloadpool.api.constants import AGENT_HTTP_PORT
+from offloadpool.api.constants import AGENT_HTTP_PORT, MAX_MESSAGE_LENGTH, MAX_REASON_LENGTH, clip_message
 from offloadpool.api.spec import DEFAULT_MEDIUM, MAX_FILES_LIMIT
 from offloadpool.cli.commands import request_from_args
 from offloadpool.cli.main import build_parser
@@ -125,3 +125,12 @@ def test_node_status_is_written_through_the_model() -> None:
         status_patch(engines_atached=1)
     with pytest.raises(ValueError, match="progress"):
         status_patch(progress=101)
+
+
+def test_the_message_and_reason_caps_are_the_crds() -> None:
+    schema = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    failing = schema["properties"]["status"]["properties"]["failingNodes"]["items"]["properties"]
+    assert failing["message"]["maxLength"] == MAX_MESSAGE_LENGTH == 1024
+    assert failing["reason"]["maxLength"] == MAX_REASON_LENGTH == 128
+    assert clip_message("x" * 5000) == "x" * MAX_MESSAGE_LENGTH
+    assert clip_message("short") == "short"

@@ -34,6 +34,7 @@ from offloadpool.region import holders, mounts
 from offloadpool.region.holders import exclusive_unused
 from offloadpool.region.lease import LeaseHeld, count_holders, lease_path
 from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.media import is_hugetlbfs
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
@@ -118,7 +119,7 @@ def phase_of(lines: list[str], locked: int, pool: EnginePool) -> str:
     if "PINNED" in lines:
         return "pinned, holding"
     if "WROTE" in lines:
-        if pool.medium.startswith("HugePages"):
+        if is_hugetlbfs(pool.medium):
             return "pinning (hugetlb: VmLck does not count)"
         tenth = 10 * (10 * locked // pool.capacity)
         return f"pinning {min(90, tenth)}-{min(100, tenth + 10)}%"
@@ -207,7 +208,7 @@ def test_kill9_engine_mid_pin(seed: int, chaos_run: Run, engine_pools: dict[str,
         attached = time.monotonic() - t0
         stats = region.pin("mlock", max_chunk=64 * MiB)
         pinned = time.monotonic() - t0
-        counted = 0 if pool.medium.startswith("HugePages") else pool.capacity
+        counted = 0 if is_hugetlbfs(pool.medium) else pool.capacity
         run.check("the next engine pins the whole region", stats.bytes_registered == pool.capacity)
         run.check(
             "it locks exactly its own region (nothing of the dead engine counts)",

@@ -14,9 +14,9 @@ from fixtures.pinning_pools import GiB, MiB, PoolFactory, run_python, traces_of,
 from offloadpool.pinning import Attachment, attach
 from offloadpool.region.lease import count_holders, lease_path
 from offloadpool.region.manifest import load
+from offloadpool.region.media import is_hugetlbfs
+from offloadpool.region.vocabulary import LAYOUTS, MEDIA
 
-MEDIA = ["Memory", "MemoryTHP", "HugePages-2Mi", "HugePages-1Gi"]
-LAYOUTS = ["Replicated", "PerRank", "Interleaved"]
 SLOT = 1 * MiB  # one rank's slot in an interleaved row (rows of 2 MiB with 2 ranks)
 
 
@@ -84,7 +84,7 @@ def test_attach_pin_write_and_read_back_in_another_process(
 ) -> None:
     pool = make_pool("kv", **pool_args(medium, layout))
     manifest = load(pool)
-    hugetlb = medium.startswith("HugePages")
+    hugetlb = is_hugetlbfs(medium)
     ranks = manifest.layout.ranks
     locked_before = vm_locked_bytes()
     digests: dict[int, str] = {}

@@ -18,6 +18,7 @@ from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of, vm_l
 from offloadpool.pinning import PinCancelled, PinStats, attach
 from offloadpool.region.lease import Lease, LeaseHeld, count_holders, lease_path
 from offloadpool.region.manifest import load
+from offloadpool.region.media import is_hugetlbfs
 from offloadpool.region.release import release
 
 HOLDER = """
@@ -145,7 +146,7 @@ def test_registration_waits_for_the_file_lock(
     itself, which works on tmpfs and hugetlbfs alike) holds up our registration of that file;
     nothing is locked until the other lets go."""
     pool = make_pool("kv", capacity=64 * MiB, medium=medium)
-    counted = 0 if medium.startswith("HugePages") else 64 * MiB
+    counted = 0 if is_hugetlbfs(medium) else 64 * MiB
     first = load(pool).regions[0].segments[0].file
     locker = subprocess.Popen(
         [sys.executable, "-c", LOCKER, str(pool / first)],

@@ -12,6 +12,7 @@ from fixtures.host import hugepage_totals, private_mounts_python
 from offloadpool.region import mounts
 from offloadpool.region.capacity import meminfo
 from offloadpool.region.errors import CapacityError
+from offloadpool.region.media import is_hugetlbfs
 from offloadpool.region.provision import provision
 from offloadpool.region.request import PoolRequest
 
@@ -32,7 +33,7 @@ def test_shortfall_fails_before_anything_is_created(region_root, hugepage_baseli
     message = str(info.value)
     assert f"({size} bytes)" in message, message  # what was asked
     assert "short by" in message and re.search(r"short by [\d.]+ GiB \(\d+ bytes\)", message), message
-    if medium.startswith("HugePages"):
+    if is_hugetlbfs(medium):
         pages = size // (2 << 20 if medium == "HugePages-2Mi" else GiB)
         assert f"needs {pages} huge pages" in message, message
         assert "free and unreserved" in message, message

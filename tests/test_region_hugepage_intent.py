@@ -161,7 +161,7 @@ def test_release_of_the_killed_pool_settles_its_unrecorded_growth(
 def test_an_intent_of_an_earlier_boot_is_dropped_untouched(region_root, hugepage_baseline):
     before = total()
     hugepage_intent.write(region_root, Intent("grow", "old", PAGE, 5, before - 5, 0, "an-earlier-boot"))
-    with hugepages.pool_lock(region_root):
+    with hugepages.reservation_lock(region_root):
         pass
     assert total() == before and not hugepage_intent.pending(region_root)
 
@@ -187,7 +187,7 @@ def test_an_unreadable_or_symlinked_intent_stops_huge_page_changes(region_root, 
     for content in (b"{not json", b'{"op": "grow"}', b"[]"):
         hugepage_intent.path(region_root).write_bytes(content)
         with pytest.raises(IntentError, match="cannot be read.*remove the file"):
-            with hugepages.pool_lock(region_root):
+            with hugepages.reservation_lock(region_root):
                 pass
     hugepage_intent.path(region_root).unlink()
     elsewhere = tmp_path / "elsewhere"

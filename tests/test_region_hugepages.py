@@ -215,7 +215,7 @@ def test_reservation_tool_fails_at_once_with_one_message_and_gives_back_its_page
     assert reservation_tool().needs()[GiB] >= 2
 
 
-def test_pool_lock_falls_back_to_the_root_where_run_lock_is_read_only(region_root, hugepage_baseline):
+def test_reservation_lock_falls_back_to_the_root_where_run_lock_is_read_only(region_root, hugepage_baseline):
     """An agent container has a read-only root file system: /run/lock cannot hold the host-wide
     huge page lock, so the engine locks in the host root all agents of the node share."""
     script = (

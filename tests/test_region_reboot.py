@@ -23,7 +23,7 @@ def simulate_reboot(pool_dir, added: int) -> None:
     kernel pool is back to its boot size; the record still says the earlier boot added pages
     (here: claims 32, so that giving them back would visibly take other tenants' pages)."""
     mounts.umount(pool_dir / "mnt")
-    with hugepages.pool_lock():
+    with hugepages.reservation_lock():
         hugepages.shrink(2 * MiB, added)
     record = json.loads((state_dir(pool_dir) / RECORD_NAME).read_text())
     record["boot_id"] = "an-earlier-boot"
@@ -33,7 +33,7 @@ def simulate_reboot(pool_dir, added: int) -> None:
 
 def test_rebuild_after_reboot_keeps_huge_page_accounting(region_root, hugepage_baseline):
     # pages someone else keeps in the pool (a boot-time reservation): they must survive
-    with hugepages.pool_lock():
+    with hugepages.reservation_lock():
         assert hugepages.grow(2 * MiB, 48) == 48, "the kernel must grant 48 pages of 2 MiB"
     req = PoolRequest(name="reboot", capacity=64 * MiB, medium="HugePages-2Mi")
     pool_dir = region_root / req.name

@@ -25,6 +25,7 @@ from offloadpool.api.constants import (
     POOL_NAME_LABEL,
     POOL_PLURAL,
     VERSION,
+    clip_message,
     split_node_object_name,
 )
 from offloadpool.api.node import new_object
@@ -238,7 +239,7 @@ class KubeAccess:
                 resource_version=meta.get("resourceVersion"),
             ),
             reason=reason,
-            message=note[:1024],
+            message=clip_message(note),
             type=type_,
             first_timestamp=stamp,
             last_timestamp=stamp,

@@ -17,7 +17,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-PHASES = ("Pending", "Provisioning", "Populating", "Scrubbing", "Ready", "Draining", "Released", "Failed")
+from offloadpool.region.vocabulary import NODE_PHASES, PENDING
 
 
 class AgentMetrics:
@@ -68,7 +68,11 @@ class AgentMetrics:
             registry=r,
         ).labels(**labels)
         self._phase = Enum(
-            "offloadpool_phase", "Phase of this node's pool", list(labels), states=list(PHASES), registry=r
+            "offloadpool_phase",
+            "Phase of this node's pool",
+            list(labels),
+            states=list(NODE_PHASES),
+            registry=r,
         ).labels(**labels)
         self._errors = Counter(
             "offloadpool_agent_errors",
@@ -77,10 +81,10 @@ class AgentMetrics:
             registry=r,
         )
         self._labels = labels
-        self._phase.state("Pending")
+        self._phase.state(PENDING)
 
     def phase(self, phase: str) -> None:
-        if phase in PHASES:
+        if phase in NODE_PHASES:
             self._phase.state(phase)
 
     def progress(self, done: int, total: int) -> None:

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from offloadpool.api.conversion import pool_request
+from offloadpool.api.spec import DEFAULT_RECLAIM
+from offloadpool.api.status import ROLLOUT_PENDING
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.vocabulary import RECLAIM_RETAIN
 
 
 class Action(enum.Enum):
@@ -67,8 +70,8 @@ def decide(
         return Decision(Action.IDLE, reason="PoolGone", message="the OffloadPool no longer exists")
     meta = pool.get("metadata") or {}
     if meta.get("deletionTimestamp"):
-        policy = _get(pool, "spec", "reclaimPolicy", default="Delete")
-        if policy == "Retain":
+        policy = _get(pool, "spec", "reclaimPolicy", default=DEFAULT_RECLAIM)
+        if policy == RECLAIM_RETAIN:
             return Decision(
                 Action.RETAIN,
                 reason="Retained",
@@ -93,6 +96,6 @@ def decide(
     return Decision(
         Action.KEEP,
         request,
-        reason="RolloutPending",
+        reason=ROLLOUT_PENDING,
         message=f"generation {desired} waits for the operator's rollout (this node may apply {target})",
     )

@@ -32,6 +32,7 @@ from typing import Any
 
 from offloadpool import __version__
 from offloadpool.api.node import OffloadPoolNodeStatus, status_patch
+from offloadpool.region.vocabulary import PENDING, POPULATING, SCRUBBING
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def retry_after(exc: BaseException) -> float:
     return float(value) if value.isdigit() else 0.0
 
 
-_POPULATING = status_patch(phase="Populating")
+_POPULATING = status_patch(phase=POPULATING)
 
 
 class StatusWriter:
@@ -88,7 +89,7 @@ class StatusWriter:
         self._due: float | None = None  # monotonic time the deferred changes in _dirty are written
         self._retry = 0.0  # seconds before the next retry of a failed write (0: none failed)
         self.progress_interval = progress_interval
-        self.phase: str = "Pending"
+        self.phase: str = PENDING
         self.exists = False
         #: the object as our last status write left it (its watch event is our own news: the
         #: agent does not wake for it, and takes it as the object's latest known state)
@@ -132,14 +133,14 @@ class StatusWriter:
         stays populated: only ``progress`` moves (the share zeroed)."""
         pct = int(done * 100 // total) if total else 0
         with self._lock:
-            if self.phase == "Scrubbing":
+            if self.phase == SCRUBBING:
                 self._dirty.update(status_patch(progress=pct))
                 self._defer()
                 return
             patch = status_patch(bytes_populated=int(min(done, total)), bytes_total=int(total), progress=pct)
             self._dirty.update(patch)
-            if self.phase != "Populating":
-                self.phase = "Populating"
+            if self.phase != POPULATING:
+                self.phase = POPULATING
                 self._dirty.update(_POPULATING)
             self._defer()
 

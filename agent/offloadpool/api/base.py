@@ -1,4 +1,5 @@
-"""Shared pydantic plumbing: camelCase aliases, quantity and timestamp field types.
+"""Shared pydantic plumbing: camelCase aliases, quantity and timestamp field types, and the
+reading of an object's resourceVersion.
 
 Every model reads and writes the API's camelCase names (``by_alias=True``) while Python code
 uses snake_case attributes (``populate_by_name``). Spec models forbid unknown fields (a typo in
@@ -8,6 +9,7 @@ keep unknown fields so a newer operator's status survives a round trip through a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
@@ -88,6 +90,13 @@ def parse_time(value: str | None) -> datetime | None:
 def now() -> datetime:
     """The current time in UTC, for heartbeats and condition transitions."""
     return datetime.now(timezone.utc)
+
+
+def resource_revision(meta: Mapping[str, Any]) -> int:
+    """An object's ``metadata.resourceVersion`` as a number (etcd's revision), to tell the
+    newer of two copies of one object apart; 0 when it is absent or not a number."""
+    rv = str(meta.get("resourceVersion") or "")
+    return int(rv) if rv.isdigit() else 0
 
 
 #: A date-time field that serialises the way the API server stores it.

@@ -48,6 +48,13 @@ HOST_ROOT = "/var/lib/offloadpool"
 #: The agent's one HTTP port (/healthz, /readyz, /metrics).
 AGENT_HTTP_PORT = 9475
 
+#: The longest message offloadpool writes anywhere: an Event's note (the API server refuses
+#: more than 1 kB) and an OffloadPool's ``failingNodes[].message`` (the CRD's maxLength).
+#: Longer text is cut (``clip_message``), never refused: a failure must still be reported.
+MAX_MESSAGE_LENGTH = 1024
+#: The longest ``failingNodes[].reason`` (the CRD's maxLength; an agent's reason is cut to it).
+MAX_REASON_LENGTH = 128
+
 #: Liveness, the way the kubelet reports it: each agent renews a small coordination.k8s.io
 #: Lease named like its OffloadPoolNode, in the agents' namespace, labelled with its pool.
 #: Renewals are cheap writes nobody watches, so a heartbeat never wakes the operator; the
@@ -85,3 +92,8 @@ def split_node_object_name(name: str) -> tuple[str, str]:
     if not sep or not pool or not node:
         raise ValueError(f"{name!r} is not an OffloadPoolNode name of the form <pool>.<node>")
     return pool, node
+
+
+def clip_message(text: str) -> str:
+    """``text`` cut to ``MAX_MESSAGE_LENGTH`` characters, for an Event or a status message."""
+    return text[:MAX_MESSAGE_LENGTH]

@@ -1,48 +1,42 @@
-"""Media, layouts and page sizes.
+"""Media, layouts, policies, node phases and page sizes, as the API models type them.
 
-The page size is the granule a pool's memory comes in on a medium: capacity must be a whole
-number of pages, and a segment at least one page. Memory uses the base 4 KiB page; MemoryTHP
-(tmpfs huge=always) keeps 2 MiB granules so every segment can be backed by transparent huge
-pages end to end, as the node engine (offloadpool.region.media) plans it. The CRD's CEL rules
-hard-code the same numbers; tests/test_api_models.py checks they agree with the node engine.
+Every name is the engine's (``offloadpool.region.vocabulary``) and every page size too
+(``offloadpool.region.media``): the page size is the granule a pool's memory comes in on a
+medium (capacity a whole number of pages, a segment at least one page). Memory uses the base
+page; MemoryTHP (tmpfs huge=always) keeps 2 MiB granules so every segment can be backed by
+transparent huge pages end to end. The CRD's CEL rules hard-code the same numbers;
+tests/test_api_models.py checks they agree with the node engine.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 from offloadpool.region import media as engine_media
+from offloadpool.region import vocabulary as words
+from offloadpool.region.media import is_hugetlbfs as is_hugetlbfs
 
-Medium = Literal["HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP"]
-LayoutType = Literal["Replicated", "PerRank", "Interleaved"]
-NumaPolicy = Literal["None", "Interleave", "Spread"]
-ReclaimPolicy = Literal["Delete", "Retain"]
-ScrubPolicy = Literal["OnConsumerChange", "Always", "Never"]
-NodePhase = Literal[
-    "Pending", "Provisioning", "Populating", "Scrubbing", "Ready", "Draining", "Released", "Failed"
-]
+Medium = words.MediumName
+LayoutType = words.LayoutName
+NumaPolicy = words.NumaPolicyName
+ReclaimPolicy = words.ReclaimPolicyName
+ScrubPolicy = words.ScrubPolicyName
+NodePhase = words.NodePhaseName
 
-MEDIA: tuple[str, ...] = get_args(Medium)
-LAYOUTS: tuple[str, ...] = get_args(LayoutType)
-NUMA_POLICIES: tuple[str, ...] = get_args(NumaPolicy)
-RECLAIM_POLICIES: tuple[str, ...] = get_args(ReclaimPolicy)
-NODE_PHASES: tuple[str, ...] = get_args(NodePhase)
-SCRUB_POLICIES: tuple[str, ...] = get_args(ScrubPolicy)
+MEDIA: tuple[str, ...] = words.MEDIA
+LAYOUTS: tuple[str, ...] = words.LAYOUTS
+NUMA_POLICIES: tuple[str, ...] = words.NUMA_POLICIES
+RECLAIM_POLICIES: tuple[str, ...] = words.RECLAIM_POLICIES
+NODE_PHASES: tuple[str, ...] = words.NODE_PHASES
+SCRUB_POLICIES: tuple[str, ...] = words.SCRUB_POLICIES
 
-PAGE_SIZES: dict[str, int] = {
-    "HugePages-2Mi": 2 * 1024**2,
-    "HugePages-1Gi": 1024**3,
-    "Memory": 4 * 1024,
-    "MemoryTHP": 2 * 1024**2,
-}
+PAGE_SIZES: dict[str, int] = {name: spec.page_size for name, spec in engine_media.MEDIA.items()}
 
 #: Kubernetes resource the agent DaemonSet requests for the medium (huge pages are their own
 #: resource; tmpfs pages are charged as memory).
 SCHEDULING_RESOURCE: dict[str, str] = {
-    "HugePages-2Mi": "hugepages-2Mi",
-    "HugePages-1Gi": "hugepages-1Gi",
-    "Memory": "memory",
-    "MemoryTHP": "memory",
+    words.HUGEPAGES_2MI: "hugepages-2Mi",
+    words.HUGEPAGES_1GI: "hugepages-1Gi",
+    words.MEMORY: "memory",
+    words.MEMORY_THP: "memory",
 }
 
 
@@ -55,9 +49,4 @@ def page_size(medium: str) -> int:
 
 
 #: Media backed by a hugetlbfs mount (pages reserved up front): the node engine's own list.
-HUGEPAGE_MEDIA: tuple[str, ...] = tuple(name for name, spec in engine_media.MEDIA.items() if spec.hugetlb)
-
-
-def is_hugetlbfs(medium: str) -> bool:
-    """True for media backed by a hugetlbfs mount (pages reserved up front)."""
-    return medium in HUGEPAGE_MEDIA
+HUGEPAGE_MEDIA: tuple[str, ...] = tuple(name for name in MEDIA if is_hugetlbfs(name))

@@ -29,6 +29,7 @@ from offloadpool.region.request import (
 from offloadpool.region.request import (
     DEFAULT_MODE as DEFAULT_MODE_BITS,
 )
+from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK, RECLAIM_DELETE, REPLICATED
 
 from .base import Quantity, SpecModel
 from .media import LayoutType, Medium, NumaPolicy, ReclaimPolicy, ScrubPolicy, is_hugetlbfs, page_size
@@ -42,7 +43,7 @@ DEFAULT_PREFAULT_WORKERS = 0
 DEFAULT_UID = 0
 DEFAULT_GID = 0
 DEFAULT_MODE = f"{DEFAULT_MODE_BITS:04o}"
-DEFAULT_RECLAIM: ReclaimPolicy = "Delete"
+DEFAULT_RECLAIM: ReclaimPolicy = RECLAIM_DELETE
 MAX_RANKS = 256
 MAX_PREFAULT_WORKERS = 256
 MAX_ID = 2**31 - 1
@@ -61,9 +62,9 @@ class LayoutSpec(SpecModel):
 
     @model_validator(mode="after")
     def _rules(self) -> LayoutSpec:
-        if self.type != "Replicated" and self.ranks is None:
+        if self.type != REPLICATED and self.ranks is None:
             raise ValueError("spec.layout.ranks is required when spec.layout.type is PerRank or Interleaved")
-        if self.slot_size is not None and self.type != "Interleaved":
+        if self.slot_size is not None and self.type != INTERLEAVED:
             raise ValueError("spec.layout.slotSize is only valid when spec.layout.type is Interleaved")
         return self
 
@@ -192,7 +193,7 @@ class OffloadPoolSpec(SpecModel):
                 f"spec.capacity ({self.capacity}) must be a whole number of pages of spec.medium "
                 f"{self.medium} (a multiple of {page} bytes)"
             )
-        if self.layout.type != "Replicated" and self.layout.ranks is not None:
+        if self.layout.type != REPLICATED and self.layout.ranks is not None:
             if cap % (self.layout.ranks * page):
                 raise ValueError(
                     f"spec.capacity ({self.capacity}) must split into spec.layout.ranks "
@@ -212,7 +213,7 @@ class OffloadPoolSpec(SpecModel):
             )
         if self.compat is not None and self.compat.vllm is not None:
             vllm = self.compat.vllm
-            if self.layout.type == "PerRank":
+            if self.layout.type == PER_RANK:
                 raise ValueError(
                     "spec.compat.vllm needs one region shared by every rank, which a PerRank "
                     "layout cannot give: use spec.layout.type Replicated or Interleaved"
@@ -267,7 +268,7 @@ class OffloadPoolSpec(SpecModel):
 
     def region_count(self) -> int:
         """Regions per node: one per rank for PerRank, else one."""
-        return self.layout.rank_count if self.layout.type == "PerRank" else 1
+        return self.layout.rank_count if self.layout.type == PER_RANK else 1
 
     def region_bytes(self) -> int:
         """Bytes of each region."""

@@ -8,14 +8,38 @@ their reasons for people.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field
+
+from offloadpool.region.vocabulary import READY
 
 from .base import StatusModel, Timestamp, now
 
 MAX_FAILING_NODES = 20
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+#: Nodes are provisioning or a spec change is rolling out (a condition type and a phase).
+PROGRESSING: Final = "Progressing"
+#: A node failed, or its agent is not at work (a condition type and a phase).
+DEGRADED: Final = "Degraded"
+#: The pool is being deleted; the finalizer waits for its nodes to release the memory (a
+#: phase and a condition reason).
+DELETING: Final = "Deleting"
+#: No Node matches the pool (a phase).
+NO_NODES: Final = "NoNodes"
+#: The pool's conditions: ``Ready`` (the node phase's word: Ready on every selected node),
+#: ``Progressing``, ``Degraded``.
+CONDITION_TYPES: Final = (READY, PROGRESSING, DEGRADED)
+#: ``status.phase``: the conditions summed up for ``kubectl get``.
+POOL_PHASES: Final = (READY, PROGRESSING, DEGRADED, DELETING, NO_NODES)
+
+#: Condition reasons the operator's Events post as Warnings whatever the status.
+#: A node failed at the generation the rollout moved it to: the rollout stops.
+ROLLOUT_HALTED: Final = "RolloutHalted"
+#: The new generation waits on nodes where an engine holds the lease.
+ROLLOUT_PENDING: Final = "RolloutPending"
+#: A deletion waits for nodes to release the memory.
+WAITING_FOR_RELEASE: Final = "WaitingForRelease"
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]

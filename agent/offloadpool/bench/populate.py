@@ -48,9 +48,10 @@ from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, MEMORY_THP
 
 GiB = 1 << 30
-MEDIA = ("HugePages-2Mi", "HugePages-1Gi", "MemoryTHP", "Memory")
+MEDIA = (HUGEPAGES_2MI, HUGEPAGES_1GI, MEMORY_THP, MEMORY)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -257,12 +258,12 @@ def reserved_pages(medium: str, cap: int) -> Iterator[None]:
     if not med.hugetlb:
         yield
         return
-    with hugepages.pool_lock():
+    with hugepages.reservation_lock():
         added = hugepages.grow(med.page_size, cap // med.page_size)
     try:
         yield
     finally:
-        with hugepages.pool_lock():
+        with hugepages.reservation_lock():
             hugepages.shrink(med.page_size, added)
 
 
@@ -316,7 +317,7 @@ def run(
         held = ExitStack()  # 1 GiB pages: taken once for the whole run (see run_wide)
         for medium in media:
             name = f"offloadpool_{medium}"
-            run_wide = medium == "HugePages-1Gi"
+            run_wide = medium == HUGEPAGES_1GI
             try:  # is the medium available here at this size?
                 if run_wide:
                     held.enter_context(reserved_pages(medium, cap))

@@ -41,9 +41,10 @@ from offloadpool.region.populate import default_workers, populate
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.vocabulary import HUGEPAGES_2MI, MEMORY, MEMORY_THP
 
 GiB = 1 << 30
-MEDIA = ("HugePages-2Mi", "MemoryTHP", "Memory")
+MEDIA = (HUGEPAGES_2MI, MEMORY_THP, MEMORY)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

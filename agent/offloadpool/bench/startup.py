@@ -46,11 +46,12 @@ from offloadpool.region.errors import RegionError
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, MEMORY_THP
 
 GiB = 1 << 30
 PAGE = os.sysconf("SC_PAGE_SIZE")
-MEDIA = ("HugePages-2Mi", "HugePages-1Gi", "MemoryTHP", "Memory")
-TARGETS = {"HugePages-2Mi": 20.0, "HugePages-1Gi": 20.0, "Memory": 3.0}
+MEDIA = (HUGEPAGES_2MI, HUGEPAGES_1GI, MEMORY_THP, MEMORY)
+TARGETS = {HUGEPAGES_2MI: 20.0, HUGEPAGES_1GI: 20.0, MEMORY: 3.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

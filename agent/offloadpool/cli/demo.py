@@ -21,15 +21,16 @@ from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.status import pool_state
+from offloadpool.region.vocabulary import HUGEPAGES_2MI, MEMORY_THP
 
 
 def choose_medium(size: int) -> tuple[str, str]:
     """(medium, why): huge pages when they fit, else MemoryTHP."""
     try:
-        capacity.check(plan(PoolRequest(name="probe", capacity=size, medium="HugePages-2Mi")))
-        return "HugePages-2Mi", "2 MiB huge pages can be reserved here"
+        capacity.check(plan(PoolRequest(name="probe", capacity=size, medium=HUGEPAGES_2MI)))
+        return HUGEPAGES_2MI, "2 MiB huge pages can be reserved here"
     except (CapacityError, RequestError) as exc:
-        return "MemoryTHP", f"huge pages unavailable ({exc})"
+        return MEMORY_THP, f"huge pages unavailable ({exc})"
 
 
 def demo_cmd(args: argparse.Namespace) -> int:
@@ -46,10 +47,10 @@ def demo_cmd(args: argparse.Namespace) -> int:
         with populate_bar(console, req.name) as (progress, phase):
             result = provision(req, args.root, progress=progress, on_phase=phase)
     except CapacityError as exc:
-        if args.medium or medium == "MemoryTHP":
+        if args.medium or medium == MEMORY_THP:
             raise
         console.print(f"[yellow]{exc}[/]\nfalling back to MemoryTHP")
-        req = PoolRequest(name=args.name, capacity=size, medium="MemoryTHP")
+        req = PoolRequest(name=args.name, capacity=size, medium=MEMORY_THP)
         with populate_bar(console, req.name) as (progress, phase):
             result = provision(req, args.root, progress=progress, on_phase=phase)
     console.print(summary(result))

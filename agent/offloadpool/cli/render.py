@@ -22,6 +22,7 @@ from rich.table import Table
 from offloadpool.region.errors import fmt_bytes
 from offloadpool.region.provision import ProvisionResult
 from offloadpool.region.status import PoolState
+from offloadpool.region.vocabulary import READY, SCRUBBING
 
 
 def dump(obj: Any) -> None:
@@ -60,7 +61,7 @@ def populate_bar(console: Console, label: str) -> Iterator[tuple]:
                     bar.update(task, completed=done, total=total)
 
         def phase(name: str) -> None:
-            if name == "Scrubbing":  # counts again from 0: the bytes zeroed
+            if name == SCRUBBING:  # counts again from 0: the bytes zeroed
                 with lock:
                     best[0] = 0
                     bar.update(task, completed=0)
@@ -76,7 +77,7 @@ def summary(result: ProvisionResult, node: str | None = None) -> Table:
     table.add_column("")
     files = sum(len(r.segments) for r in m.regions)
     rows = [
-        ("state", "Ready (kept: validated, not re-populated)" if result.reused else "Ready"),
+        ("state", f"{READY} (kept: validated, not re-populated)" if result.reused else READY),
         ("medium", f"{m.medium} (page {fmt_bytes(m.page_size)})"),
         ("layout", f"{m.layout.type}, {m.layout.ranks} rank(s), {len(m.regions)} region(s)"),
         ("capacity", gib(m.total_bytes)),

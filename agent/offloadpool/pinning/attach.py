@@ -36,6 +36,8 @@ from offloadpool.pinning.pin import PinRange, PinStats, register_plan, unregiste
 from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, plan_pin_ranges, split_at
 from offloadpool.region.lease import Lease, LeaseHeld
 from offloadpool.region.manifest import LEASE_NAME, Manifest, Region, load
+from offloadpool.region.media import is_hugetlbfs
+from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK, READY
 
 DEFAULT_LEASE_TIMEOUT = 60.0
 
@@ -48,7 +50,7 @@ def _close_all(fds: list[int]) -> None:
 
 def _check_request(manifest: Manifest, pool_dir: Path, rank: int) -> Region:
     """Refuse a pool that is not attachable or a rank it does not have; return the region."""
-    if manifest.state != "Ready":
+    if manifest.state != READY:
         raise AttachError(
             f"pool {manifest.pool!r} at {pool_dir} is {manifest.state}, not Ready: the node is "
             f"releasing it; wait for it to be provisioned again"
@@ -61,7 +63,7 @@ def _check_request(manifest: Manifest, pool_dir: Path, rank: int) -> Region:
             f"rank {rank} is out of range: pool {manifest.pool!r} is laid out "
             f"{manifest.layout.type} for {ranks} rank{'s' if ranks != 1 else ''} (0..{ranks - 1})"
         )
-    if manifest.layout.type == "PerRank":
+    if manifest.layout.type == PER_RANK:
         region = manifest.regions[rank]
         if region.rank is not None and region.rank != rank:
             raise AttachError(f"manifest region {rank} belongs to rank {region.rank}")
@@ -223,11 +225,11 @@ class Attachment:
         PerRank: the region holds only this rank's slots, back to back. Replicated: whole rows.
         """
         lay = self.manifest.layout
-        if lay.type == "Interleaved" and lay.row_bytes and lay.slot_bytes:
+        if lay.type == INTERLEAVED and lay.row_bytes and lay.slot_bytes:
             return self.size // lay.row_bytes, lay.row_bytes, self.rank * lay.slot_bytes, lay.slot_bytes
         # PerRank/Replicated record their block size as row_bytes (a PerRank region holds only
         # its own rank's blocks, back to back); older writers may have used slot_bytes.
-        unit = lay.row_bytes or (lay.slot_bytes if lay.type == "PerRank" else None)
+        unit = lay.row_bytes or (lay.slot_bytes if lay.type == PER_RANK else None)
         if unit and self.size % unit == 0:
             return self.size // unit, unit, 0, unit
         raise AttachError(f"pool {self.manifest.pool!r} ({lay.type}) records no row geometry")
@@ -287,19 +289,17 @@ class Attachment:
             plan = self.plan(max_chunk=max_chunk, max_ranges=max_ranges)
             impl = backend if isinstance(backend, PinBackend) else get_backend(backend, device)
             try:
-                impl.preflight(
-                    [r.length for r in plan], accounted=not self.manifest.medium.startswith("HugePages")
-                )
+                impl.preflight([r.length for r in plan], accounted=not is_hugetlbfs(self.manifest.medium))
             except BaseException:
                 impl.close()
                 raise
             if not background:
                 return self._run_pin(impl, plan)  # holds the lock; close() cancels via the event
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offloadpool-pin")
+            executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offloadpool-pin")
             try:
-                future = pool.submit(self._run_pin, impl, plan)
+                future = executor.submit(self._run_pin, impl, plan)
             finally:
-                pool.shutdown(wait=False)
+                executor.shutdown(wait=False)
             self._pin_future = future
             future.add_done_callback(self._pin_finished)
             return future
@@ -364,7 +364,7 @@ class Attachment:
 
     def _slot_offset_of(self, rank: int) -> int:
         lay = self.manifest.layout
-        if lay.type != "Interleaved" or not lay.slot_bytes:
+        if lay.type != INTERLEAVED or not lay.slot_bytes:
             raise AttachError(f"only an Interleaved layout holds other ranks' slots ({lay.type})")
         if not 0 <= rank < lay.ranks:
             raise AttachError(f"rank {rank} out of range (0..{lay.ranks - 1})")

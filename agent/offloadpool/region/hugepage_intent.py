@@ -4,7 +4,7 @@ Growing the kernel's huge page pool and recording the pages in the pool's record
 writes; so are giving them back and recording that. A SIGKILL between the two would leak the
 pages (grown, not recorded: nothing gives them back) or give them back twice (given back, not
 recorded: the next release gives them back again). So, under the host's huge page lock
-(``hugepages.pool_lock``), the process first writes one intent durably — "pool P grows page
+(``hugepages.reservation_lock``), the process first writes one intent durably — "pool P grows page
 size S by N pages from total T" or "pool P gives back N pages of size S from total T" —
 then writes ``nr_hugepages`` and the record, then removes the intent. Whoever takes the lock
 next settles an intent it finds before doing anything else (``hugepages.reconcile``): the lock
@@ -150,7 +150,7 @@ def _open_state_dir(root: str | os.PathLike[str], *, create: bool) -> Iterator[i
 
 
 def write(root: str | os.PathLike[str], intent: Intent) -> None:
-    """Make ``intent`` the pending one, durably; the caller holds ``hugepages.pool_lock``."""
+    """Make ``intent`` the pending one, durably; the caller holds ``hugepages.reservation_lock``."""
     data = (json.dumps(asdict(intent), sort_keys=True) + "\n").encode()
     with _open_state_dir(root, create=True) as dfd:
         assert dfd is not None

@@ -13,7 +13,7 @@ taken, from ``/proc/meminfo`` and ``/proc/buddyinfo``, because the remedies diff
 boot vs. free memory).
 
 Each change of ``nr_hugepages`` made for a pool is announced first in the huge page intent
-(``hugepage_intent``), under :func:`pool_lock`, and every take of that lock with a root settles
+(``hugepage_intent``), under :func:`reservation_lock`, and every take of that lock with a root settles
 an intent a killed process left (:func:`reconcile`), so no kill between changing the kernel's
 pool and recording it leaks pages or gives them back twice.
 """
@@ -79,7 +79,7 @@ def counters(page_size: int) -> PoolCounters:
 
 
 @contextmanager
-def pool_lock(root: str | os.PathLike[str] | None = None) -> Iterator[None]:
+def reservation_lock(root: str | os.PathLike[str] | None = None) -> Iterator[None]:
     """Serialise read-modify-write of nr_hugepages among offloadpool processes on this host.
 
     The lock file is host-wide (``/run/lock``). An agent in a container with a read-only root
@@ -107,10 +107,14 @@ def pool_lock(root: str | os.PathLike[str] | None = None) -> Iterator[None]:
         lock.__exit__(None, None, None)
 
 
+#: The name hack/hugepages.py still calls (TODO(issue 28): drop once hack/ says reservation_lock).
+pool_lock = reservation_lock
+
+
 def reconcile(root: str | os.PathLike[str]) -> str | None:
     """Settle the intent a killed process left under ``root``; say what was done (None: none).
 
-    The caller holds :func:`pool_lock` (which calls this itself). An intent of an earlier boot
+    The caller holds :func:`reservation_lock` (which calls this itself). An intent of an earlier boot
     is dropped untouched (the kernel's pools were reset); otherwise ``nr_hugepages`` is brought
     to what the pool's record says (see ``hugepage_intent``), then the intent is removed.
     """
@@ -170,7 +174,7 @@ def grow(page_size: int, pages: int) -> int:
 
     When the kernel adds fewer, memory is compacted and the rest asked for once more. Raises
     :class:`PoolFixed` when the pool cannot be written at all. The caller must hold
-    :func:`pool_lock` and gives the pages back with :func:`shrink` if it cannot use them.
+    :func:`reservation_lock` and gives the pages back with :func:`shrink` if it cannot use them.
     """
     if pages <= 0:
         return 0

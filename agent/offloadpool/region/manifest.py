@@ -7,7 +7,7 @@ pool directory so that an engine image needs nothing but the standard library to
 
 Pool directory layout (``<root>/<pool>/``)::
 
-    manifest.json   this file; present and ``state == "Ready"`` means attachable
+    manifest.json   this file; present with ``state`` Ready means attachable
     lease           engines hold a shared flock on it while attached
     mnt/            the pool's dedicated tmpfs/hugetlbfs mount holding the segment files
 
@@ -29,16 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from offloadpool.region import beneath
+from offloadpool.region.vocabulary import INTERLEAVED, LAYOUTS, MANIFEST_STATES, MEDIA, PER_RANK, READY
 
 FORMAT = "offloadpool.io/region-manifest"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LEASE_NAME = "lease"
 MOUNT_NAME = "mnt"
-
-MEDIA = ("HugePages-2Mi", "HugePages-1Gi", "Memory", "MemoryTHP")
-LAYOUTS = ("Replicated", "PerRank", "Interleaved")
-STATES = ("Ready", "Draining")
 
 
 class ManifestError(ValueError):
@@ -89,7 +86,7 @@ class Manifest:
     regions: tuple[Region, ...]
     total_bytes: int
     alignment: int
-    state: str = "Ready"
+    state: str = READY
     uid: int = 0
     gid: int = 0
     mode: int = 0o660
@@ -114,13 +111,13 @@ class Manifest:
             raise ManifestError(f"unknown medium {self.medium!r}; known: {', '.join(MEDIA)}")
         if self.layout.type not in LAYOUTS:
             raise ManifestError(f"unknown layout {self.layout.type!r}; known: {', '.join(LAYOUTS)}")
-        if self.state not in STATES:
+        if self.state not in MANIFEST_STATES:
             raise ManifestError(f"unknown state {self.state!r}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ManifestError(f"page size {self.page_size} is not a power of two")
         if self.layout.ranks < 1:
             raise ManifestError(f"layout.ranks must be >= 1, got {self.layout.ranks}")
-        expected_regions = self.layout.ranks if self.layout.type == "PerRank" else 1
+        expected_regions = self.layout.ranks if self.layout.type == PER_RANK else 1
         if len(self.regions) != expected_regions:
             raise ManifestError(
                 f"{self.layout.type} layout with {self.layout.ranks} ranks needs "
@@ -159,7 +156,7 @@ class Manifest:
         if not 0 <= self.mode <= 0o7777 or not 0 <= self.uid < 2**32 - 1 or not 0 <= self.gid < 2**32 - 1:
             raise ManifestError(f"uid {self.uid}, gid {self.gid} or mode {self.mode:o} is out of range")
         lay = self.layout
-        if lay.type == "Interleaved" and lay.row_bytes is not None:
+        if lay.type == INTERLEAVED and lay.row_bytes is not None:
             if lay.slot_bytes is None or lay.slot_bytes * lay.ranks > lay.row_bytes:
                 raise ManifestError(
                     f"interleaved row of {lay.row_bytes} bytes cannot hold {lay.ranks} slots of "

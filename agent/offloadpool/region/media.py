@@ -13,6 +13,7 @@ import mmap
 from dataclasses import dataclass
 
 from offloadpool.region.errors import RequestError
+from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, MEMORY_THP
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -35,11 +36,11 @@ class Medium:
 
 
 MEDIA: dict[str, Medium] = {
-    "HugePages-2Mi": Medium("HugePages-2Mi", "hugetlbfs", 2 * MiB),
-    "HugePages-1Gi": Medium("HugePages-1Gi", "hugetlbfs", 1 * GiB),
-    "Memory": Medium("Memory", "tmpfs", mmap.PAGESIZE, huge="never"),
+    HUGEPAGES_2MI: Medium(HUGEPAGES_2MI, "hugetlbfs", 2 * MiB),
+    HUGEPAGES_1GI: Medium(HUGEPAGES_1GI, "hugetlbfs", 1 * GiB),
+    MEMORY: Medium(MEMORY, "tmpfs", mmap.PAGESIZE, huge="never"),
     # Segments are kept 2 MiB multiples so every file can be backed by huge pages end to end.
-    "MemoryTHP": Medium("MemoryTHP", "tmpfs", 2 * MiB, huge="always"),
+    MEMORY_THP: Medium(MEMORY_THP, "tmpfs", 2 * MiB, huge="always"),
 }
 
 
@@ -48,3 +49,10 @@ def medium(name: str) -> Medium:
         return MEDIA[name]
     except KeyError:
         raise RequestError(f"unknown medium {name!r}; known: {', '.join(MEDIA)}") from None
+
+
+def is_hugetlbfs(name: str) -> bool:
+    """True for a medium backed by a hugetlbfs mount (pages reserved up front): the one
+    huge-page test, for a name that may not be a medium at all (then False)."""
+    known = MEDIA.get(name)
+    return known is not None and known.hugetlb

@@ -30,6 +30,7 @@ from offloadpool.region import beneath, layout_files, places
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.vocabulary import READY
 
 
 def adopt(pool_dir: Path) -> records.Record | None:
@@ -54,7 +55,7 @@ def adopt(pool_dir: Path) -> records.Record | None:
 
 
 def _revalidated(pool_dir: Path, old: records.Record) -> records.Record | None:
-    if old.phase != "Ready":
+    if old.phase != READY:
         return None
     try:
         req = old.pool_request()
@@ -64,7 +65,7 @@ def _revalidated(pool_dir: Path, old: records.Record) -> records.Record | None:
     except (RegionError, TypeError, ValueError):
         return None
     rec = records.Record.new(req)
-    rec.phase = "Ready"
+    rec.phase = READY
     rec.mounted = True
     rec.boot_id = records.boot_id()
     rec.hugepage_size = plan.page_size if plan.medium.hugetlb else 0

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offloadpool.region.errors import RegionError, RequestError
+from offloadpool.region.vocabulary import NUMA_INTERLEAVE, NUMA_NONE, NUMA_SPREAD
 
 MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND, MPOL_INTERLEAVE = 0, 1, 2, 3
+#: ``Policy.kind`` of an explicit node list (not a policy name of the API)
+BIND = "Bind"
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259, "s390x": 268}
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -31,15 +34,15 @@ _libc.syscall.restype = ctypes.c_long
 
 @dataclass(frozen=True)
 class Policy:
-    kind: str  # "None" | "Interleave" | "Spread" | "Bind"
+    kind: str  # a name of ``vocabulary.NUMA_POLICIES``, or ``BIND`` for a node list
     nodes: tuple[int, ...] = ()
 
 
 def parse_policy(text: str) -> Policy:
     """Parse the policy syntax (node existence is checked by :func:`placement`)."""
-    if text in (None, "", "None", "none"):
-        return Policy("None")
-    if text in ("Interleave", "Spread"):
+    if text in (None, "", NUMA_NONE, "none"):
+        return Policy(NUMA_NONE)
+    if text in (NUMA_INTERLEAVE, NUMA_SPREAD):
         return Policy(text)
     nodes: set[int] = set()
     try:
@@ -52,7 +55,7 @@ def parse_policy(text: str) -> Policy:
         ) from None
     if not nodes or min(nodes) < 0:
         raise RequestError(f"numa policy {text!r} names no valid node")
-    return Policy("Bind", tuple(sorted(nodes)))
+    return Policy(BIND, tuple(sorted(nodes)))
 
 
 def online_nodes() -> list[int]:
@@ -66,11 +69,11 @@ def online_nodes() -> list[int]:
 def placement(policy: Policy, region_index: int) -> tuple[int, tuple[int, ...]]:
     """(mempolicy mode, nodes) for one region; raises RequestError for offline nodes."""
     online = list(online_nodes())
-    if policy.kind == "None":
+    if policy.kind == NUMA_NONE:
         return MPOL_DEFAULT, ()
-    if policy.kind == "Interleave":
+    if policy.kind == NUMA_INTERLEAVE:
         return MPOL_INTERLEAVE, tuple(online)
-    if policy.kind == "Spread":
+    if policy.kind == NUMA_SPREAD:
         return MPOL_BIND, (online[region_index % len(online)],)
     missing = [n for n in policy.nodes if n not in online]
     if missing:

@@ -32,6 +32,7 @@ from offloadpool.region.errors import RequestError, fmt_bytes
 from offloadpool.region.manifest import MOUNT_NAME, Layout, Region, Segment
 from offloadpool.region.media import Medium, medium
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,13 @@ def row_bytes_of(req: PoolRequest) -> int | None:
     """Row size implied by the request: Interleaved rows hold every rank's slot."""
     if req.slot_bytes is None:
         return None
-    return req.slot_bytes * req.ranks if req.layout_type == "Interleaved" else req.slot_bytes
+    return req.slot_bytes * req.ranks if req.layout_type == INTERLEAVED else req.slot_bytes
 
 
 def compat_segment_sizes(req: PoolRequest, page_size: int, layout_rows: int | None) -> list[int]:
     """The file sizes stock vLLM expects for ``req`` (a compat pool), or RequestError saying
     which setting would make vLLM adopt the pool."""
-    if req.layout_type == "PerRank":
+    if req.layout_type == PER_RANK:
         raise RequestError(
             "compat.vllm exposes one region that every rank of an unmodified vLLM maps; it "
             "cannot be combined with the PerRank layout (one region per rank)"
@@ -150,7 +151,7 @@ def plan(req: PoolRequest) -> Plan:
             f"capacity {fmt_bytes(req.capacity)} is not a multiple of the {fmt_bytes(med.page_size)} "
             f"page size of {med.name}"
         )
-    if req.layout_type == "PerRank":
+    if req.layout_type == PER_RANK:
         if req.capacity % (req.ranks * med.page_size):
             raise RequestError(
                 f"PerRank capacity {fmt_bytes(req.capacity)} does not divide into {req.ranks} "
@@ -174,13 +175,13 @@ def plan(req: PoolRequest) -> Plan:
                 index=index,
                 bytes=size,
                 segments=tuple(segs),
-                rank=index if req.layout_type == "PerRank" else None,
+                rank=index if req.layout_type == PER_RANK else None,
             )
         )
     layout = Layout(
         type=req.layout_type,
         ranks=req.ranks,
         row_bytes=rows,
-        slot_bytes=req.slot_bytes if req.layout_type == "Interleaved" else None,
+        slot_bytes=req.slot_bytes if req.layout_type == INTERLEAVED else None,
     )
     return Plan(medium=med, layout=layout, regions=tuple(regions))

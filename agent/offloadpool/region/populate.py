@@ -27,6 +27,7 @@ from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.journal import Journal, Unit, units
 from offloadpool.region.manifest import Segment
 from offloadpool.region.planner import Plan
+from offloadpool.region.vocabulary import NUMA_NONE
 
 Progress = Callable[[int, int], None]
 DEFAULT_CHUNK = 64 << 20
@@ -216,7 +217,7 @@ def populate(
     *,
     workers: int = 0,
     progress: Progress | None = None,
-    numa_policy: str = "None",
+    numa_policy: str = NUMA_NONE,
     mode: str = "auto",
     chunk_bytes: int = DEFAULT_CHUNK,
     rate_limit: float | None = None,

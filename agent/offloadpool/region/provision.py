@@ -58,6 +58,7 @@ from offloadpool.region.planner import plan as make_plan
 from offloadpool.region.populate import DEFAULT_CHUNK, Progress, populate
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.teardown import teardown
+from offloadpool.region.vocabulary import DRAINING, FAILED, POPULATING, PROVISIONING, READY
 
 PhaseCallback = Callable[[str], None]
 
@@ -143,7 +144,7 @@ def _manifest(req: PoolRequest, plan: Plan, compat: str | None, rec: records.Rec
 def _reserve_hugepages(plan: Plan, pool_dir: Path, rec: records.Record) -> int:
     """Grow the kernel pool so a min_size mount of this plan succeeds; return pages added.
 
-    The caller holds :func:`hugepages.pool_lock`. Before ``nr_hugepages`` is written, the
+    The caller holds :func:`hugepages.reservation_lock`. Before ``nr_hugepages`` is written, the
     intent to grow is (``hugepage_intent``); it stays until the caller has recorded the pages in
     ``rec`` (then clears it), so a kill in between leaves the pages to be given back, not lost.
     """
@@ -200,14 +201,14 @@ def provision(
     if rec is None and places.exists_pool_dir(pool_dir):
         rec = migrate.adopt(pool_dir)  # an older offloadpool's pool, only if it re-validates
     unsafe: places.UnsafeEntry | None = None
-    if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase in ("Ready", "Populating"):
+    if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase in (READY, POPULATING):
         with places.lock(pool_dir):
             try:
                 reused = _reuse(pool_dir, plan, req, t0, progress, say)
             except places.UnsafeEntry as exc:
                 reused, unsafe = None, exc
         if reused is not None:
-            say("Ready")
+            say(READY)
             return reused
     elif places.exists_pool_dir(pool_dir):
         unsafe = _unsafe_entry(pool_dir, rec, plan, req)
@@ -247,7 +248,7 @@ def provision(
         elif places.exists(pool_dir):
             failed = records.load(pool_dir)
             if failed is not None:
-                failed.phase, failed.message = "Failed", str(exc)
+                failed.phase, failed.message = FAILED, str(exc)
                 records.save(pool_dir, failed)
         raise
 
@@ -279,7 +280,7 @@ def _finished_but_unrecorded(pool_dir: Path, plan: Plan, rec: records.Record) ->
     and engines may already be attached; finishing is only the record, which needs neither
     the exclusive lease nor a pre-fault (the journal must agree, as a second proof).
     """
-    if rec.phase != "Populating":
+    if rec.phase != POPULATING:
         return False
     try:
         load_manifest(pool_dir)
@@ -301,7 +302,7 @@ def _reuse(
     None when it does not validate. Raises ``places.UnsafeEntry`` for a name of the wrong kind."""
     _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
-    if rec is None or not (rec.phase == "Ready" or _finished_but_unrecorded(pool_dir, plan, rec)):
+    if rec is None or not (rec.phase == READY or _finished_but_unrecorded(pool_dir, plan, rec)):
         return None
     # A name of the wrong kind raises UnsafeEntry here, before the scrub touches anything; a
     # pool an earlier scrub withheld (no manifest) is checked again once the scrub is done.
@@ -320,11 +321,11 @@ def _reuse(
     )
     if problem is not None and layout_files.check_ready(pool_dir, plan, req) is not None:
         return None
-    if rec.phase != "Ready":
+    if rec.phase != READY:
         coverage = load_manifest(pool_dir).extra.get("hugepage_coverage_percent")
         if isinstance(coverage, (int, float)) and not isinstance(coverage, bool) and 0 <= coverage <= 100:
             rec.hugepage_coverage_percent = float(coverage)
-        rec.phase = "Ready"
+        rec.phase = READY
     places.make_dirs(pool_dir)  # root's, 0755, whatever a pod did to them
     layout_files.secure_mount_dir(pool_dir)
     layout_files.own_segments(pool_dir, plan, req)
@@ -398,13 +399,13 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
     _drop_interrupted_writes(pool_dir)
     rec = records.load(pool_dir)
     rebuilt = False
-    if not rebuild and rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == "Ready":
+    if not rebuild and rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == READY:
         if layout_files.check_ready(pool_dir, plan, req) is None:  # another provisioner finished meanwhile
             reused = _reuse(pool_dir, plan, req, t0, opts.progress, say, lease_held=True)
             if reused is not None:
                 return reused
     if rec is not None and (
-        rebuild or rec.fingerprint != req.fingerprint() or rec.phase in ("Ready", "Draining", "Failed")
+        rebuild or rec.fingerprint != req.fingerprint() or rec.phase in (READY, DRAINING, FAILED)
     ):
         # Different shape, a Ready pool that no longer validates, or a name of the wrong kind:
         # rebuild from scratch.
@@ -419,9 +420,9 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
         rec = records.Record.new(req)
     else:
         rec.request = records.Record.new(req).request
-    rec.phase, rec.message, rec.numa_nodes = "Provisioning", "", call.numa_nodes
+    rec.phase, rec.message, rec.numa_nodes = PROVISIONING, "", call.numa_nodes
     records.save(pool_dir, rec)
-    say("Provisioning")
+    say(PROVISIONING)
 
     mnt = pool_dir / MOUNT_NAME
     with places.pool_fd(pool_dir) as pfd:
@@ -443,7 +444,7 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
             # Growing the pool and mounting (which reserves the pages) under one lock, so two
             # offloadpool processes cannot take each other's freshly added pages. Taking it
             # settles a grow or give-back a killed process left unrecorded (hugepage_intent).
-            with hugepages.pool_lock(pool_dir.parent):
+            with hugepages.reservation_lock(pool_dir.parent):
                 added = _reserve_hugepages(plan, pool_dir, rec)
                 rec.hugepages_added += added
                 records.save(pool_dir, rec)
@@ -458,9 +459,9 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
     layout_files.create_segments(pool_dir, plan, req)
     layout_files.ensure_lease_file(pool_dir, req)
 
-    rec.phase = "Populating"
+    rec.phase = POPULATING
     records.save(pool_dir, rec)
-    say("Populating")
+    say(POPULATING)
     stats = populate(
         pool_dir,
         plan,
@@ -488,9 +489,9 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
     compat = layout_files.sync_compat(pool_dir, plan, req)
     manifest = _manifest(req, plan, compat, rec)
     manifest.write(pool_dir)  # last: from here on engines may attach
-    rec.phase = "Ready"
+    rec.phase = READY
     records.save(pool_dir, rec)
-    say("Ready")
+    say(READY)
     return ProvisionResult(
         pool_dir=pool_dir,
         manifest=manifest,

@@ -23,16 +23,16 @@ from typing import Any
 
 from offloadpool.region import beneath, places
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.vocabulary import PROVISIONING, RECORD_PHASES
 
 RECORD_NAME = "state.json"
-PHASES = ("Provisioning", "Populating", "Ready", "Draining", "Failed")
 
 
 @dataclass
 class Record:
     request: dict[str, Any]
     fingerprint: str
-    phase: str = "Provisioning"
+    phase: str = PROVISIONING
     message: str = ""
     hugepage_size: int = 0
     hugepages_added: int = 0
@@ -112,7 +112,7 @@ def parse(data: bytes) -> Record | None:
         req.validate()
     except (TypeError, ValueError):
         return None
-    if rec.phase not in PHASES or rec.hugepages_added < 0 or rec.hugepage_size < 0:
+    if rec.phase not in RECORD_PHASES or rec.hugepages_added < 0 or rec.hugepage_size < 0:
         return None
     return rec
 

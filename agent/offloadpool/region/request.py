@@ -19,15 +19,22 @@ from dataclasses import dataclass
 from typing import Final
 
 from offloadpool.region.errors import RequestError
-from offloadpool.region.manifest import LAYOUTS
-from offloadpool.region.media import MEDIA
 from offloadpool.region.names import pool_name_error
+from offloadpool.region.vocabulary import (
+    HUGEPAGES_2MI,
+    LAYOUTS,
+    MEDIA,
+    NUMA_NONE,
+    REPLICATED,
+    SCRUB_ON_CONSUMER_CHANGE,
+    SCRUB_POLICIES,
+)
 
-DEFAULT_MEDIUM: Final = "HugePages-2Mi"
-DEFAULT_LAYOUT: Final = "Replicated"
+DEFAULT_MEDIUM: Final = HUGEPAGES_2MI
+DEFAULT_LAYOUT: Final = REPLICATED
 DEFAULT_MAX_FILES: Final = 32
 DEFAULT_MIN_SEGMENT: Final = 1 << 30
-DEFAULT_NUMA: Final = "None"
+DEFAULT_NUMA: Final = NUMA_NONE
 DEFAULT_MODE: Final = 0o660
 #: vLLM 0.33.0's ``num_segments`` for CPUOffloadingSpec (``_REGION_SEGMENTS``).
 DEFAULT_VLLM_SEGMENTS: Final = 32
@@ -35,11 +42,9 @@ DEFAULT_VLLM_SEGMENTS: Final = 32
 #: CRD's ``maximum`` of ``segments.maxFiles`` and ``compat.vllm.numSegments`` (the CRD is the
 #: truth; the engine used to allow 1024, which no pool could ask for).
 MAX_FILES_LIMIT: Final = 32
-#: When the node zeroes a pool's memory before handing it out again (``offloadpool.region.scrub``):
-#: when the consumers change (or the pool is re-created over a retained region), also whenever
-#: its holders left, or never (one tenant that wants its memory kept).
-SCRUB_POLICIES: Final = ("OnConsumerChange", "Always", "Never")
-DEFAULT_SCRUB: Final = "OnConsumerChange"
+#: When the node zeroes a pool's memory before handing it out again: ``SCRUB_POLICIES``
+#: (``offloadpool.region.scrub`` applies them).
+DEFAULT_SCRUB: Final = SCRUB_ON_CONSUMER_CHANGE
 
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _NAMESPACES = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(,[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$")
@@ -52,8 +57,8 @@ class PoolRequest:
 
     ``capacity`` is per node, in bytes. ``slot_bytes`` (Interleaved: one rank's slot in a row;
     PerRank/Replicated: the row/block size) makes segment boundaries fall on rows. ``workers``
-    0 means "decide" (cores available, at most files x 4). ``numa`` is ``"None"`` (no binding),
-    ``"Interleave"`` (pages spread across all nodes), ``"Spread"`` (region i on node i mod N),
+    0 means "decide" (cores available, at most files x 4). ``numa`` is ``None`` (no binding),
+    ``Interleave`` (pages spread across all nodes), ``Spread`` (region i on node i mod N),
     or a node list such as ``"0"`` or ``"0,1"`` / ``"0-1"`` (bind there).
 
     ``compat_engine_id`` exposes the region under stock vLLM's own file names; its files are

@@ -58,15 +58,14 @@ from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME
 from offloadpool.region.planner import Plan
 from offloadpool.region.populate import DEFAULT_CHUNK, Progress, default_workers, map_segments, shares
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.vocabulary import NUMA_NONE, READY, SCRUB_ALWAYS, SCRUB_NEVER, SCRUBBING
 
 PhaseCallback = Callable[[str], None]
 METHODS = ("memset", "punch", "remove")
 #: The fastest method per file system, measured with ``offloadpool bench scrub`` (see
-#: docs/bench-populate.md, "Scrubbing"): writing zeros in user space beats freeing and
+#: docs/bench-populate.md, section Scrubbing): writing zeros in user space beats freeing and
 #: re-faulting pages on both.
 METHOD_FOR = {"tmpfs": "memset", "hugetlbfs": "memset"}
-#: The phase the node reports while it zeroes (``on_phase``; OffloadPoolNode ``Scrubbing``).
-PHASE = "Scrubbing"
 #: What identifies a consumer: who may open the files (uid, gid, mode), who gets the mount
 #: (namespaces), and which OffloadPool the memory belongs to (its uid).
 IDENTITY_FIELDS = ("uid", "gid", "mode", "namespaces", "pool_uid")
@@ -134,7 +133,7 @@ def last_consumer(rec: records.Record) -> dict[str, Any] | None:
     """
     if rec.consumer is not None:
         return rec.consumer
-    if rec.phase == "Ready":
+    if rec.phase == READY:
         return {k: rec.request[k] for k in ("uid", "gid", "mode") if k in rec.request}
     return None
 
@@ -171,7 +170,7 @@ def scrub_needed(rec: records.Record, req: PoolRequest) -> Due | None:
     """
     if rec.scrub_pending:
         return Due(rec.scrub_pending)
-    if req.scrub == "Never":
+    if req.scrub == SCRUB_NEVER:
         return None
     last = last_consumer(rec)
     if last is None:
@@ -186,7 +185,7 @@ def scrub_needed(rec: records.Record, req: PoolRequest) -> Due | None:
     if changed:
         what = ", ".join(f"{f} {_show(f, last[f])} -> {_show(f, now[f])}" for f in changed)
         return Due(f"consumers changed ({what})")
-    if req.scrub == "Always":
+    if req.scrub == SCRUB_ALWAYS:
         return Due("scrub Always: the region is handed out again", owed=False)
     return None
 
@@ -290,7 +289,7 @@ def zero(
     workers: int = 0,
     progress: Progress | None = None,
     method: str = "auto",
-    numa_policy: str = "None",
+    numa_policy: str = NUMA_NONE,
     chunk_bytes: int = DEFAULT_CHUNK,
 ) -> ScrubStats:
     """Zero every byte of every segment of ``plan`` under ``pool_dir``, leaving every page
@@ -366,7 +365,7 @@ def _zero_withheld(
 ) -> None:
     """Withhold, zero, note the figures; the caller holds the exclusive lease."""
     _withhold(pool_dir, plan, req, rec, due)
-    say(PHASE)
+    say(SCRUBBING)
     try:
         stats = zero(pool_dir, plan, workers=req.workers, progress=progress, numa_policy=req.numa)
     except OSError as exc:

@@ -19,8 +19,15 @@ from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, Man
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.names import pool_name_error
 from offloadpool.region.planner import plan as make_plan
-
-PHASES = ("Absent", "Provisioning", "Populating", "Scrubbing", "Ready", "Failed")
+from offloadpool.region.vocabulary import (
+    ABSENT,
+    FAILED,
+    POPULATING,
+    PROVISIONING,
+    READY,
+    SCRUBBING,
+    STATE_PHASES,
+)
 
 
 @dataclass(frozen=True)
@@ -58,16 +65,16 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         if places.exists_pool_dir(pool_dir) and _has_any(pool_dir, MANIFEST_NAME, places.OLD_RECORD_NAME):
             return PoolState(
                 name,
-                "Failed",
+                FAILED,
                 message="pool has no provisioning record of this node's (an older offloadpool's, or lost); "
                 "provision again to adopt or rebuild it",
             )
-        return PoolState(name, "Absent")
+        return PoolState(name, ABSENT)
     try:
         req = rec.pool_request()
         plan = make_plan(req)
     except (RegionError, TypeError, ValueError) as exc:
-        return PoolState(name, "Failed", message=f"unreadable provisioning record: {exc}")
+        return PoolState(name, FAILED, message=f"unreadable provisioning record: {exc}")
     busy = places.busy(pool_dir)
     # every process holding the lease or mapping/opening the files, leased or not, once each
     engines = holders.count(pool_dir)
@@ -86,8 +93,8 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
     if rec.scrub_pending:  # withheld from engines until its memory is zero (region.scrub)
         waits = "" if busy else "; waits for its holders to leave (provision again once they have)"
         message = rec.scrub_pending + waits
-        return replace(common, phase="Scrubbing", populated_bytes=plan.total_bytes, message=message)
-    if rec.phase == "Ready":
+        return replace(common, phase=SCRUBBING, populated_bytes=plan.total_bytes, message=message)
+    if rec.phase == READY:
         message = ""
         manifest = None
         try:
@@ -98,12 +105,12 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         if m is None:
             message = "the pool's mount is gone; provision again to rebuild it"
         if message:
-            return replace(common, phase="Failed", populated_bytes=0, manifest=manifest, message=message)
-        return replace(common, phase="Ready", populated_bytes=plan.total_bytes, manifest=manifest)
+            return replace(common, phase=FAILED, populated_bytes=0, manifest=manifest, message=message)
+        return replace(common, phase=READY, populated_bytes=plan.total_bytes, manifest=manifest)
     done = populated_bytes(pool_dir, units(plan.segments, plan.page_size))
-    phase = rec.phase if rec.phase in PHASES else "Provisioning"  # Draining shows as in progress
+    phase = rec.phase if rec.phase in STATE_PHASES else PROVISIONING  # Draining shows as in progress
     message = rec.message
-    if phase in ("Provisioning", "Populating") and not busy:
+    if phase in (PROVISIONING, POPULATING) and not busy:
         message = message or "interrupted: provision again to finish (populated parts are kept)"
     return replace(common, phase=phase, populated_bytes=done, message=message)
 
@@ -112,7 +119,7 @@ def local_region(root: str | os.PathLike[str], name: str) -> tuple[int, int] | N
     """(generation, total bytes) of the complete region on this node, from the node's own
     record (never the manifest, which a pod can write); None when there is none."""
     rec = records.load(places.pool_dir(root, name))
-    if rec is None or rec.phase != "Ready":
+    if rec is None or rec.phase != READY:
         return None
     try:
         req = rec.pool_request()

@@ -29,6 +29,7 @@ from offloadpool.region.layout_files import compat_names
 from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.vocabulary import DRAINING
 
 
 def teardown(
@@ -59,7 +60,7 @@ def teardown(
                 manifest.write(pool_dir)
             raise
     if rec is not None:
-        rec.phase = "Draining"
+        rec.phase = DRAINING
         rec.mounted = False
         records.save(pool_dir, rec)
     given = 0
@@ -67,7 +68,7 @@ def teardown(
     owes = rec is not None and rec.hugepages_added > 0 and rec.hugepage_size > 0
     if owes or hugepage_intent.pending(root):
         # Taking the lock settles a grow or give-back a killed process left (hugepage_intent).
-        with hugepages.pool_lock(root):
+        with hugepages.reservation_lock(root):
             if rec is not None and owes:
                 given = _give_back_hugepages(pool_dir, rec)
     _remove_made(pool_dir, rec, keep_dir=keep_dir, left=left)
@@ -77,7 +78,7 @@ def teardown(
 def _give_back_hugepages(pool_dir: Path, rec: records.Record) -> int:
     """Give back the huge pages ``rec`` says this node added; return how many.
 
-    The caller holds :func:`hugepages.pool_lock`. The intent comes first, then the record
+    The caller holds :func:`hugepages.reservation_lock`. The intent comes first, then the record
     saying none are held, then ``nr_hugepages``: a kill anywhere leaves the next lock holder
     able to finish the give-back exactly once (``hugepage_intent``). After a reboot the kernel
     pool was reset: nothing is given back, the record just forgets them.

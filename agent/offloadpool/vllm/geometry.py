@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from offloadpool.region.manifest import Manifest
+from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK, REPLICATED
 
 #: The environment variable the admission webhook sets in every container of a pool's pods.
 ENV_POOL_DIR = "OFFLOADPOOL_POOL_DIR"
@@ -89,12 +90,12 @@ def check(manifest: Manifest, pool_dir: Path, tier: EngineTier) -> int | None:
             f"{name} holds {tier_bytes(manifest)} bytes, less than one of vLLM's "
             f"{tier.row_bytes}-byte rows; {fit}"
         )
-    if lay.type == "PerRank":
+    if lay.type == PER_RANK:
         raise PoolMismatch(
             f"{name} is laid out PerRank (one region per rank), but vLLM's CPU tier is one "
             f"region of rows shared by its {tier.world_size} workers; {fit}"
         )
-    if lay.type == "Interleaved":
+    if lay.type == INTERLEAVED:
         if tier.replicated:
             raise PoolMismatch(
                 f"{name} is Interleaved for {lay.ranks} ranks, but vLLM keeps one replicated "
@@ -116,4 +117,4 @@ def check(manifest: Manifest, pool_dir: Path, tier: EngineTier) -> int | None:
             f"{name} holds {tier_bytes(manifest)} bytes, vLLM's CPU tier needs {tier.bytes} "
             f"({tier.num_chunks} rows of {tier.row_bytes}); lower cpu_bytes_to_use or use {fit}"
         )
-    return 0 if lay.type == "Replicated" else None
+    return 0 if lay.type == REPLICATED else None

@@ -35,13 +35,30 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from offloadpool.api.constants import MAX_REASON_LENGTH, clip_message
 from offloadpool.api.status import (
+    DEGRADED,
+    DELETING,
     MAX_FAILING_NODES,
+    NO_NODES,
+    PROGRESSING,
+    ROLLOUT_HALTED,
+    ROLLOUT_PENDING,
+    WAITING_FOR_RELEASE,
     Condition,
     ConditionStatus,
     FailingNode,
     OffloadPoolStatus,
     transition,
+)
+from offloadpool.region.vocabulary import (
+    DRAINING,
+    FAILED,
+    POPULATING,
+    PROVISIONING,
+    READY,
+    RELEASED,
+    SCRUBBING,
 )
 
 from .nodeview import NodeView, stale_cutoff
@@ -49,7 +66,7 @@ from .nodeview import NodeView, stale_cutoff
 MAX_NAMES_IN_MESSAGE = 5
 
 # Order of "how bad" a node's problem is, for the failingNodes list (worst first).
-_SEVERITY = {"Failed": 0, "Unschedulable": 1, "Unresponsive": 2, "NotReporting": 3, "Draining": 4}
+_SEVERITY = {FAILED: 0, "Unschedulable": 1, "Unresponsive": 2, "NotReporting": 3, DRAINING: 4}
 UNSCHEDULABLE_PREFIX = "the agent pod cannot be scheduled: "
 #: Severities of a node whose agent is not at work (nothing there makes progress).
 _STALLED = frozenset({"Unschedulable", "Unresponsive"})
@@ -92,8 +109,8 @@ def _problem(
         )
     reason = view.reason or view.phase
     message = view.message or view.phase
-    if view.phase in ("Populating", "Scrubbing") and view.progress is not None:
-        if not view.message or view.phase == "Scrubbing":
+    if view.phase in (POPULATING, SCRUBBING) and view.progress is not None:
+        if not view.message or view.phase == SCRUBBING:
             message = f"{view.phase} {view.progress}%"
     return (view.phase if view.phase in _SEVERITY else "Other"), reason, message
 
@@ -161,7 +178,7 @@ def _tally(
     tally, cutoff = _Tally(generation, selected), stale_cutoff(now, timeout)
     for node in selected:
         view = views.get(node)
-        if view is not None and view.phase == "Ready" and not view.silent_before(cutoff):
+        if view is not None and view.phase == READY and not view.silent_before(cutoff):
             tally.ready.append(node)
             tally.total_bytes += view.bytes_total
             if view.observed_generation != generation:
@@ -171,7 +188,7 @@ def _tally(
             continue
         severity, reason, message = _problem(view, node, now, cutoff, unschedulable.get(node))
         tally.problems.append((severity, node, reason, message))
-        if view is not None and view.phase == "Failed" and not view.silent_before(cutoff):
+        if view is not None and view.phase == FAILED and not view.silent_before(cutoff):
             tally.failed.append(node)
             if view.observed_generation == generation and view.rollout_generation == generation:
                 tally.halted.append(node)
@@ -188,7 +205,7 @@ def _unreleased(views: Mapping[str, NodeView], existing_nodes: Iterable[str] | N
     return [
         node
         for node, view in sorted(views.items())
-        if (alive is None or node in alive) and view.phase != "Released"
+        if (alive is None or node in alive) and view.phase != RELEASED
     ]
 
 
@@ -221,7 +238,8 @@ def aggregate(
         condition_list = conditions.serving(tally)
     problems = sorted(tally.problems, key=lambda p: (_SEVERITY.get(p[0], 9), p[1]))
     failing = [
-        FailingNode(node=n, reason=r[:128], message=m[:1024]) for _, n, r, m in problems[:MAX_FAILING_NODES]
+        FailingNode(node=n, reason=r[:MAX_REASON_LENGTH], message=clip_message(m))
+        for _, n, r, m in problems[:MAX_FAILING_NODES]
     ]
     if deleting:
         failing = [
@@ -251,19 +269,19 @@ def _release_message(view: NodeView) -> str:
     phase = view.phase or "no status"
     detail = f": {view.reason}" if view.reason else ""
     engines = f", {view.engines_attached} engine(s) attached" if view.engines_attached else ""
-    return f"{phase}{detail}{engines}"[:1024]
+    return clip_message(f"{phase}{detail}{engines}")
 
 
 def _phase(tally: _Tally, deleting: bool) -> str:
     if deleting:
-        return "Deleting"
+        return DELETING
     if not tally.selected:
-        return "NoNodes"
+        return NO_NODES
     if tally.failed or tally.stalled:
-        return "Degraded"
+        return DEGRADED
     if len(tally.ready) == len(tally.selected):
-        return "Ready"
-    return "Progressing"
+        return READY
+    return PROGRESSING
 
 
 class _Conditions:
@@ -288,15 +306,15 @@ class _Conditions:
                 f" and {more} more" if more > 0 else ""
             )
             return [
-                cond("Ready", False, "Deleting", message),
-                cond("Progressing", True, "WaitingForRelease", message),
-                cond("Degraded", False, "Deleting", "the pool is being deleted"),
+                cond(READY, False, DELETING, message),
+                cond(PROGRESSING, True, WAITING_FOR_RELEASE, message),
+                cond(DEGRADED, False, DELETING, "the pool is being deleted"),
             ]
         message = "every node released the memory; removing the finalizer"
         return [
-            cond("Ready", False, "Deleting", message),
-            cond("Progressing", False, "Released", message),
-            cond("Degraded", False, "Deleting", "the pool is being deleted"),
+            cond(READY, False, DELETING, message),
+            cond(PROGRESSING, False, RELEASED, message),
+            cond(DEGRADED, False, DELETING, "the pool is being deleted"),
         ]
 
     def serving(self, t: _Tally) -> list[Condition]:
@@ -305,13 +323,13 @@ class _Conditions:
         not_ready = [node for node in t.selected if node not in ready]
         if not t.selected:
             ready_c = cond(
-                "Ready", False, "NoNodesSelected", "no Node matches the pool's nodeSelector and tolerations"
+                READY, False, "NoNodesSelected", "no Node matches the pool's nodeSelector and tolerations"
             )
         elif not not_ready:
-            ready_c = cond("Ready", True, "AllNodesReady", f"ready on {n}/{n} nodes")
+            ready_c = cond(READY, True, "AllNodesReady", f"ready on {n}/{n} nodes")
         else:
             ready_c = cond(
-                "Ready",
+                READY,
                 False,
                 "NodesNotReady",
                 f"ready on {len(t.ready)}/{n} nodes; not ready: {_names(not_ready)}",
@@ -321,64 +339,62 @@ class _Conditions:
         waiting_turn = [node for node in t.pending if node not in held and node not in busy and node in ready]
         if t.halted:
             prog = cond(
-                "Progressing",
+                PROGRESSING,
                 False,
-                "RolloutHalted",
+                ROLLOUT_HALTED,
                 f"generation {generation} failed on {_names(t.halted)}; rollout stopped",
             )
         elif t.busy:
             stalled = f"; no agent at work on {t.explained(t.stalled)}" if t.stalled else ""
             prog = cond(
-                "Progressing",
+                PROGRESSING,
                 True,
-                "Provisioning",
+                PROVISIONING,
                 f"provisioning on {len(t.busy)} node(s): {_names(t.busy)}{stalled}",
             )
         elif t.stalled:
             prog = cond(
-                "Progressing",
+                PROGRESSING,
                 False,
                 "Stalled",
                 f"no agent at work on {len(t.stalled)} node(s): {t.explained(t.stalled)} (see failingNodes)",
             )
         elif waiting_turn:
             prog = cond(
-                "Progressing",
+                PROGRESSING,
                 True,
                 "RollingOut",
                 f"generation {generation} still to reach {len(waiting_turn)} node(s): {_names(waiting_turn)}",
             )
         elif t.held:
             prog = cond(
-                "Progressing",
+                PROGRESSING,
                 False,
-                "RolloutPending",
+                ROLLOUT_PENDING,
                 f"generation {generation} pending on {len(t.held)} node(s) where an engine holds the "
                 f"lease: {_names(t.held)}",
             )
         else:
             prog = cond(
-                "Progressing", False, "Complete", f"generation {generation} applied on every Ready node"
+                PROGRESSING, False, "Complete", f"generation {generation} applied on every Ready node"
             )
 
         unresponsive, unschedulable = t.unresponsive, t.unschedulable
         if t.failed:
             degraded = cond(
-                "Degraded", True, "NodesFailed", f"failed on {len(t.failed)} node(s): {_names(t.failed)}"
+                DEGRADED, True, "NodesFailed", f"failed on {len(t.failed)} node(s): {_names(t.failed)}"
             )
         elif unschedulable:
             first = unschedulable[0][1]
             degraded = cond(
-                "Degraded",
+                DEGRADED,
                 True,
                 "AgentsUnschedulable",
                 f"agent pod not scheduled on {_names([n for n, _ in unschedulable])}: "
                 + first.removeprefix(UNSCHEDULABLE_PREFIX),
             )
         elif unresponsive:
-            degraded = cond(
-                "Degraded", True, "AgentsUnresponsive", f"no heartbeat from {_names(unresponsive)}"
-            )
+            degraded = cond(DEGRADED, True, "AgentsUnresponsive", f"no heartbeat from {_names(unresponsive)}")
         else:
-            degraded = cond("Degraded", False, "AsExpected", "no node failed")
+            degraded = cond(DEGRADED, False, "AsExpected", "no node failed")
         return [ready_c, prog, degraded]

@@ -11,9 +11,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from offloadpool.api.status import DEGRADED, ROLLOUT_HALTED, ROLLOUT_PENDING, WAITING_FOR_RELEASE
+from offloadpool.region.vocabulary import READY
+
 #: Condition states that are bad news (posted as Warning).
-_WARNING = {("Ready", "False"), ("Degraded", "True")}
-_WARNING_REASONS = {"RolloutHalted", "RolloutPending", "WaitingForRelease"}
+_WARNING = {(READY, "False"), (DEGRADED, "True")}
+_WARNING_REASONS = {ROLLOUT_HALTED, ROLLOUT_PENDING, WAITING_FOR_RELEASE}
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ def transitions(
         prev = old.get(ctype)
         if prev is not None and (prev.get("status"), prev.get("reason")) == (cond["status"], cond["reason"]):
             continue
-        if prev is None and ctype == "Degraded" and cond["status"] == "False":
+        if prev is None and ctype == DEGRADED and cond["status"] == "False":
             continue  # "not degraded" is not news on a new pool
         bad = (ctype, cond["status"]) in _WARNING or cond["reason"] in _WARNING_REASONS
         events.append(

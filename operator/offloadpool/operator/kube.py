@@ -85,7 +85,7 @@ class Kube:
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self.client = client
         self._auth: tuple[float, dict[str, str]] = (float("-inf"), {})
-        self._pool: urllib3.HTTPConnectionPool | None = None
+        self._connection_pool: urllib3.HTTPConnectionPool | None = None
         self._spent = threading.local()
         self.custom, self.core, self.apps, self.coordination = (api(client) for api in API_CLASSES)
 
@@ -101,10 +101,10 @@ class Kube:
     def _connections(self) -> urllib3.HTTPConnectionPool:
         """The client's connection pool for the API server, looked up once (the lookup parses
         the URL and builds a pool key each time: a tenth of a write's client CPU)."""
-        if self._pool is None:
+        if self._connection_pool is None:
             cfg = self.client.configuration
-            self._pool = self.client.rest_client.pool_manager.connection_from_url(cfg.host)
-        return self._pool
+            self._connection_pool = self.client.rest_client.pool_manager.connection_from_url(cfg.host)
+        return self._connection_pool
 
     def write_cpu_seconds(self) -> float:
         """CPU this thread has spent in ``send`` (every write goes through it) so far."""
@@ -136,7 +136,7 @@ class Kube:
         try:
             resp = self._connections().urlopen(method, url, body=payload, headers=headers)
         except urllib3.exceptions.ClosedPoolError:  # the manager dropped it: take the new one
-            self._pool = None
+            self._connection_pool = None
             resp = self._connections().urlopen(method, url, body=payload, headers=headers)
         if not 200 <= resp.status <= 299:
             raise ApiException(http_resp=resp)

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
+from offloadpool.region.vocabulary import FAILED, READY
+
 from .nodeview import NodeView, stale_cutoff
 
 
@@ -62,12 +64,12 @@ def plan(
     waiting: list[str] = []
     for name in names:
         view = views[name]
-        serving = view.phase == "Ready" and not view.silent_before(cutoff)
+        serving = view.phase == READY and not view.silent_before(cutoff)
         if view.rollout_generation == generation and _at_target(view, generation):
             done = serving and view.observed_generation == generation
             if view.held and view.pending_generation == generation and serving:
                 done = True  # held by an engine: skipped, never forced
-            if view.phase == "Failed" and view.observed_generation == generation:
+            if view.phase == FAILED and view.observed_generation == generation:
                 halted.append(name)
             elif not done:
                 in_flight.append(name)

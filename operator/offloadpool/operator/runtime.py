@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from offloadpool.api.constants import GROUP, split_node_object_name
+from offloadpool.api.constants import GROUP, clip_message, split_node_object_name
 
 from .config import OperatorConfig
 from .events import Event
@@ -73,7 +73,7 @@ def _differ_beyond_heartbeat(before: NodeView | None, after: NodeView | None) ->
 
 def post_event(pool: Mapping[str, Any], event: Event) -> None:
     """Post through kopf's event queue (thread-safe; kopf retries and batches posting)."""
-    kopf.event(dict(pool), type=event.type, reason=event.reason, message=event.message[:1024])
+    kopf.event(dict(pool), type=event.type, reason=event.reason, message=clip_message(event.message))
 
 
 class Runtime:

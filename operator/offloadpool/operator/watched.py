@@ -33,6 +33,8 @@ from typing import Any, Generic, TypeVar
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from offloadpool.api.base import resource_revision
+
 from .config import OperatorConfig
 
 log = logging.getLogger(__name__)
@@ -45,12 +47,6 @@ OnChange = Callable[[str, str, "V | None", "V | None"], None]
 
 GONE = 410
 TOO_MANY_REQUESTS = 429
-
-
-def _revision(meta: Mapping[str, Any]) -> int:
-    """The object's resourceVersion as a number (etcd's revision); 0 when not a number."""
-    rv = str(meta.get("resourceVersion") or "")
-    return int(rv) if rv.isdigit() else 0
 
 
 class WatchedKind(Generic[V]):
@@ -107,7 +103,7 @@ class WatchedKind(Generic[V]):
 
     def _upsert(self, body: Mapping[str, Any], notify: bool = True) -> None:
         meta = body.get("metadata") or {}
-        name, revision = meta.get("name"), _revision(meta)
+        name, revision = meta.get("name"), resource_revision(meta)
         where = self._key_of(body)
         if not name or where is None:
             return
