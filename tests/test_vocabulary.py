@@ -28,12 +28,6 @@ OTHER_MEANINGS = {
     ("None", "operator/offloadpool/operator/webhookconfig.py"),  # a webhook's sideEffects
     ("Always", "operator/offloadpool/operator/admission.py"),  # a container's restartPolicy
 }
-#: Modules another change of the same issue splits; their literals are swept once it lands.
-#: TODO(issue 28): empty this set after the agent loop and operator reconcile split merges.
-NOT_YET_SWEPT = {
-    "agent/offloadpool/agent/loop.py",
-    "operator/offloadpool/operator/reconcile.py",
-}
 
 ENGINE = sorted(
     {
@@ -74,7 +68,7 @@ def _written_in(word: str) -> set[str]:
     return {
         module
         for module, text in SOURCES.items()
-        if quoted.search(text) and (word, module) not in OTHER_MEANINGS and module not in NOT_YET_SWEPT
+        if quoted.search(text) and (word, module) not in OTHER_MEANINGS
     }
 
 
@@ -97,7 +91,7 @@ def test_a_condition_word_is_written_only_in_the_status_model(word: str) -> None
 
 def test_messages_are_cut_in_one_place() -> None:
     cut = re.compile(rf"\[:\s*{MAX_MESSAGE_LENGTH}\s*\]")
-    assert [m for m, text in SOURCES.items() if cut.search(text) and m not in NOT_YET_SWEPT] == []
+    assert [m for m, text in SOURCES.items() if cut.search(text)] == []
 
 
 def test_the_huge_page_test_is_written_once() -> None:

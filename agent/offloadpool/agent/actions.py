@@ -21,6 +21,7 @@ from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.node_region import NodeRegion
 from offloadpool.agent.reconcile import Decision
 from offloadpool.agent.status_writer import StatusWriter
+from offloadpool.api.constants import clip_message
 from offloadpool.api.media import is_hugetlbfs
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.lease import LeaseHeld
@@ -28,6 +29,17 @@ from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.scrub import ScrubPending
+from offloadpool.region.vocabulary import (
+    DRAINING,
+    FAILED,
+    PENDING,
+    POPULATING,
+    PROVISIONING,
+    READY,
+    RELEASED,
+    SCRUB_ALWAYS,
+    SCRUBBING,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +113,10 @@ class NodeActions:
         there), unless this process made it already and it is Ready: then only report."""
         req = d.request
         assert req is not None
-        if (
-            self.applied
-            and self.applied.request == req
-            and self.status.phase == "Ready"
-            and self.status.exists
-        ):
+        if self.applied and self.applied.request == req and self.status.phase == READY and self.status.exists:
             attached = self._attached
             self._refresh()
-            if req.scrub != "Always" or not attached or self._attached:
+            if req.scrub != SCRUB_ALWAYS or not attached or self._attached:
                 return self.heartbeat_seconds
             # scrub Always: the last holder left; provision again now, which zeroes the memory
             # before anything attaches next (region.scrub)
@@ -117,7 +124,7 @@ class NodeActions:
         self._scrubbed = False
         try:
             # no status before the engine says it builds: a region that is reused, or that an
-            # engine holds, must never show "Provisioning" (the memory is not being touched)
+            # engine holds, must never show Provisioning (the memory is not being touched)
             result = provision(
                 req,
                 self.region.root,
@@ -136,7 +143,7 @@ class NodeActions:
             if old is not None:
                 fields = dict(bytes_total=old[1], bytes_populated=old[1], progress=100)
             self._phase(
-                "Ready" if old is not None else "Pending",
+                READY if old is not None else PENDING,
                 reason="ScrubPending" if withheld else "LeaseHeld",
                 message=f"generation {req.generation} pending: {exc}",
                 pending_generation=req.generation,
@@ -176,7 +183,7 @@ class NodeActions:
                 message += "; the previous region was torn down first"
         numa_nodes = sorted({n for region in (m.extra or {}).get("numa_nodes") or [] for n in region})
         self._phase(
-            "Ready",
+            READY,
             reason="Reused" if result.reused else ("Resumed" if result.skipped_bytes else "Populated"),
             message=message,
             observed_generation=req.generation,
@@ -191,7 +198,7 @@ class NodeActions:
             numa_nodes=numa_nodes or None,
             engines_attached=self.region.engines_attached(),
         )
-        self._event("Normal", "Ready", self.status.current.message or "region Ready")
+        self._event("Normal", READY, self.status.current.message or "region Ready")
         return self.heartbeat_seconds
 
     def keep(self, d: Decision) -> float:
@@ -208,7 +215,7 @@ class NodeActions:
     def release_region(self, d: Decision) -> float:
         """Give the memory back (the pool deleted, reclaimPolicy Delete), unless an engine
         still holds it: then Draining, and try again after the retry period."""
-        if self.released and self.status.phase == "Released":
+        if self.released and self.status.phase == RELEASED:
             self._refresh()
             return self.heartbeat_seconds
         try:
@@ -219,7 +226,7 @@ class NodeActions:
             self.metrics.error("LeaseHeld")
             n = self.region.engines_attached()
             self._phase(
-                "Draining",
+                DRAINING,
                 reason="LeaseHeld",
                 message=f"pool deleted but {n} engine(s) still attached; release waits: {exc}",
                 engines_attached=n,
@@ -232,26 +239,26 @@ class NodeActions:
             return self.fail("ReleaseFailed", str(exc))
         for warning in result.warnings:  # names left in place: never removed recursively
             log.warning("release of %s: %s", self.region.pool_name, warning)
-            self._event("Warning", "LeftInPlace", warning[:1024])
+            self._event("Warning", "LeftInPlace", clip_message(warning))
         self.released = True
         self.applied = None
         self.metrics.released()
         self._phase(
-            "Released",
-            reason="Released",
+            RELEASED,
+            reason=RELEASED,
             message="region released, memory returned to the node",
             bytes_populated=0,
             progress=0,
             engines_attached=0,
             pending_generation=None,
         )
-        self._event("Normal", "Released", "region released")
+        self._event("Normal", RELEASED, "region released")
         return self.heartbeat_seconds
 
     def retain(self, d: Decision) -> float:
         """The pool deleted, reclaimPolicy Retain: report Released, leave the memory."""
-        if self.status.phase != "Released":
-            self._phase("Released", reason=d.reason, message=d.message)
+        if self.status.phase != RELEASED:
+            self._phase(RELEASED, reason=d.reason, message=d.message)
             self._event("Normal", "Retained", d.message)
         else:
             self._refresh()
@@ -269,9 +276,9 @@ class NodeActions:
         only if they last ``progress_interval`` (StatusWriter ``defer``), so a small pool that
         is Ready sooner costs one status write — one watch event for the operator — not three.
         """
-        if phase == "Provisioning":
+        if phase == PROVISIONING:
             self._phase(
-                "Provisioning",
+                PROVISIONING,
                 defer=True,
                 reason=None,
                 message=None,
@@ -281,15 +288,15 @@ class NodeActions:
                 bytes_populated=0,
                 progress=0,
             )
-        elif phase == "Populating" and self.status.phase != "Populating":
-            self._phase("Populating", defer=True)
-        elif phase == "Scrubbing":
+        elif phase == POPULATING and self.status.phase != POPULATING:
+            self._phase(POPULATING, defer=True)
+        elif phase == SCRUBBING:
             # written at once, unlike the two above: rare (consumers changed), and it says the
             # region is withheld from engines until its memory is zero
             self._scrubbed = True
             self._phase(
-                "Scrubbing",
-                reason="Scrubbing",
+                SCRUBBING,
+                reason=SCRUBBING,
                 message="zeroing the memory before it is handed out again",
                 bytes_total=req.capacity,
                 bytes_populated=req.capacity,
@@ -298,8 +305,8 @@ class NodeActions:
 
     def _progress(self, done: int, total: int) -> None:
         self.metrics.progress(done, total)
-        if self.status.phase not in ("Populating", "Scrubbing"):
-            self.metrics.phase("Populating")
+        if self.status.phase not in (POPULATING, SCRUBBING):
+            self.metrics.phase(POPULATING)
         self.status.progress(done, total)
 
     def fail(self, reason: str, message: str) -> float:
@@ -312,7 +319,7 @@ class NodeActions:
         self.metrics.error(reason)
         self.applied = None
         self._failures += 1
-        self._phase("Failed", reason=reason, message=message[:1024])
+        self._phase(FAILED, reason=reason, message=clip_message(message))
         self._event("Warning", reason, message)
         return min(self.retry_seconds * 2 ** (self._failures - 1), max(60.0, self.retry_seconds))
 

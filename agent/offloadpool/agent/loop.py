@@ -32,8 +32,9 @@ from offloadpool.agent.pool_node_creation import PoolNodeCreation
 from offloadpool.agent.reconcile import Action, decide
 from offloadpool.agent.retry_soon import RetrySoon
 from offloadpool.agent.status_writer import StatusWriter
-from offloadpool.api.constants import NODE_PLURAL, POOL_PLURAL
+from offloadpool.api.constants import NODE_PLURAL, POOL_PLURAL, clip_message
 from offloadpool.api.conversion import SpecError
+from offloadpool.region.vocabulary import READY
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Agent:
 
     def ready(self) -> tuple[bool, str]:
         phase = self.status.phase
-        return phase == "Ready", f"phase {phase}"
+        return phase == READY, f"phase {phase}"
 
     # -- running -----------------------------------------------------------------------------
     def start(self) -> Agent:
@@ -150,7 +151,7 @@ class Agent:
             except Exception as exc:  # never let one bad step kill the agent; report and retry
                 log.exception("agent step failed")
                 self.metrics.error("Internal")
-                self.status.set(reason="AgentError", message=f"{type(exc).__name__}: {exc}"[:1024])
+                self.status.set(reason="AgentError", message=clip_message(f"{type(exc).__name__}: {exc}"))
                 delay = self.retry_seconds
             self.wake.wait(delay)
             self.wake.clear()

@@ -23,6 +23,7 @@ from kubernetes import watch
 from offloadpool.agent import kube
 from offloadpool.agent.credential import Credential
 from offloadpool.agent.status_writer import StatusWriter
+from offloadpool.api.base import resource_revision
 from offloadpool.api.constants import GROUP, VERSION
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,6 @@ log = logging.getLogger(__name__)
 REREAD_PERIODS = 6
 
 Obj = dict[str, Any]
-
-
-def _revision(obj: Obj) -> int:
-    """An object's resourceVersion as a number (etcd's revision, as the operator compares)."""
-    rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-    return int(rv) if rv.isdigit() else 0
 
 
 def _acted_on(pool: Obj) -> tuple[Any, ...]:
@@ -139,7 +134,12 @@ class Observation:
         if self._due(node_name) and not (self.seen.get(node_name) is None and will_create(pool)):
             self._read(node_name, self.access.get_pool_node)
         pool_node, written = self.seen.get(node_name), self.status.written_object
-        if pool_node is not None and written is not None and _revision(written) > _revision(pool_node):
+        if (
+            pool_node is not None
+            and written is not None
+            and resource_revision(written.get("metadata") or {})
+            > resource_revision(pool_node.get("metadata") or {})
+        ):
             pool_node = written  # our own later write: its event is not kept (or not here yet)
         return pool, pool_node
 

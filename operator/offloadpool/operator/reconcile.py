@@ -43,6 +43,7 @@ from kubernetes.client.exceptions import ApiException
 from offloadpool.api.base import now as utcnow
 from offloadpool.api.constants import node_object_name
 from offloadpool.api.node import new_object
+from offloadpool.region.vocabulary import RELEASED
 
 from . import agentpods, daemonset, nodes, rollout
 from .aggregate import aggregate
@@ -546,7 +547,7 @@ class Reconciler:
         meta = pool["metadata"]
         name, memory = meta["name"], self._memory[meta["name"]]
         if meta.get("deletionTimestamp"):
-            stuck = any(view.phase != "Released" for view in views.values())
+            stuck = any(view.phase != RELEASED for view in views.values())
         else:
             cutoff = stale_cutoff(now, self.config.heartbeat_timeout_seconds)
             stuck = any(
