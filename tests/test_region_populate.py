@@ -15,7 +15,7 @@ from offloadpool.region.journal import JOURNAL_NAME, units
 from offloadpool.region.lease import lease_path
 from offloadpool.region.manifest import Segment
 from offloadpool.region.places import state_dir
-from offloadpool.region.populate import shares
+from offloadpool.region.workers import shares
 
 MiB = 1 << 20
 

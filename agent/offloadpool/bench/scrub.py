@@ -37,10 +37,11 @@ from offloadpool.region.journal import JOURNAL_NAME
 from offloadpool.region.manifest import MOUNT_NAME
 from offloadpool.region.planner import Plan
 from offloadpool.region.planner import plan as make_plan
-from offloadpool.region.populate import default_workers, populate
+from offloadpool.region.populate import populate
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.workers import default_workers
 
 GiB = 1 << 30
 MEDIA = ("HugePages-2Mi", "MemoryTHP", "Memory")

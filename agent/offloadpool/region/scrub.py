@@ -24,9 +24,9 @@ idempotent) or zeroed memory. An owed scrub that finds holders leaves the pool w
 same way and raises ``ScrubPending`` (a ``PoolInUse``): the engines attached keep their
 mappings, nothing new can attach, and the agent reports the pool in use as for a reshape.
 
-Zeroing runs on the pre-fault's machinery (``populate``): W threads, each a contiguous share of
-the logical region, so workers start in different files; calls through ctypes, so the GIL is
-released; progress as it goes. The result is what a fresh pre-fault leaves: every byte zero,
+Zeroing runs on the pre-fault's machinery (``region.workers``): W threads, each a contiguous
+share of the logical region, so workers start in different files; calls through ctypes, so the
+GIL is released; progress as it goes. The result is what a fresh pre-fault leaves: every byte zero,
 every page present (no fault moved to the engine), the mount and files unchanged. Methods, per
 file system (``METHOD_FOR``; ``docs/bench-populate.md`` has the measurement that chose them):
 
@@ -39,9 +39,7 @@ file system (``METHOD_FOR``; ``docs/bench-populate.md`` has the measurement that
 
 from __future__ import annotations
 
-import errno
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,14 +48,25 @@ from typing import Any
 
 from offloadpool.region import layout_files, mounts, numa, places, vm
 from offloadpool.region import record as records
-from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
+from offloadpool.region.errors import RegionError, fmt_bytes
 from offloadpool.region.holders import PoolInUse, exclusive_unused
 from offloadpool.region.journal import Unit, units
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME
 from offloadpool.region.planner import Plan
-from offloadpool.region.populate import DEFAULT_CHUNK, Progress, default_workers, map_segments, shares
 from offloadpool.region.request import PoolRequest
+from offloadpool.region.workers import (
+    DEFAULT_CHUNK,
+    Mapping,
+    Progress,
+    Tally,
+    default_workers,
+    fault_in,
+    mapped,
+    run_shares,
+    runs,
+    shares,
+)
 
 PhaseCallback = Callable[[str], None]
 METHODS = ("memset", "punch", "remove")
@@ -194,71 +203,18 @@ def scrub_needed(rec: records.Record, req: PoolRequest) -> Due | None:
 # -- zeroing ----------------------------------------------------------------------------------
 
 
-def _runs(share: list[Unit], chunk_bytes: int) -> list[list[Unit]]:
-    """The units of a share in runs within one file, each at most ``chunk_bytes``."""
-    runs: list[list[Unit]] = []
-    size = 0
-    for u in share:
-        if runs and runs[-1][-1].segment == u.segment and size + u.bytes <= chunk_bytes:
-            runs[-1].append(u)
-            size += u.bytes
-        else:
-            runs.append([u])
-            size = u.bytes
-    return runs
-
-
 class _Zeroing:
-    """One scrub in progress: the mappings its threads share, the counters, the first error."""
+    """One scrub in progress: the mappings its worker threads share and what each of them does
+    with one run of its share."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        fds: list[int],
-        maps: list[tuple[int, int]],
-        method: str,
-        chunk_bytes: int,
-        progress: Progress | None,
-    ) -> None:
-        self.plan, self.fds, self.maps, self.method = plan, fds, maps, method
-        self.chunk_bytes, self.progress = chunk_bytes, progress
-        self.total = plan.total_bytes
-        self.done = 0
-        self.lock = threading.Lock()
-        self.errors: list[BaseException] = []
-        self.stop = threading.Event()
+    def __init__(self, plan: Plan, fds: list[int], maps: list[Mapping], method: str, tally: Tally) -> None:
+        self.plan, self.fds, self.maps, self.method, self.tally = plan, fds, maps, method, tally
 
-    def run(self, parts: list[list[Unit]]) -> None:
-        if len(parts) == 1:
-            self.work(parts[0])
-        else:
-            threads = [
-                threading.Thread(target=self.work, args=(p,), name=f"scrub-{i}", daemon=True)
-                for i, p in enumerate(parts)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        if self.errors:
-            raise self.errors[0]
-
-    def work(self, share: list[Unit]) -> None:
-        try:
-            for run in _runs(share, self.chunk_bytes):
-                if self.stop.is_set():
-                    return
-                first = run[0]
-                length = sum(u.bytes for u in run)
-                self.zero_run(first.segment, first.offset, length)
-                with self.lock:
-                    self.done += length
-                    done = self.done
-                if self.progress is not None:
-                    self.progress(done, self.total)
-        except BaseException as exc:
-            self.errors.append(exc)
-            self.stop.set()
+    def each(self, run: list[Unit]) -> None:
+        first = run[0]
+        length = sum(u.bytes for u in run)
+        self.zero_run(first.segment, first.offset, length)
+        self.tally.add(length)
 
     def zero_run(self, segment: int, offset: int, length: int) -> None:
         addr = self.maps[segment][0] + offset
@@ -269,18 +225,13 @@ class _Zeroing:
             vm.punch_hole(self.fds[segment], offset, length)
         else:
             vm.remove(addr, length)
-        try:
-            vm.populate_write(addr, length)
-        except vm.VMError as exc:
-            if exc.errno == errno.EINVAL:  # kernel < 5.14: fault every page in by hand
-                vm.touch_pages(addr, length, self.plan.page_size)
-            elif exc.errno in (errno.ENOMEM, errno.EFAULT):
-                raise CapacityError(
-                    f"scrub could not take back the pages of a {fmt_bytes(length)} run of the "
-                    f"{self.plan.medium.name} pool: {exc.strerror}"
-                ) from exc
-            else:
-                raise
+        fault_in(
+            addr,
+            length,
+            self.plan.page_size,
+            f"scrub could not take back the pages of a {fmt_bytes(length)} run of the "
+            f"{self.plan.medium.name} pool",
+        )
 
 
 def zero(
@@ -301,18 +252,11 @@ def zero(
         raise RegionError(f"scrub method {method!r} is not one of {METHODS}")
     all_units = units(plan.segments, plan.page_size)
     workers = max(1, min(workers or default_workers(plan), len(all_units)))
-    fds: list[int] = []
-    maps: list[tuple[int, int]] = []
     t0 = time.perf_counter()
-    try:
-        map_segments(Path(pool_dir), plan, numa.parse_policy(numa_policy), fds, maps)
-        _Zeroing(plan, fds, maps, method, chunk_bytes, progress).run(shares(all_units, workers))
+    with mapped(Path(pool_dir), plan, numa.parse_policy(numa_policy)) as (fds, maps):
+        job = _Zeroing(plan, fds, maps, method, Tally(plan.total_bytes, progress))
+        run_shares(shares(all_units, workers), lambda share: runs(share, chunk_bytes), job.each, "scrub")
         seconds = time.perf_counter() - t0
-    finally:
-        for addr, length in maps:
-            vm.unmap(addr, length)
-        for fd in fds:
-            os.close(fd)
     return ScrubStats(plan.total_bytes, seconds, workers, method)
 
 
