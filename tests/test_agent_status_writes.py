@@ -1,8 +1,8 @@
-"""How many status writes an agent makes while its pool converges (issue 12: 1,000 nodes).
+"""How many status writes an agent makes while its pool converges.
 
 Every OffloadPoolNode status write is a watch event the operator must process; at 1,000 nodes
 an agent's Provisioning, Populating, first progress and Ready — 3-4 writes within a second —
-were the operator's main input. The agent now writes the transient phases only when they
+would be the operator's main input. The agent writes the transient phases only when they
 outlast its progress interval (``StatusWriter.progress_interval``, 0.5 s): a small pool costs one
 write, a long populate still shows Populating with its progress.
 
@@ -82,9 +82,8 @@ def test_a_small_pool_is_ready_in_one_status_write(env: dict[str, Any]) -> None:
     # interval: the Ready write carries everything, Populating (the phase, its progress) is
     # never written. Exactly one write is what the agent does on an idle machine; two are
     # allowed because on these 2 shared cores an agent descheduled between Provisioning and
-    # Ready for longer than the interval rightly writes Provisioning first. The writer before
-    # issue 12 wrote Provisioning, Populating and progress at once: 3-4 writes, Populating
-    # always among them.
+    # Ready for longer than the interval rightly writes Provisioning first. A writer that wrote
+    # every phase at once would make 3-4 writes, Populating always among them.
     phases = [s.get("phase") for s in seen]
     assert "Populating" not in phases, seen
     assert len(seen) <= 2 and phases[-1] == "Ready", phases

@@ -729,7 +729,7 @@ NODE_STATUS = {"phase": "Ready", "progress": 100, "enginesAttached": 1}
 def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: Any, tmp_path: Path) -> None:
     """helm upgrade to a chart whose CRD gained a field: the CRD is upgraded (Helm would never
     upgrade a crds/ folder), existing pools keep their spec and status, the new field is accepted
-    (it was refused before); back to the old chart the field is gone again; helm uninstall
+    (the old chart's CRD refuses it); back to the old chart the field is gone again; helm uninstall
     leaves the CRDs and the pools."""
     cp = crds_installed
     release = f"op{secrets.token_hex(3)}"
