@@ -34,13 +34,13 @@ from offloadpool.region import scrub, vm
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.journal import JOURNAL_NAME
 from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.parallel import default_workers
 from offloadpool.region.planner import Plan
 from offloadpool.region.planner import plan as make_plan
 from offloadpool.region.populate import populate
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.workers import default_workers
 
 GiB = 1 << 30
 MEDIA = ("HugePages-2Mi", "MemoryTHP", "Memory")

@@ -1,6 +1,6 @@
 """Parallel, resumable pre-fault of a pool's segment files.
 
-Worker threads (``region.workers``) each take a contiguous share of the logical region and
+Worker threads (``region.parallel``) each take a contiguous share of the logical region and
 walk it in runs of at most ``chunk_bytes`` within one file; each run is made present with
 ``madvise(MADV_POPULATE_WRITE)``, then recorded in the journal and reported as progress, so a
 pre-fault killed part way is resumed where it stopped.
@@ -16,22 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import numa, vm
+from offloadpool.region import numa, parallel, vm
 from offloadpool.region.errors import RegionError, fmt_bytes
 from offloadpool.region.journal import Journal, Unit, units
+from offloadpool.region.parallel import DEFAULT_CHUNK, Progress
 from offloadpool.region.planner import Plan
-from offloadpool.region.workers import (
-    DEFAULT_CHUNK,
-    Mapping,
-    Progress,
-    Tally,
-    default_workers,
-    fault_in,
-    mapped,
-    run_shares,
-    runs,
-    shares,
-)
 
 MODES = ("auto", "madvise", "touch")
 
@@ -75,12 +64,12 @@ class _Prefault:
     def __init__(
         self,
         plan: Plan,
-        maps: list[Mapping],
+        maps: list[parallel.Mapping],
         journal: Journal,
         *,
         mode: str,
         rate_limit: float | None,
-        tally: Tally,
+        tally: parallel.Tally,
     ) -> None:
         self.plan, self.maps, self.journal = plan, maps, journal
         self.rate_limit, self.tally = rate_limit, tally
@@ -104,7 +93,9 @@ class _Prefault:
             out_of_memory = (
                 f"pre-fault ran out of memory at {fmt_bytes(length)} chunk of {self.plan.medium.name} pool"
             )
-            if not fault_in(addr, length, self.plan.page_size, out_of_memory, fallback=self.fallback):
+            if not parallel.fault_in(
+                addr, length, self.plan.page_size, out_of_memory, fallback=self.fallback
+            ):
                 self.mode = "touch"  # kernel < 5.14: no MADV_POPULATE_WRITE
             return
         vm.touch_pages(addr, length, self.plan.page_size)
@@ -140,21 +131,21 @@ def populate(
     pool_dir = Path(pool_dir)
     all_units = units(plan.segments, plan.page_size)
     total = sum(u.bytes for u in all_units)
-    workers = workers or default_workers(plan)
+    workers = workers or parallel.default_workers(plan)
     workers = max(1, min(workers, len(all_units)))
     policy = numa.parse_policy(numa_policy)
     journal = Journal(pool_dir, len(all_units))
     try:
-        with mapped(pool_dir, plan, policy) as (_fds, maps):
+        with parallel.mapped(pool_dir, plan, policy) as (_fds, maps):
             done = journal.done()
             skipped = sum(u.bytes for u in all_units if done[u.index])
             if rate_limit:
                 chunk_bytes = max(1, min(chunk_bytes, int(rate_limit / 8)))
-            tally = Tally(total, progress, start=skipped)
+            tally = parallel.Tally(total, progress, start=skipped)
             job = _Prefault(plan, maps, journal, mode=mode, rate_limit=rate_limit, tally=tally)
-            run_shares(
-                shares(all_units, workers),
-                lambda share: runs(share, chunk_bytes, done),
+            parallel.run_shares(
+                parallel.shares(all_units, workers),
+                lambda share: parallel.runs(share, chunk_bytes, done),
                 job.each,
                 "populate",
             )

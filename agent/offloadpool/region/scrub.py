@@ -24,7 +24,7 @@ idempotent) or zeroed memory. An owed scrub that finds holders leaves the pool w
 same way and raises ``ScrubPending`` (a ``PoolInUse``): the engines attached keep their
 mappings, nothing new can attach, and the agent reports the pool in use as for a reshape.
 
-Zeroing runs on the pre-fault's machinery (``region.workers``): W threads, each a contiguous
+Zeroing runs on the pre-fault's machinery (``region.parallel``): W threads, each a contiguous
 share of the logical region, so workers start in different files; calls through ctypes, so the
 GIL is released; progress as it goes. The result is what a fresh pre-fault leaves: every byte zero,
 every page present (no fault moved to the engine), the mount and files unchanged. Methods, per
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import layout_files, mounts, numa, places, vm
+from offloadpool.region import layout_files, mounts, numa, parallel, places, vm
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError, fmt_bytes
 from offloadpool.region.holders import PoolInUse, exclusive_unused
@@ -55,18 +55,6 @@ from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME
 from offloadpool.region.planner import Plan
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.workers import (
-    DEFAULT_CHUNK,
-    Mapping,
-    Progress,
-    Tally,
-    default_workers,
-    fault_in,
-    mapped,
-    run_shares,
-    runs,
-    shares,
-)
 
 PhaseCallback = Callable[[str], None]
 METHODS = ("memset", "punch", "remove")
@@ -207,7 +195,9 @@ class _Zeroing:
     """One scrub in progress: the mappings its worker threads share and what each of them does
     with one run of its share."""
 
-    def __init__(self, plan: Plan, fds: list[int], maps: list[Mapping], method: str, tally: Tally) -> None:
+    def __init__(
+        self, plan: Plan, fds: list[int], maps: list[parallel.Mapping], method: str, tally: parallel.Tally
+    ) -> None:
         self.plan, self.fds, self.maps, self.method, self.tally = plan, fds, maps, method, tally
 
     def each(self, run: list[Unit]) -> None:
@@ -225,7 +215,7 @@ class _Zeroing:
             vm.punch_hole(self.fds[segment], offset, length)
         else:
             vm.remove(addr, length)
-        fault_in(
+        parallel.fault_in(
             addr,
             length,
             self.plan.page_size,
@@ -239,10 +229,10 @@ def zero(
     plan: Plan,
     *,
     workers: int = 0,
-    progress: Progress | None = None,
+    progress: parallel.Progress | None = None,
     method: str = "auto",
     numa_policy: str = "None",
-    chunk_bytes: int = DEFAULT_CHUNK,
+    chunk_bytes: int = parallel.DEFAULT_CHUNK,
 ) -> ScrubStats:
     """Zero every byte of every segment of ``plan`` under ``pool_dir``, leaving every page
     present. The caller makes sure nothing holds the pool (the exclusive lease)."""
@@ -251,11 +241,16 @@ def zero(
     if method not in METHODS:
         raise RegionError(f"scrub method {method!r} is not one of {METHODS}")
     all_units = units(plan.segments, plan.page_size)
-    workers = max(1, min(workers or default_workers(plan), len(all_units)))
+    workers = max(1, min(workers or parallel.default_workers(plan), len(all_units)))
     t0 = time.perf_counter()
-    with mapped(Path(pool_dir), plan, numa.parse_policy(numa_policy)) as (fds, maps):
-        job = _Zeroing(plan, fds, maps, method, Tally(plan.total_bytes, progress))
-        run_shares(shares(all_units, workers), lambda share: runs(share, chunk_bytes), job.each, "scrub")
+    with parallel.mapped(Path(pool_dir), plan, numa.parse_policy(numa_policy)) as (fds, maps):
+        job = _Zeroing(plan, fds, maps, method, parallel.Tally(plan.total_bytes, progress))
+        parallel.run_shares(
+            parallel.shares(all_units, workers),
+            lambda share: parallel.runs(share, chunk_bytes),
+            job.each,
+            "scrub",
+        )
         seconds = time.perf_counter() - t0
     return ScrubStats(plan.total_bytes, seconds, workers, method)
 
@@ -305,7 +300,7 @@ def _zero_withheld(
     req: PoolRequest,
     rec: records.Record,
     due: Due,
-    progress: Progress | None,
+    progress: parallel.Progress | None,
     say: PhaseCallback,
 ) -> None:
     """Withhold, zero, note the figures; the caller holds the exclusive lease."""
@@ -337,7 +332,7 @@ def before_reuse(
     rec: records.Record,
     *,
     restore_manifest: Callable[[], object],
-    progress: Progress | None = None,
+    progress: parallel.Progress | None = None,
     say: PhaseCallback = lambda phase: None,
     lease_held: bool = False,
 ) -> None:
@@ -380,7 +375,7 @@ def before_hand_out(
     req: PoolRequest,
     rec: records.Record,
     *,
-    progress: Progress | None = None,
+    progress: parallel.Progress | None = None,
     say: PhaseCallback = lambda phase: None,
 ) -> None:
     """Provision's build path, before the manifest is written: the caller holds the exclusive
