@@ -25,7 +25,7 @@ from kubernetes import watch
 from fixtures.cluster import mounts_under
 from fixtures.wait import wait_for
 from offloadpool.agent.status_writer import PROGRESS_INTERVAL
-from test_agent_process import GROUP, VERSION, create, env, start_agent  # noqa: F401  (env: the fixture)
+from test_agent_process import GROUP, VERSION, create, env, node_object_body, start_agent  # noqa: F401  (env: the fixture)
 
 pytestmark = pytest.mark.controlplane
 
@@ -161,15 +161,7 @@ def test_a_refused_write_is_retried_without_waiting_for_a_heartbeat(
     custom = client.CustomObjectsApi(admin)
     core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": sa}})
     custom.create_cluster_custom_object(
-        GROUP,
-        VERSION,
-        "offloadpoolnodes",
-        {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "OffloadPoolNode",
-            "metadata": {"name": f"{pool}.{node}"},
-            "spec": {"pool": pool, "nodeName": node, "targetGeneration": 1},
-        },
+        GROUP, VERSION, "offloadpoolnodes", node_object_body(pool, node, targetGeneration=1)
     )
     agent_api = config.new_client_from_config(
         config_file=str(cp.kubeconfig_for_token(cp.token_for(NAMESPACE, sa), tmp_path / "sa.kubeconfig"))
