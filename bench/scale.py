@@ -11,7 +11,7 @@ API server, etcd, the controller manager and the operator).
 
 With ``--rounds R`` the counts run R times over (200, 500, 1,000, 200, 500, 1,000, ...) against
 the same operator, and every figure is the median of a count's R runs (the machine is shared
-and noisy: one 1,000-node run took 22.5-27 s on the same code); each run's time to converge and
+and noisy: a 1,000-node run takes 22.5-27 s on the same code); each run's time to converge and
 operator CPU per node are listed too.
 
     .venv/bin/python bench/scale.py [--nodes 200,500,1000] [--rounds 3] [--steady-seconds 30]

@@ -258,7 +258,8 @@ def test_scope_unlabelled_and_excluded_namespaces_are_out_and_no_label_of_the_po
 
 # -- what the mutation keys by name is checked by content ---------------------------------------
 def test_a_volume_under_the_pools_name_that_is_not_the_pools_is_refused_not_kept() -> None:
-    """The attack measured in issue 25: the pool's volume name on hostPath / survived mutation."""
+    """A volume named as the pool's but holding hostPath / (or anything else) is refused,
+    never kept in place of the pool's by the mutation."""
     for source in (
         {"hostPath": {"path": "/"}},
         {"hostPath": {"path": "/var/lib/offloadpool/kv", "type": "DirectoryOrCreate"}},

@@ -94,9 +94,9 @@ def test_an_object_read_absent_long_ago_is_not_read_again_before_its_create(tmp_
 
 
 def test_a_stopped_agent_leaves_no_status_thread_behind(tmp_path: Path) -> None:
-    """The status writer's flusher thread ends with the agent's loop: it used to wait for work
-    for ever, one idle thread per stopped agent (the scale test stops thousands in one
-    process). Here the refused write (the client points nowhere) is what starts the flusher:
+    """The status writer's flusher thread ends with the agent's loop: a flusher waiting for work
+    for ever would leave one idle thread per stopped agent (the scale test stops thousands in
+    one process). Here the refused write (the client points nowhere) is what starts the flusher:
     it is to retry it."""
     a = agent(tmp_path).start()
     wait_for("the status writer's flusher started", lambda: a.status._flusher is not None, timeout=60)

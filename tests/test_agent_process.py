@@ -107,19 +107,26 @@ def env(crds_installed: Any) -> Iterator[dict[str, Any]]:
             if e.poll() is None:
                 e.kill()
                 e.wait(10)
-        for plural, name in state["names"]:
-            try:
-                custom.patch_cluster_custom_object(
-                    GROUP, VERSION, plural, name, {"metadata": {"finalizers": None}}
-                )
-                custom.delete_cluster_custom_object(GROUP, VERSION, plural, name)
-            except ApiException:
-                pass
-        release_everything(work)
-        left = mounts_under(work)
-        subprocess.run(["rm", "-rf", str(work)], check=False)
-        api.close()
-        assert not left, f"mounts left: {left}"
+        remove_world(state, api)
+
+
+def remove_world(state: dict[str, Any], api: Any) -> None:
+    """Delete every object ``create`` made (our finalizer stripped first), release every pool
+    under the world's work directory and remove it, close ``api``; a mount left fails."""
+    custom, work = state["custom"], state["work"]
+    for plural, name in state["names"]:
+        try:
+            custom.patch_cluster_custom_object(
+                GROUP, VERSION, plural, name, {"metadata": {"finalizers": None}}
+            )
+            custom.delete_cluster_custom_object(GROUP, VERSION, plural, name)
+        except ApiException:
+            pass
+    release_everything(work)
+    left = mounts_under(work)
+    subprocess.run(["rm", "-rf", str(work)], check=False)
+    api.close()
+    assert not left, f"mounts left: {left}"
 
 
 def create(
@@ -143,17 +150,18 @@ def create(
     state["names"].append(("offloadpoolnodes", f"{pool}.{node}"))
     if not node_object:
         return
-    custom.create_cluster_custom_object(
-        GROUP,
-        VERSION,
-        "offloadpoolnodes",
-        {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "OffloadPoolNode",
-            "metadata": {"name": f"{pool}.{node}"},
-            "spec": {"pool": pool, "nodeName": node},
-        },
-    )
+    custom.create_cluster_custom_object(GROUP, VERSION, "offloadpoolnodes", node_object_body(pool, node))
+
+
+def node_object_body(pool: str, node: str, **spec: Any) -> dict[str, Any]:
+    """An OffloadPoolNode of ``pool`` for ``node``, as the operator or the agent makes it,
+    without labels or owner: ``spec`` adds to its spec."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "OffloadPoolNode",
+        "metadata": {"name": f"{pool}.{node}"},
+        "spec": {"pool": pool, "nodeName": node, **spec},
+    }
 
 
 def status(state: dict[str, Any], name: str) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""How many status writes an agent makes while its pool converges (issue 12: 1,000 nodes).
+"""How many status writes an agent makes while its pool converges.
 
 Every OffloadPoolNode status write is a watch event the operator must process; at 1,000 nodes
 an agent's Provisioning, Populating, first progress and Ready — 3-4 writes within a second —
-were the operator's main input. The agent now writes the transient phases only when they
+would be the operator's main input. The agent writes the transient phases only when they
 outlast its progress interval (``StatusWriter.progress_interval``, 0.5 s): a small pool costs one
 write, a long populate still shows Populating with its progress.
 
@@ -25,7 +25,7 @@ from kubernetes import watch
 from fixtures.cluster import mounts_under
 from fixtures.wait import wait_for
 from offloadpool.agent.status_writer import PROGRESS_INTERVAL
-from test_agent_process import GROUP, VERSION, create, env, start_agent  # noqa: F401  (env: the fixture)
+from test_agent_process import GROUP, VERSION, create, env, node_object_body, start_agent  # noqa: F401  (env: the fixture)
 
 pytestmark = pytest.mark.controlplane
 
@@ -82,9 +82,8 @@ def test_a_small_pool_is_ready_in_one_status_write(env: dict[str, Any]) -> None:
     # interval: the Ready write carries everything, Populating (the phase, its progress) is
     # never written. Exactly one write is what the agent does on an idle machine; two are
     # allowed because on these 2 shared cores an agent descheduled between Provisioning and
-    # Ready for longer than the interval rightly writes Provisioning first. The writer before
-    # issue 12 wrote Provisioning, Populating and progress at once: 3-4 writes, Populating
-    # always among them.
+    # Ready for longer than the interval rightly writes Provisioning first. A writer that wrote
+    # every phase at once would make 3-4 writes, Populating always among them.
     phases = [s.get("phase") for s in seen]
     assert "Populating" not in phases, seen
     assert len(seen) <= 2 and phases[-1] == "Ready", phases
@@ -162,15 +161,7 @@ def test_a_refused_write_is_retried_without_waiting_for_a_heartbeat(
     custom = client.CustomObjectsApi(admin)
     core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": sa}})
     custom.create_cluster_custom_object(
-        GROUP,
-        VERSION,
-        "offloadpoolnodes",
-        {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "OffloadPoolNode",
-            "metadata": {"name": f"{pool}.{node}"},
-            "spec": {"pool": pool, "nodeName": node, "targetGeneration": 1},
-        },
+        GROUP, VERSION, "offloadpoolnodes", node_object_body(pool, node, targetGeneration=1)
     )
     agent_api = config.new_client_from_config(
         config_file=str(cp.kubeconfig_for_token(cp.token_for(NAMESPACE, sa), tmp_path / "sa.kubeconfig"))

@@ -17,6 +17,7 @@ import mmap
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -192,6 +193,21 @@ def disk_phase(pool: Pool) -> str:
     return f"{state.phase}"
 
 
+def died_at(run: Run, proc: subprocess.Popen, point: str, nth: int) -> bool:
+    """Wait for a process sent to die at the ``nth`` time it reaches ``point``: True when it did
+    (checked by what it said), False when it ran to its end instead (checked to have succeeded)."""
+    what = point.split(":", 1)[0]
+    _out, err = proc.communicate(timeout=120)
+    if proc.returncode == -signal.SIGKILL:
+        run.check(
+            "the process died at the point it was sent to", f"CRASH-POINT {point} #{nth}" in err, err[-500:]
+        )
+        run.hit(point + (f" #{nth}" if nth > 1 else ""))
+        return True
+    run.check(f"a {what} that is not killed succeeds", proc.returncode == 0, err[-2000:])
+    return False
+
+
 def kill_provision(run: Run, rng: random.Random, pool: Pool, processes, point: str | None = None) -> None:
     """One provision, killed at ``point``, or by one of the three methods the seed picks."""
     rate = ["--rate-limit", f"{pool.capacity // MiB}Mi"]  # about a second of populate: room to kill in
@@ -208,16 +224,7 @@ def kill_provision(run: Run, rng: random.Random, pool: Pool, processes, point: s
             "provision:mid-record-write": rng.randint(1, 4),
         }.get(point, 1)
         proc = processes(crash_argv(point, nth, "provision", *pool.flags(), *rate))
-        _out, err = proc.communicate(timeout=120)
-        if proc.returncode == -signal.SIGKILL:
-            run.check(
-                "the process died at the point it was sent to",
-                f"CRASH-POINT {point} #{nth}" in err,
-                err[-500:],
-            )
-            run.hit(f"{point}" + (f" #{nth}" if nth > 1 else ""))
-        else:
-            run.check("a provision that is not killed succeeds", proc.returncode == 0, err[-2000:])
+        if not died_at(run, proc, point, nth):
             run.hit(f"{point} (not on this run's path: ran to Ready)")
         return
     proc = processes(cli_argv("provision", *pool.flags(), *rate))
@@ -339,16 +346,7 @@ def kill_release(run: Run, rng: random.Random, pool: Pool, processes, point: str
         point = point or rng.choice(RELEASE_POINTS)
         nth = rng.randint(1, 3) if point == "release:mid-remove-names" else 1
         proc = processes(crash_argv(point, nth, "release", NAME, "--root", str(pool.root)))
-        _out, err = proc.communicate(timeout=120)
-        if proc.returncode == -signal.SIGKILL:
-            run.check(
-                "the process died at the point it was sent to",
-                f"CRASH-POINT {point} #{nth}" in err,
-                err[-500:],
-            )
-            run.hit(point + (f" #{nth}" if nth > 1 else ""))
-        else:
-            run.check("a release that is not killed succeeds", proc.returncode == 0, err[-2000:])
+        if not died_at(run, proc, point, nth):
             run.hit(f"{point} (not on this run's path)")
     else:
         proc = processes(cli_argv("release", NAME, "--root", str(pool.root)))

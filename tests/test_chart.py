@@ -220,16 +220,7 @@ def test_helm_install_into_a_fresh_namespace(crds_installed: Any) -> None:
     ns = f"offloadpool-{release}"
     # The CRDs exist already (applied with kubectl by crds_installed, or kept by an earlier
     # release): --take-ownership lets the release adopt them (docs/operator.md).
-    out = cp.helm(
-        "install",
-        release,
-        str(CHART),
-        "--namespace",
-        ns,
-        "--create-namespace",
-        "--take-ownership",
-        timeout=120,
-    ).stdout
+    out = helm_install(cp, release, ns, "--take-ownership", timeout=120).stdout
     try:
         status = cp.helm("status", release, "--namespace", ns).stdout
         assert "STATUS: deployed" in status, status
@@ -370,6 +361,15 @@ def helm_template(
     cp: Any, *args: str, namespace: str = "offloadpool-system", chart: Path = CHART
 ) -> list[dict[str, Any]]:
     return docs_of(cp.helm("template", "op", str(chart), "--namespace", namespace, *args).stdout)
+
+
+#: The install tests run the operator without its admission webhook (no serving certificate to wait for).
+NO_WEBHOOK = ("--set", "webhook.enabled=false")
+
+
+def helm_install(cp: Any, release: str, ns: str, *args: str, **kwargs: Any) -> Any:
+    """``helm install`` of the repository's chart as ``release`` into ``ns`` (made if missing)."""
+    return cp.helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", *args, **kwargs)
 
 
 def repo_crds() -> dict[str, dict[str, Any]]:
@@ -654,6 +654,17 @@ def kubectl_json(cp: Any, *args: str) -> dict[str, Any]:
     return json.loads(cp.kubectl(*args, "-o", "json").stdout)
 
 
+def crd_versions(cp: Any) -> dict[str, str]:
+    """Each of offloadpool's CRDs by name -> its resourceVersion: equal only if none was written."""
+    return {n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES}
+
+
+def set_status(cp: Any, kind: str, name: str, status: dict[str, Any]) -> None:
+    cp.kubectl(
+        "patch", kind, name, "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})
+    )
+
+
 def pool_names(cp: Any) -> list[str]:
     return [i["metadata"]["name"] for i in kubectl_json(cp, "get", "offloadpools")["items"]]
 
@@ -709,15 +720,11 @@ def test_helm_install_creates_the_crds_and_the_sample_pool_on_a_fresh_cluster(cr
     cp.kubectl("delete", "crd", *CRD_NAMES, "--wait=true", timeout=120)
     installed = False
     try:
-        out = cp.helm(
-            "install",
+        out = helm_install(
+            cp,
             release,
-            str(CHART),
-            "--namespace",
             ns,
-            "--create-namespace",
-            "--set",
-            "webhook.enabled=false",
+            *NO_WEBHOOK,
             "--set",
             "samplePool.enabled=true",
             "--set",
@@ -786,27 +793,16 @@ NODE_STATUS = {"phase": "Ready", "progress": 100, "enginesAttached": 1}
 def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: Any, tmp_path: Path) -> None:
     """helm upgrade to a chart whose CRD gained a field: the CRD is upgraded (Helm would never
     upgrade a crds/ folder), existing pools keep their spec and status, the new field is accepted
-    (it was refused before); back to the old chart the field is gone again; helm uninstall
+    (the old chart's CRD refuses it); back to the old chart the field is gone again; helm uninstall
     leaves the CRDs and the pools."""
     cp = crds_installed
     release = f"op{secrets.token_hex(3)}"
     ns = f"offloadpool-{release}"
     pool, node = f"up-{release}", f"up-{release}.node-a"
-    settings = ["--set", "webhook.enabled=false"]
     new_chart = chart_with_a_new_pool_field(tmp_path)
     installed = True
     try:
-        cp.helm(
-            "install",
-            release,
-            str(CHART),
-            "--namespace",
-            ns,
-            "--create-namespace",
-            "--take-ownership",
-            *settings,
-            timeout=180,
-        )
+        helm_install(cp, release, ns, "--take-ownership", *NO_WEBHOOK, timeout=180)
         body = {
             "apiVersion": "offloadpool.io/v1alpha1",
             "kind": "OffloadPool",
@@ -827,30 +823,14 @@ def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: An
                 }
             ),
         )
-        cp.kubectl(
-            "patch",
-            "offloadpool",
-            pool,
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps({"status": POOL_STATUS}),
-        )
-        cp.kubectl(
-            "patch",
-            "offloadpoolnode",
-            node,
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps({"status": NODE_STATUS}),
-        )
+        set_status(cp, "offloadpool", pool, POOL_STATUS)
+        set_status(cp, "offloadpoolnode", node, NODE_STATUS)
         before = kubectl_json(cp, "get", "offloadpool", pool)
         noted = {**body, "spec": {**body["spec"], "note": "kv cache for team a"}}
         refused = cp.kubectl("apply", "--validate=strict", "-f", "-", input=json.dumps(noted), check=False)
         assert refused.returncode != 0 and 'unknown field "spec.note"' in refused.stderr, refused.stderr
 
-        cp.helm("upgrade", release, str(new_chart), "--namespace", ns, *settings, timeout=180)
+        cp.helm("upgrade", release, str(new_chart), "--namespace", ns, *NO_WEBHOOK, timeout=180)
         crd = kubectl_json(cp, "get", "crd", CRD_NAMES[0])
         assert (
             "note"
@@ -866,7 +846,7 @@ def test_helm_upgrade_carries_a_new_crd_field_and_keeps_pools(crds_installed: An
         assert got["spec"]["note"] == "kv cache for team a" and got["status"] == before["status"]
 
         # back to the repository's chart: the CRD is crds/'s again, the pools stay
-        cp.helm("upgrade", release, str(CHART), "--namespace", ns, *settings, timeout=180)
+        cp.helm("upgrade", release, str(CHART), "--namespace", ns, *NO_WEBHOOK, timeout=180)
         crd = kubectl_json(cp, "get", "crd", CRD_NAMES[0])
         assert crd["spec"]["versions"] == repo_crds()[CRD_NAMES[0]]["spec"]["versions"]
         assert kubectl_json(cp, "get", "offloadpool", pool)["status"] == POOL_STATUS
@@ -895,46 +875,21 @@ def test_existing_crds_are_refused_without_take_ownership_and_left_alone_with_cr
     release = f"op{secrets.token_hex(3)}"
     ns = f"offloadpool-{release}"
     try:
-        refused = cp.helm(
-            "install",
-            release,
-            str(CHART),
-            "--namespace",
-            ns,
-            "--create-namespace",
-            "--set",
-            "webhook.enabled=false",
-            check=False,
-            timeout=120,
-        )
+        refused = helm_install(cp, release, ns, *NO_WEBHOOK, check=False, timeout=120)
         assert refused.returncode != 0, refused.stdout
         assert (
             "CustomResourceDefinition" in refused.stderr
             and "cannot be imported into the current release" in refused.stderr
         ), refused.stderr
         cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
-        before = {n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES}
-        out = cp.helm(
-            "install",
-            release,
-            str(CHART),
-            "--namespace",
-            ns,
-            "--create-namespace",
-            "--set",
-            "webhook.enabled=false",
-            "--set",
-            "crds.install=false",
-            timeout=120,
-        ).stdout
+        before = crd_versions(cp)
+        out = helm_install(cp, release, ns, *NO_WEBHOOK, "--set", "crds.install=false", timeout=120).stdout
         assert "STATUS: deployed" in out and "not in this release: crds.install=false" in out, out
         manifest = cp.helm("get", "manifest", release, "--namespace", ns).stdout
         assert "kind: CustomResourceDefinition" not in manifest
-        assert {
-            n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES
-        } == before
+        assert crd_versions(cp) == before
         cp.kubectl("get", "deployment", f"{release}-operator", "-n", ns)
     finally:
         cp.helm("uninstall", release, "--namespace", ns, check=False, timeout=120)
         cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-    assert {n: kubectl_json(cp, "get", "crd", n)["metadata"]["resourceVersion"] for n in CRD_NAMES} == before
+    assert crd_versions(cp) == before

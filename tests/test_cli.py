@@ -17,18 +17,8 @@ MiB = 1 << 20
 def test_provision_from_file_with_overrides_status_release(region_root, hugepage_baseline):
     root = str(region_root)
     # 80Mi: a whole number of the example's 5Mi vLLM rows, below 2 GiB so vLLM keeps one file
-    out = cli(
-        "provision",
-        "-f",
-        str(REPO / "examples" / "vllm-compat.yaml"),
-        "--capacity",
-        "80Mi",
-        "--root",
-        root,
-        "--node",
-        "node-a",
-        "--json",
-    )
+    from_file = ("provision", "-f", str(REPO / "examples" / "vllm-compat.yaml"), "--capacity", "80Mi")
+    out = cli(*from_file, "--root", root, "--node", "node-a", "--json")
     result = json.loads(out.stdout)
     pool_dir = Path(result["pool_dir"])
     assert pool_dir == region_root / "vllm-stock"
@@ -47,18 +37,7 @@ def test_provision_from_file_with_overrides_status_release(region_root, hugepage
     table = cli("status", "--root", root).stdout
     assert "vllm-stock" in table and "Ready" in table
 
-    again = json.loads(
-        cli(
-            "provision",
-            "-f",
-            str(REPO / "examples" / "vllm-compat.yaml"),
-            "--capacity",
-            "80Mi",
-            "--root",
-            root,
-            "--json",
-        ).stdout
-    )
+    again = json.loads(cli(*from_file, "--root", root, "--json").stdout)
     assert again["reused"] is True
 
     out = cli("release", "vllm-stock", "--root", root)

@@ -7,10 +7,10 @@ read through the API server, a hugepages-2Mi pod is admitted, gets a hugetlbfs v
 pages it really uses (and what its cgroups charge for them), and a mount a privileged container
 makes under a Bidirectional hostPath appears on the host. docs/real-node.md, "The test node".
 
-The ``test_e2e_chart_*`` tests at the end run the whole product there as a user would (issue 10,
-item 3): helm install of the chart with the locally built image, a HugePages-2Mi and a MemoryTHP
-pool provisioned by admitted agent pods, consumer pods attaching and pinning, agent pods
-replaced without re-populating, and the pools' deletion giving every mount, file and huge page
+The ``test_e2e_chart_*`` tests at the end run the whole product there as a user would: helm
+install of the chart with the locally built image, a HugePages-2Mi and a MemoryTHP pool
+provisioned by admitted agent pods, consumer pods attaching and pinning, agent pods replaced
+without re-populating, and the pools' deletion giving every mount, file and huge page
 back. docs/real-node.md, "The chart on the real node".
 """
 
@@ -379,7 +379,7 @@ def import_offloadpool_image(real_node: RealNode) -> str:
     return ref
 
 
-# ---- the chart end to end (issue 10, item 3) ----------------------------------------------------
+# ---- the chart end to end ----------------------------------------------------------------------
 # One helm release for the tests below, which run in order and build on each other as a user's
 # session would: two pools provisioned by their agent pods -> consumer pods attach, write and
 # pin -> the agent pods are replaced and reuse the regions -> the pools are deleted and

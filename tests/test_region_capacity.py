@@ -92,7 +92,7 @@ finally:
 def test_full_mount_namespace_is_refused_by_name_with_nothing_left(region_root, hugepage_baseline, medium):
     """fs.mount-max reached: the kernel's refusal of the pool's mount (ENOSPC) is reported as
     the limit, and the half-begun pool is gone — its directory, and for huge pages what it
-    added to the kernel's pool. (The limit is no longer counted ahead of every provision: that
+    added to the kernel's pool. (The limit is not counted ahead of every provision: that would
     read the whole mount table each time.) The sysctl is global, so it is lowered only for the
     provision and put back whatever happens."""
     limit = Path("/proc/sys/fs/mount-max").read_text().strip()

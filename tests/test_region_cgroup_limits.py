@@ -253,9 +253,8 @@ def test_the_kernel_enforces_the_limit_the_check_reads(cgroups, tmp_path) -> Non
 @pytest.fixture
 def agent_world(crds_installed: Any, cgroups: Cgroups) -> Iterator[dict[str, Any]]:
     from kubernetes import client
-    from kubernetes.client.rest import ApiException
 
-    from fixtures.cluster import mounts_under, release_everything
+    from test_agent_process import remove_world
 
     cp = crds_installed
     work = Path(tempfile.mkdtemp(prefix="offloadpool-cgroup-agent-"))
@@ -269,19 +268,7 @@ def agent_world(crds_installed: Any, cgroups: Cgroups) -> Iterator[dict[str, Any
             if proc.poll() is None:
                 proc.kill()
             proc.wait(30)
-        for plural, name in state["names"]:
-            try:  # create() adds the agent tests' own finalizer: strip it first
-                custom.patch_cluster_custom_object(
-                    GROUP, VERSION, plural, name, {"metadata": {"finalizers": None}}
-                )
-                custom.delete_cluster_custom_object(GROUP, VERSION, plural, name)
-            except ApiException:
-                pass
-        release_everything(work)
-        left = mounts_under(work)
-        subprocess.run(["rm", "-rf", str(work)], check=False)
-        api.close()
-        assert not left, f"mounts left: {left}"
+        remove_world(state, api)
 
 
 @pytest.mark.controlplane

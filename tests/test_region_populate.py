@@ -14,8 +14,8 @@ from fixtures.wait import wait_for
 from offloadpool.region.journal import JOURNAL_NAME, units
 from offloadpool.region.lease import lease_path
 from offloadpool.region.manifest import Segment
+from offloadpool.region.parallel import shares
 from offloadpool.region.places import state_dir
-from offloadpool.region.populate import shares
 
 MiB = 1 << 20
 

@@ -104,8 +104,9 @@ def shared_root(hugepage_baseline: dict) -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def provision(root: Path, medium: str, uid: int, scrub: str, *extra: str, check: bool = True):
-    return cli(
+def provision_argv(root: Path, medium: str, uid: int, *extra: str) -> list[str]:
+    """``offloadpool provision``'s arguments for the test pool, its files ``uid``:``uid``'s."""
+    return [
         "provision",
         "--root",
         str(root),
@@ -121,12 +122,12 @@ def provision(root: Path, medium: str, uid: int, scrub: str, *extra: str, check:
         str(uid),
         "--gid",
         str(uid),
-        "--scrub",
-        scrub,
-        "--json",
         *extra,
-        check=check,
-    )
+    ]
+
+
+def provision(root: Path, medium: str, uid: int, scrub: str, *extra: str, check: bool = True):
+    return cli(*provision_argv(root, medium, uid, "--scrub", scrub, "--json", *extra), check=check)
 
 
 def used_bytes(mnt: Path) -> int:
@@ -241,25 +242,7 @@ def test_kill_mid_scrub_leaves_the_pool_withheld_until_the_next_provision(shared
     pool_dir = shared_root / NAME
     provision(shared_root, medium, A, "OnConsumerChange")
     tenant("write", pool_dir, A)
-    args = [
-        "provision",
-        "--root",
-        str(shared_root),
-        "--name",
-        NAME,
-        "--capacity",
-        "64Mi",
-        "--min-size",
-        "16Mi",
-        "--medium",
-        medium,
-        "--uid",
-        str(B),
-        "--gid",
-        str(B),
-        "--workers",
-        "1",
-    ]
+    args = provision_argv(shared_root, medium, B, "--workers", "1")
     killed = subprocess.run(
         [sys.executable, CRASH_AT, point, "1", "offloadpool.cli", *args], capture_output=True, text=True
     )

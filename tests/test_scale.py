@@ -82,15 +82,16 @@ HEARTBEAT_SECONDS = 10.0
 #: Real agents are one process per node, with a handful of threads.
 HARNESS_SWITCH_SECONDS = 0.1
 #: Regions built or released at once in this process. A node builds its region on its own
-#: CPU, in milliseconds for a small region; a thousand builds interleaved on this machine's two cores
-#: each took seconds to tens of seconds of wall time, so every agent also wrote the transient
-#: phases (Provisioning, Populating, progress) a real node is done with before they are due:
-#: three more status writes per node, and the regions all finished late together instead of
-#: one after another. The work is the same; only how much of it runs at once is the node's.
+#: CPU, in milliseconds for a small region; a thousand builds interleaved on two cores would
+#: each take seconds to tens of seconds of wall time, so every agent would also write the
+#: transient phases (Provisioning, Populating, progress) a real node is done with before they
+#: are due: three more status writes per node, and the regions would all finish late together
+#: instead of one after another. The work is the same; only how much of it runs at once is the
+#: node's.
 REGIONS_AT_ONCE = 4 * (os.cpu_count() or 2)
 #: Each agent's region: the smallest real one the issue allows is a page; 64 KiB (16 pages)
-#: keeps a populate of several pages. With 4 MiB, zeroing 1,000 regions' pages was a tenth of
-#: the test process's CPU (perf), work that tells nothing about the operator.
+#: keeps a populate of several pages. Zeroing 1,000 regions of 4 MiB would be a tenth of the
+#: test process's CPU (perf), work that tells nothing about the operator.
 REGION, REGION_BYTES = "64Ki", 64 << 10
 #: where the simulated nodes' host roots are made (tmpfs; see _run_one)
 SHARED_MEMORY = "/dev/shm"

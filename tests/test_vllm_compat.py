@@ -211,8 +211,8 @@ def test_stock_vllm_adopts_a_multi_file_pool_split_on_its_rows(region_root: Path
 def test_a_pool_in_one_file_where_vllm_wants_several_fails_on_the_second_file(
     region_root: Path, vllm_engine
 ) -> None:
-    """What every compat pool of 2 GiB or more did before the split followed vLLM's (numSegments 1
-    is TieringOffloadingSpec's; CPUOffloadingSpec wants 32)."""
+    """A compat pool of 2 GiB or more in one file where stock vLLM splits its region
+    (numSegments 1 is TieringOffloadingSpec's; CPUOffloadingSpec wants 32)."""
     result = make_pool(region_root, "onefile", 2 * GiB, "llama-tp2", row=None, segments=1)
     before, usage = identity(pool_files(result)), pool_usage(result)
     run = vllm_engine("stock_engine.py", engine_config(result, "llama-tp2"))

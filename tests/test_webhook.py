@@ -423,8 +423,8 @@ def test_labelled_pods_of_system_namespaces_are_untouched(webhook: Webhook) -> N
 
 
 def test_a_pod_labelled_as_the_operators_own_is_still_validated(webhook: Webhook) -> None:
-    """``app.kubernetes.io/managed-by: offloadpool-operator`` is a label any pod can set: it took
-    a pod out of scope before (issue 25). The agent pods are left out by their namespace."""
+    """``app.kubernetes.io/managed-by: offloadpool-operator`` is a label any pod can set, so it
+    takes no pod out of scope. The agent pods are left out by their namespace."""
     missing = f"no-such-pool-{webhook.suffix}"
     managed = {"app.kubernetes.io/managed-by": "offloadpool-operator"}
     message = webhook.refusal(webhook.pod_body("agent-like", missing, **managed))
@@ -438,7 +438,7 @@ def test_a_pod_labelled_as_the_operators_own_is_still_validated(webhook: Webhook
     assert pod["spec"]["initContainers"][0]["name"] == LEASE_SIDECAR_NAME  # mutated like any other
 
 
-# -- what a pod may hold of the host root (issue 25) ----------------------------------------------
+# -- what a pod may hold of the host root ---------------------------------------------------------
 def test_a_labelled_pod_bringing_the_pools_volume_as_the_host_root_is_refused(webhook: Webhook) -> None:
     """The pool's volume name on ``hostPath: /`` was kept by the mutation and passed validation."""
     pool = webhook.create_pool("rootvol")

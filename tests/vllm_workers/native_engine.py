@@ -32,6 +32,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from offloading_config import offloading_config
+
 
 def make_pod_view(cfg: dict[str, Any]) -> list[str]:
     """Each pool (``pool_dirs``, or the one ``pool_dir``) where the pod sees it; the
@@ -47,43 +49,21 @@ def make_pod_view(cfg: dict[str, Any]) -> list[str]:
     return pod_dirs
 
 
-def offloading_config(cfg: dict[str, Any], rank: int, dp: int = 0):
-    """vLLM's own OffloadingConfig, as build_offloading_config fills it for this engine."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    world = cfg["world_size"]
+def native_config(cfg: dict[str, Any], rank: int, dp: int = 0):
+    """vLLM's own OffloadingConfig naming offloadpool's native spec, for data-parallel rank ``dp``."""
     extra = {
         "spec_name": "OffloadPoolOffloadingSpec",
         "spec_module_path": "offloadpool.vllm.spec",
         "pin_backend": "mlock",
         **cfg.get("extra_config", {}),
     }
-    return OffloadingConfig(
-        groups=(),
-        worker_kv_bytes_per_block=cfg["worker_kv_bytes_per_block"],
-        enable_kv_cache_events=False,
+    return offloading_config(
+        cfg,
+        rank,
         extra_config=extra,
         engine_id=cfg.get("engine_id", "native") + (f"_dp{dp}" if cfg.get("dp_size", 1) > 1 else ""),
-        model=OffloadingModelConfig(name="test-model", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=cfg.get("blocks_per_chunk", 1)),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world,
-            tp_size=world,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=cfg.get("dp_index", dp),
-            data_parallel_size=cfg.get("dp_size", 1),
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-        replicated_layout=cfg.get("replicated_layout", False),
+        dp_index=cfg.get("dp_index", dp),
+        dp_size=cfg.get("dp_size", 1),
     )
 
 
@@ -118,7 +98,7 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
         gpu_worker.host_register = lambda ptr, n: (vllm_registrations.append(n), original(ptr, n))[1]
         cpu_spec.CPUOffloadingSpec._uses_shared_region = lambda self: True
         cpu_spec.CPUOffloadingWorker = WorkerStandIn
-        spec = OffloadingSpecFactory.create_spec(offloading_config(cfg, rank, dp))
+        spec = OffloadingSpecFactory.create_spec(native_config(cfg, rank, dp))
         report["spec"] = f"{type(spec).__module__}.{type(spec).__name__}"
         report["pool_dir"] = str(getattr(spec, "pool_dir", ""))
         report.update(

@@ -32,6 +32,8 @@ import time
 import traceback
 from typing import Any
 
+from offloading_config import offloading_config
+
 
 def shm_view() -> dict[str, Any]:
     """What the pod's /dev/shm holds: its own tmpfs usage and each file there."""
@@ -52,38 +54,10 @@ def make_pod_view(cfg: dict[str, Any]) -> None:
         subprocess.run(["mount", "--bind", host_path, pod_path], check=True)
 
 
-def offloading_config(cfg: dict[str, Any], rank: int):
-    """vLLM's own OffloadingConfig, as build_offloading_config would fill it for this engine."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    world = cfg["world_size"]
-    return OffloadingConfig(
-        groups=(),
-        worker_kv_bytes_per_block=cfg["worker_kv_bytes_per_block"],
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": cfg["cpu_bytes_to_use"], **cfg.get("extra_config", {})},
-        engine_id=cfg["engine_id"],
-        model=OffloadingModelConfig(name="test-model", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=cfg.get("blocks_per_chunk", 1)),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world,
-            tp_size=world,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-        replicated_layout=cfg.get("replicated_layout", False),
-    )
+def stock_config(cfg: dict[str, Any], rank: int):
+    """vLLM's own OffloadingConfig for stock vLLM's CPU offloading of ``cpu_bytes_to_use``."""
+    extra = {"cpu_bytes_to_use": cfg["cpu_bytes_to_use"], **cfg.get("extra_config", {})}
+    return offloading_config(cfg, rank, extra_config=extra, engine_id=cfg["engine_id"])
 
 
 def hold(cfg: dict[str, Any], rank: int) -> None:
@@ -110,7 +84,7 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
         timeout = cfg.get("barrier_timeout", 60)
         cpu_spec._all_workers_barrier = lambda: barrier.wait(timeout)
         cpu_spec.CPUOffloadingWorker = lambda **kw: kw["mmap_region"]
-        spec = OffloadingSpecFactory.create_spec(offloading_config(cfg, rank))
+        spec = OffloadingSpecFactory.create_spec(stock_config(cfg, rank))
         spec._uses_shared_region = lambda: True
         report["spec"] = type(spec).__name__
         t0 = time.perf_counter()

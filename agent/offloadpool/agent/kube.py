@@ -47,9 +47,9 @@ def throttled_retries() -> Retry:
     the request was not processed, so a create or patch is as safe to repeat as a read).
 
     A new pool's agents all make their first writes at once, and they share one ServiceAccount,
-    which priority and fairness treats as one flow: at 1,000 nodes the API server refused
+    which priority and fairness treats as one flow: at 1,000 nodes the API server refuses
     hundreds of Lease and OffloadPoolNode writes, and an agent that waited for its next step
-    to try again took a heartbeat period or more each time (docs/scale.md). Connection
+    to try again would take a heartbeat period or more each time (docs/scale.md). Connection
     failures are retried as urllib3's default does; a read that failed mid-way is not (the
     request may have been carried out: the agent's loop decides what to do next).
     """

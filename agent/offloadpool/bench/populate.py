@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -42,6 +40,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from offloadpool.bench import report
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.region import hugepages, mounts, vllm_compat, vm
 from offloadpool.region.errors import CapacityError, RegionError
@@ -383,15 +382,14 @@ def run(
 
 def markdown(result: dict, command: str) -> str:
     p = result["params"]
-    lines = [
-        f"Command: `{command}`  ",
+    lines = report.head(
+        command,
         f"Capacity {p['capacity_bytes'] / GiB:g} GiB, {p['ranks']} ranks, {p['workers']} offloadpool/memset "
-        f"threads, {p['reps']} timed reps per case (medians; min-max in brackets).  ",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()),
-        "",
-        "| strategy | GiB/s (median) | min-max GiB/s | seconds (median) | vs engine_baseline |",
-        "|---|---:|---:|---:|---:|",
-    ]
+        f"threads, {p['reps']} timed reps per case (medians; min-max in brackets).",
+        result["machine"],
+        ["strategy"],
+        ["GiB/s (median)", "min-max GiB/s", "seconds (median)", "vs engine_baseline"],
+    )
     base = result["strategies"]["engine_baseline"]["gib_per_s"]
     for name, s in sorted(result["strategies"].items(), key=lambda kv: kv[1]["gib_per_s"]):
         lines.append(
@@ -405,9 +403,7 @@ def markdown(result: dict, command: str) -> str:
         f"(vs memset_bulk {result['ratio_vs_memset_bulk']}) "
         f"(best: {result['best_offloadpool']})",
     ]
-    for name, why in result["unavailable"].items():
-        lines.append(f"\n{name} not measured: {why}")
-    return "\n".join(lines) + "\n"
+    return report.tail(lines, result["unavailable"])
 
 
 def chart(result: dict, path: str, command: str) -> None:
@@ -443,28 +439,17 @@ def run_cli(args: argparse.Namespace) -> int:
     from offloadpool.api.quantity import parse_quantity as parse_size
 
     cap = parse_size(args.capacity)
-    if args.reps < 3:
-        print("note: fewer than 3 reps; medians are not meaningful", file=sys.stderr)
+    report.note_reps(args.reps)
     result = run(
-        cap,
-        args.ranks,
-        args.reps,
-        args.workers,
-        [m for m in args.media.split(",") if m],
-        log=lambda s: print(s, file=sys.stderr, flush=True),
+        cap, args.ranks, args.reps, args.workers, [m for m in args.media.split(",") if m], log=report.log
     )
     command = (
-        f"offloadpool bench populate --capacity {args.capacity} --ranks {args.ranks} "
-        f"--reps {args.reps}"
-        + (f" --workers {args.workers}" if args.workers else "")
-        + (f" --media {args.media}" if args.media != ",".join(MEDIA) else "")
+        f"offloadpool bench populate --capacity {args.capacity} --ranks {args.ranks} --reps {args.reps}"
+        + report.flag("--workers", args.workers, 0)
+        + report.flag("--media", args.media, ",".join(MEDIA))
     )
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(result, command))
+    text = markdown(result, command)
     if args.png:
         chart(result, args.png, command)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(markdown(result, command))
+    report.publish(args, result, text)
     return 0

@@ -20,24 +20,24 @@ run). GiB/s is C / seconds. The fastest scrub method per file system is what
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from offloadpool.bench import report
 from offloadpool.bench.populate import _workspace, reserved_pages
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.region import scrub, vm
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.journal import JOURNAL_NAME
 from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.parallel import default_workers
 from offloadpool.region.planner import Plan
 from offloadpool.region.planner import plan as make_plan
-from offloadpool.region.populate import default_workers, populate
+from offloadpool.region.populate import populate
 from offloadpool.region.provision import provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
@@ -147,15 +147,14 @@ def run(
 
 def markdown(result: dict, command: str) -> str:
     p = result["params"]
-    lines = [
-        f"Command: `{command}`  ",
+    lines = report.head(
+        command,
         f"Capacity {p['capacity_bytes'] / GiB:g} GiB per medium, {p['reps']} timed reps per case, "
-        "interleaved (medians; min-max).  ",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()),
-        "",
-        "| medium | case | GiB/s (median) | min-max GiB/s | seconds (median) | vs prefault |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
+        "interleaved (medians; min-max).",
+        result["machine"],
+        ["medium", "case"],
+        ["GiB/s (median)", "min-max GiB/s", "seconds (median)", "vs prefault"],
+    )
     for medium, m in result["media"].items():
         base = m["cases"]["prefault"]["gib_per_s"]
         for name, s in m["cases"].items():
@@ -165,30 +164,21 @@ def markdown(result: dict, command: str) -> str:
                 f"| {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} | {s['seconds']:.3f} "
                 f"| {s['gib_per_s'] / base:.2f}x |"
             )
-    for name, why in result["unavailable"].items():
-        lines.append(f"\n{name} not measured: {why}")
-    return "\n".join(lines) + "\n"
+    return report.tail(lines, result["unavailable"])
 
 
 def run_cli(args: argparse.Namespace) -> int:
     from offloadpool.api.quantity import parse_quantity
 
     cap = parse_quantity(args.capacity)
-    if args.reps < 3:
-        print("note: fewer than 3 reps; medians are not meaningful", file=sys.stderr)
+    report.note_reps(args.reps)
     result = run(
-        cap,
-        max(1, args.reps),
-        args.workers,
-        [m for m in args.media.split(",") if m],
-        log=lambda s: print(s, file=sys.stderr, flush=True),
+        cap, max(1, args.reps), args.workers, [m for m in args.media.split(",") if m], log=report.log
     )
     command = (
         f"offloadpool bench scrub --capacity {args.capacity} --reps {args.reps}"
-        + (f" --workers {args.workers}" if args.workers else "")
-        + (f" --media {args.media}" if args.media != ",".join(MEDIA) else "")
+        + report.flag("--workers", args.workers, 0)
+        + report.flag("--media", args.media, ",".join(MEDIA))
     )
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(result, command))
-    print(json.dumps(result, indent=2) if args.json else markdown(result, command))
+    report.publish(args, result, markdown(result, command))
     return 0

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
 import sys
@@ -36,6 +35,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from offloadpool.bench import report
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.pinning import PinStats, attach, get_backend
 from offloadpool.pinning.backends.base import PinBackend
@@ -264,15 +264,14 @@ def _summarise(
 
 def markdown(result: dict[str, Any], command: str) -> str:
     p = result["params"]
-    lines = [
-        f"Command: `{command}`  ",
+    lines = report.head(
+        command,
         f"Capacity {p['capacity_bytes'] / GiB:g} GiB, pinning backend `{result['backend']}`, "
-        f"{p['reps']} timed reps per case (medians; min-max in brackets).  ",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()),
-        "",
-        "| medium | engine_built s | attach_provisioned s | ratio | attach s | pin s | registration GiB/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+        f"{p['reps']} timed reps per case (medians; min-max in brackets).",
+        result["machine"],
+        ["medium"],
+        ["engine_built s", "attach_provisioned s", "ratio", "attach s", "pin s", "registration GiB/s"],
+    )
     for medium, m in result["per_medium"].items():
         a = result["cases"][f"attach_provisioned[{medium}]"]
         lines.append(
@@ -294,30 +293,22 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"ratio_engine_built_vs_attach = **{result['ratio_engine_built_vs_attach']}** "
         f"(best medium: {result['best_medium']})",
     ]
-    for medium, why in result["unavailable"].items():
-        lines.append(f"\n{medium} not measured: {why}")
-    return "\n".join(lines) + "\n"
+    return report.tail(lines, result["unavailable"])
 
 
 def run_cli(args: argparse.Namespace) -> int:
     from offloadpool.api.quantity import parse_quantity as parse_size
 
     cap = parse_size(args.capacity)
-    if args.reps < 3:
-        print("note: fewer than 3 reps; medians are not meaningful", file=sys.stderr)
+    report.note_reps(args.reps)
     media = [m for m in args.media.split(",") if m]
-    result = run(cap, args.reps, media, args.backend, log=lambda s: print(s, file=sys.stderr, flush=True))
+    result = run(cap, args.reps, media, args.backend, log=report.log)
     command = (
         f"offloadpool bench startup --capacity {args.capacity} --reps {args.reps}"
-        + (f" --media {args.media}" if args.media != ",".join(MEDIA) else "")
-        + (f" --backend {args.backend}" if args.backend != "auto" else "")
+        + report.flag("--media", args.media, ",".join(MEDIA))
+        + report.flag("--backend", args.backend, "auto")
     )
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(result, command))
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(markdown(result, command))
+    report.publish(args, result, markdown(result, command))
     return 0
 
 

@@ -8,9 +8,10 @@ no ``mlock``. These thin ctypes wrappers raise ``OSError`` with the real errno.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap as _mmap
 import os
+
+from offloadpool.region.libc import LIBC, MAP_FAILED
 
 PROT_NONE = 0
 PROT_READ = _mmap.PROT_READ
@@ -25,25 +26,6 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14; Python 3.11's mmap module lacks the cons
 
 PAGE_SIZE = _mmap.PAGESIZE
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-for _name in ("munmap", "mlock", "munlock"):
-    getattr(_libc, _name).restype = ctypes.c_int
-    getattr(_libc, _name).argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
 
 def _raise(what: str) -> None:
     err = ctypes.get_errno()
@@ -52,28 +34,28 @@ def _raise(what: str) -> None:
 
 def mmap(addr: int, length: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
     """``mmap(2)``; returns the address."""
-    res = _libc.mmap(addr or None, length, prot, flags, fd, offset)
-    if res is None or res == _MAP_FAILED:
+    res = LIBC.mmap(addr or None, length, prot, flags, fd, offset)
+    if res is None or res == MAP_FAILED:
         _raise(f"mmap({addr:#x}, {length})")
     return int(res)
 
 
 def munmap(addr: int, length: int) -> None:
-    if _libc.munmap(addr, length) != 0:
+    if LIBC.munmap(addr, length) != 0:
         _raise(f"munmap({addr:#x}, {length})")
 
 
 def mlock(addr: int, length: int) -> None:
-    if _libc.mlock(addr, length) != 0:
+    if LIBC.mlock(addr, length) != 0:
         _raise(f"mlock({addr:#x}, {length})")
 
 
 def munlock(addr: int, length: int) -> None:
-    if _libc.munlock(addr, length) != 0:
+    if LIBC.munlock(addr, length) != 0:
         _raise(f"munlock({addr:#x}, {length})")
 
 
 def madvise(addr: int, length: int, advice: int) -> None:
     """``madvise(2)`` through ctypes, which releases the GIL (``mmap.madvise`` holds it)."""
-    if _libc.madvise(addr, length, advice) != 0:
+    if LIBC.madvise(addr, length, advice) != 0:
         _raise(f"madvise({addr:#x}, {length}, {advice})")

@@ -69,9 +69,9 @@ def _mounts(mountinfo: str) -> tuple[tuple[str, Path, str, frozenset[str]], ...]
     table at path ``mountinfo``.
 
     Read once per process: the container runtime mounts the cgroup hierarchies before the
-    agent starts, and nothing mounts another under a running one. Reading the whole table at
-    every provision cost a microsecond per mount (a line per container mount on a node, a pool
-    per simulated node in the scale test, where it was 7 % of the agents' CPU at 500 nodes).
+    agent starts, and nothing mounts another under a running one. The table has a line per
+    container mount on a node (a pool per simulated node in the scale test), so reading it at
+    every provision would cost the agent in proportion to the node's mounts.
     """
     out = []
     for line in Path(mountinfo).read_text().splitlines():

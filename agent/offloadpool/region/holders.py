@@ -222,7 +222,7 @@ def _maps_any(proc: str, pid: int, files: set[FileId], inodes: set[str]) -> bool
 
     The whole table is read at once and searched for the inode numbers before any line is
     parsed: nearly every process on a node maps none of them, and the scan runs over every
-    process at every heartbeat (a Python loop over each line of each process's table was
+    process at every heartbeat (a Python loop over each line of each process's table would be
     most of an agent's CPU on a busy machine).
     """
     with open(f"{proc}/{pid}/maps") as fh:
@@ -314,10 +314,9 @@ def count(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> int:
     """ "Engines attached": distinct processes holding the lease or mapping/opening the files.
 
     The scan of every process (``find_holders``) runs only when a file of the pool is open or
-    mapped somewhere (``open_anywhere``): the count is reported at every heartbeat, and on a
-    node with many processes or sockets the scan was the agent's largest cost — paid, nearly
-    always, to learn that nothing holds the memory. Otherwise only flock holders can hold the
-    pool, and ``/proc/locks`` names them.
+    mapped somewhere (``open_anywhere``): the count is reported at every heartbeat, the scan's
+    cost grows with the node's processes and sockets, and nearly always nothing holds the
+    memory. Otherwise only flock holders can hold the pool, and ``/proc/locks`` names them.
     """
     if open_anywhere(pool_dir) is False:
         return len(pool_lockers(pool_dir, proc) - {self_pid(proc)})

@@ -40,7 +40,7 @@ DEFAULT_MODE: Final = 0o660
 DEFAULT_VLLM_SEGMENTS: Final = 32
 #: Most segment files per region, and most files stock vLLM may split a region into: the
 #: CRD's ``maximum`` of ``segments.maxFiles`` and ``compat.vllm.numSegments`` (the CRD is the
-#: truth; the engine used to allow 1024, which no pool could ask for).
+#: truth: the engine allows no more than a pool can ask for).
 MAX_FILES_LIMIT: Final = 32
 #: When the node zeroes a pool's memory before handing it out again: ``SCRUB_POLICIES``
 #: (``offloadpool.region.scrub`` applies them).

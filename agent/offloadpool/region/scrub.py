@@ -24,9 +24,9 @@ idempotent) or zeroed memory. An owed scrub that finds holders leaves the pool w
 same way and raises ``ScrubPending`` (a ``PoolInUse``): the engines attached keep their
 mappings, nothing new can attach, and the agent reports the pool in use as for a reshape.
 
-Zeroing runs on the pre-fault's machinery (``populate``): W threads, each a contiguous share of
-the logical region, so workers start in different files; calls through ctypes, so the GIL is
-released; progress as it goes. The result is what a fresh pre-fault leaves: every byte zero,
+Zeroing runs on the pre-fault's machinery (``region.parallel``): W threads, each a contiguous
+share of the logical region, so workers start in different files; calls through ctypes, so the
+GIL is released; progress as it goes. The result is what a fresh pre-fault leaves: every byte zero,
 every page present (no fault moved to the engine), the mount and files unchanged. Methods, per
 file system (``METHOD_FOR``; ``docs/bench-populate.md`` has the measurement that chose them):
 
@@ -39,24 +39,21 @@ file system (``METHOD_FOR``; ``docs/bench-populate.md`` has the measurement that
 
 from __future__ import annotations
 
-import errno
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import layout_files, mounts, numa, places, vm
+from offloadpool.region import layout_files, mounts, numa, parallel, places, vm
 from offloadpool.region import record as records
-from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
+from offloadpool.region.errors import RegionError, fmt_bytes
 from offloadpool.region.holders import PoolInUse, exclusive_unused
 from offloadpool.region.journal import Unit, units
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME
 from offloadpool.region.planner import Plan
-from offloadpool.region.populate import DEFAULT_CHUNK, Progress, default_workers, map_segments, shares
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import NUMA_NONE, READY, SCRUB_ALWAYS, SCRUB_NEVER, SCRUBBING
 
@@ -193,71 +190,20 @@ def scrub_needed(rec: records.Record, req: PoolRequest) -> Due | None:
 # -- zeroing ----------------------------------------------------------------------------------
 
 
-def _runs(share: list[Unit], chunk_bytes: int) -> list[list[Unit]]:
-    """The units of a share in runs within one file, each at most ``chunk_bytes``."""
-    runs: list[list[Unit]] = []
-    size = 0
-    for u in share:
-        if runs and runs[-1][-1].segment == u.segment and size + u.bytes <= chunk_bytes:
-            runs[-1].append(u)
-            size += u.bytes
-        else:
-            runs.append([u])
-            size = u.bytes
-    return runs
-
-
 class _Zeroing:
-    """One scrub in progress: the mappings its threads share, the counters, the first error."""
+    """One scrub in progress: the mappings its worker threads share and what each of them does
+    with one run of its share."""
 
     def __init__(
-        self,
-        plan: Plan,
-        fds: list[int],
-        maps: list[tuple[int, int]],
-        method: str,
-        chunk_bytes: int,
-        progress: Progress | None,
+        self, plan: Plan, fds: list[int], maps: list[parallel.Mapping], method: str, tally: parallel.Tally
     ) -> None:
-        self.plan, self.fds, self.maps, self.method = plan, fds, maps, method
-        self.chunk_bytes, self.progress = chunk_bytes, progress
-        self.total = plan.total_bytes
-        self.done = 0
-        self.lock = threading.Lock()
-        self.errors: list[BaseException] = []
-        self.stop = threading.Event()
+        self.plan, self.fds, self.maps, self.method, self.tally = plan, fds, maps, method, tally
 
-    def run(self, parts: list[list[Unit]]) -> None:
-        if len(parts) == 1:
-            self.work(parts[0])
-        else:
-            threads = [
-                threading.Thread(target=self.work, args=(p,), name=f"scrub-{i}", daemon=True)
-                for i, p in enumerate(parts)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        if self.errors:
-            raise self.errors[0]
-
-    def work(self, share: list[Unit]) -> None:
-        try:
-            for run in _runs(share, self.chunk_bytes):
-                if self.stop.is_set():
-                    return
-                first = run[0]
-                length = sum(u.bytes for u in run)
-                self.zero_run(first.segment, first.offset, length)
-                with self.lock:
-                    self.done += length
-                    done = self.done
-                if self.progress is not None:
-                    self.progress(done, self.total)
-        except BaseException as exc:
-            self.errors.append(exc)
-            self.stop.set()
+    def each(self, run: list[Unit]) -> None:
+        first = run[0]
+        length = sum(u.bytes for u in run)
+        self.zero_run(first.segment, first.offset, length)
+        self.tally.add(length)
 
     def zero_run(self, segment: int, offset: int, length: int) -> None:
         addr = self.maps[segment][0] + offset
@@ -268,18 +214,13 @@ class _Zeroing:
             vm.punch_hole(self.fds[segment], offset, length)
         else:
             vm.remove(addr, length)
-        try:
-            vm.populate_write(addr, length)
-        except vm.VMError as exc:
-            if exc.errno == errno.EINVAL:  # kernel < 5.14: fault every page in by hand
-                vm.touch_pages(addr, length, self.plan.page_size)
-            elif exc.errno in (errno.ENOMEM, errno.EFAULT):
-                raise CapacityError(
-                    f"scrub could not take back the pages of a {fmt_bytes(length)} run of the "
-                    f"{self.plan.medium.name} pool: {exc.strerror}"
-                ) from exc
-            else:
-                raise
+        parallel.fault_in(
+            addr,
+            length,
+            self.plan.page_size,
+            f"scrub could not take back the pages of a {fmt_bytes(length)} run of the "
+            f"{self.plan.medium.name} pool",
+        )
 
 
 def zero(
@@ -287,10 +228,10 @@ def zero(
     plan: Plan,
     *,
     workers: int = 0,
-    progress: Progress | None = None,
+    progress: parallel.Progress | None = None,
     method: str = "auto",
     numa_policy: str = NUMA_NONE,
-    chunk_bytes: int = DEFAULT_CHUNK,
+    chunk_bytes: int = parallel.DEFAULT_CHUNK,
 ) -> ScrubStats:
     """Zero every byte of every segment of ``plan`` under ``pool_dir``, leaving every page
     present. The caller makes sure nothing holds the pool (the exclusive lease)."""
@@ -299,19 +240,17 @@ def zero(
     if method not in METHODS:
         raise RegionError(f"scrub method {method!r} is not one of {METHODS}")
     all_units = units(plan.segments, plan.page_size)
-    workers = max(1, min(workers or default_workers(plan), len(all_units)))
-    fds: list[int] = []
-    maps: list[tuple[int, int]] = []
+    workers = max(1, min(workers or parallel.default_workers(plan), len(all_units)))
     t0 = time.perf_counter()
-    try:
-        map_segments(Path(pool_dir), plan, numa.parse_policy(numa_policy), fds, maps)
-        _Zeroing(plan, fds, maps, method, chunk_bytes, progress).run(shares(all_units, workers))
+    with parallel.mapped(Path(pool_dir), plan, numa.parse_policy(numa_policy)) as (fds, maps):
+        job = _Zeroing(plan, fds, maps, method, parallel.Tally(plan.total_bytes, progress))
+        parallel.run_shares(
+            parallel.shares(all_units, workers),
+            lambda share: parallel.runs(share, chunk_bytes),
+            job.each,
+            "scrub",
+        )
         seconds = time.perf_counter() - t0
-    finally:
-        for addr, length in maps:
-            vm.unmap(addr, length)
-        for fd in fds:
-            os.close(fd)
     return ScrubStats(plan.total_bytes, seconds, workers, method)
 
 
@@ -360,7 +299,7 @@ def _zero_withheld(
     req: PoolRequest,
     rec: records.Record,
     due: Due,
-    progress: Progress | None,
+    progress: parallel.Progress | None,
     say: PhaseCallback,
 ) -> None:
     """Withhold, zero, note the figures; the caller holds the exclusive lease."""
@@ -392,7 +331,7 @@ def before_reuse(
     rec: records.Record,
     *,
     restore_manifest: Callable[[], object],
-    progress: Progress | None = None,
+    progress: parallel.Progress | None = None,
     say: PhaseCallback = lambda phase: None,
     lease_held: bool = False,
 ) -> None:
@@ -435,7 +374,7 @@ def before_hand_out(
     req: PoolRequest,
     rec: records.Record,
     *,
-    progress: Progress | None = None,
+    progress: parallel.Progress | None = None,
     say: PhaseCallback = lambda phase: None,
 ) -> None:
     """Provision's build path, before the manifest is written: the caller holds the exclusive

@@ -8,32 +8,16 @@ the GIL for its whole duration, so W threads fault pages on W cores.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
+
+from offloadpool.region.libc import LIBC, MAP_FAILED
 
 PROT_READ, PROT_WRITE = 0x1, 0x2
 MAP_SHARED = 0x01
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 MADV_REMOVE = 9  # free the range's pages of a shared file mapping (tmpfs, hugetlbfs)
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-_libc.memset.restype = ctypes.c_void_p
-_libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 
 
 class VMError(OSError):
@@ -42,7 +26,7 @@ class VMError(OSError):
 
 def map_shared(fd: int, length: int, offset: int = 0) -> int:
     """Map ``length`` bytes of ``fd`` read-write and shared; return the address."""
-    addr = _libc.mmap(None, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset)
+    addr = LIBC.mmap(None, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset)
     if addr in (None, MAP_FAILED):
         err = ctypes.get_errno()
         raise VMError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
@@ -50,7 +34,7 @@ def map_shared(fd: int, length: int, offset: int = 0) -> int:
 
 
 def unmap(addr: int, length: int) -> None:
-    if _libc.munmap(addr, length) != 0:
+    if LIBC.munmap(addr, length) != 0:
         err = ctypes.get_errno()
         raise VMError(err, f"munmap failed: {os.strerror(err)}")
 
@@ -62,7 +46,7 @@ def populate_write(addr: int, length: int) -> None:
     memory an engine may already have written.
     """
     for _ in range(100):
-        if _libc.madvise(addr, length, MADV_POPULATE_WRITE) == 0:
+        if LIBC.madvise(addr, length, MADV_POPULATE_WRITE) == 0:
             return
         err = ctypes.get_errno()
         if err not in (errno.EINTR, errno.EAGAIN):  # those two: simply try again
@@ -73,7 +57,7 @@ def populate_write(addr: int, length: int) -> None:
 def remove(addr: int, length: int) -> None:
     """MADV_REMOVE: free the pages of [addr, addr+length) from the file (a punched hole);
     the next fault, or ``populate_write``, gets fresh pages the kernel has zeroed."""
-    if _libc.madvise(addr, length, MADV_REMOVE) != 0:
+    if LIBC.madvise(addr, length, MADV_REMOVE) != 0:
         err = ctypes.get_errno()
         raise VMError(err, f"madvise(MADV_REMOVE) failed: {os.strerror(err)}")
 
@@ -81,7 +65,7 @@ def remove(addr: int, length: int) -> None:
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """fallocate(PUNCH_HOLE | KEEP_SIZE): free a file range's pages, keep its size (the GIL is
     released for the call, unlike ``os.posix_fallocate``, which cannot punch at all)."""
-    while _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+    while LIBC.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         err = ctypes.get_errno()
         if err != errno.EINTR:
             raise VMError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
@@ -101,7 +85,7 @@ def touch_pages(addr: int, length: int, page: int) -> None:
 
 def memset(addr: int, value: int, length: int) -> None:
     """libc memset (releases the GIL): the benchmark's zeroing limit, and one way to scrub."""
-    _libc.memset(addr, value, length)
+    LIBC.memset(addr, value, length)
 
 
 def view(addr: int, length: int) -> memoryview:

@@ -7,7 +7,7 @@
   at least C / ``pass_cpu_share`` (``OperatorConfig.pass_pause``), so a big pool's passes take
   a bounded share of a core however fast its agents report. Writes are left out of C: each is
   a change made once (a thousand Nodes marked cost a thousand writes however the passes fall),
-  and pausing after them only delayed the pool's Ready by seconds. What the operator writes itself (pool
+  and pausing after them would only delay the pool's Ready by seconds. What the operator writes itself (pool
   status, marks on Nodes) wakes nothing, so passes do not beget passes; agents' heartbeats
   are Leases, which it does not watch;
 - kopf watches the pools only. Nodes and OffloadPoolNodes — thousands of events while a big

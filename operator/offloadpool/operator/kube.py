@@ -6,7 +6,7 @@ not have finished. Calls are synchronous; the reconciler runs in a worker thread
 
 Bodies go out as plain dicts and answers come back as plain JSON (``_preload_content=False``):
 turning each answer into the client's model objects (a whole V1Node for every label written)
-cost more CPU than everything else the operator does per node.
+would cost more CPU than everything else the operator does per node.
 
 The writes made once per node of a pool (create an OffloadPoolNode, mark a Node, advance a
 rollout) and the pool status go through ``Kube.send``: straight into the client's own urllib3
@@ -99,8 +99,8 @@ class Kube:
         return headers
 
     def _connections(self) -> urllib3.HTTPConnectionPool:
-        """The client's connection pool for the API server, looked up once (the lookup parses
-        the URL and builds a pool key each time: a tenth of a write's client CPU)."""
+        """The client's connection pool for the API server, looked up once: the lookup parses
+        the URL and builds a pool key each time, a cost paid on every write otherwise."""
         if self._connection_pool is None:
             cfg = self.client.configuration
             self._connection_pool = self.client.rest_client.pool_manager.connection_from_url(cfg.host)

@@ -201,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     # Everything imported so far (kopf, the kubernetes client's thousands of model classes and
     # the call validators of the API classes ``kube.API_CLASSES`` names, pydantic) lives as long
-    # as the process: out of the collector's sight, a full collection no longer walks those
-    # ~160,000 objects while a big pool converges.
+    # as the process: out of the collector's sight, a full collection does not walk those
+    # objects while a big pool converges (docs/scale.md).
     gc.freeze()
     kopf.run(
         clusterwide=True,

@@ -17,8 +17,9 @@ Both are removed (a merge patch with ``null``) as soon as the pool is not Ready 
 
 Both go in one merge patch of the Node's status subresource (``marks_patch``): the API server
 keeps metadata changes made through a Node's status (tests/test_operator_lifecycle.py checks
-both marks land), and one write instead of two per node is a third of the operator's writes
-while a pool converges, and one watch event less for every consumer of Node events.
+both marks land), so a pool costs the operator one write per node, not two, while it
+converges (the operator's writes per node: docs/scale.md), and every consumer of Node events
+sees one watch event.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ view of Nodes and OffloadPoolNodes.
 Why not kopf handlers for these two kinds: a pool over N nodes makes about five watch events
 per node while it converges (the OffloadPoolNode created, its agent's status changes, the
 Node's marks). kopf turns every event into a cause, an index update and a handler call — about
-2 CPU-ms each, which was most of the operator's cost at scale. Here an event is one JSON parse
+2 CPU-ms each, which would be most of the operator's cost at scale. Here an event is one JSON parse
 and one small value (``convert``) compared with the one it replaces, in a thread of its own;
 only a change that matters calls ``on_change`` (which wakes a pool's pass), and the passes read
 the index instead of listing every OffloadPoolNode of the pool again.

@@ -1,13 +1,13 @@
 """A pass's writes of one kind sent several at once.
 
 Why: a pass that finds 300 agents newly Ready marks 300 Nodes. One after another, each write
-waited for the API server's answer (tens of milliseconds on a busy server), so the pass took
-seconds of wall time for a fraction of a second of CPU, the pool's Ready came seconds after its
-last agent's, and the agents that turned Ready meanwhile waited for the next pass
-(docs/scale.md). The writes of one step of a pass are independent — one object each, each
+would wait for the API server's answer (tens of milliseconds on a busy server), so the pass
+would take seconds of wall time for a fraction of a second of CPU, the pool's Ready would come
+seconds after its last agent's, and the agents that turned Ready meanwhile would wait for the
+next pass (docs/scale.md). The writes of one step of a pass are independent — one object each, each
 idempotent — so they go out ``workers`` at a time, on the client's own connection pool
-(``Kube.send`` is thread-safe). The pass still waits for every one of them: what a pass wrote
-is in the index before it goes on, as before.
+(``Kube.send`` is thread-safe). The pass waits for every one of them: what a pass wrote is in
+the index before it goes on.
 
 A failed write does not stop the others (they are independent); the caller takes in every
 answer that came back, then raises the first failure, so the daemon retries the pass as when a
