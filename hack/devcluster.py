@@ -34,7 +34,7 @@ from pathlib import Path
 
 from hack import controlplane_build, node_build
 from hack.controlplane import ControlPlane, ControlPlaneError
-from hack.node_run import HostChanges, NodeError, NodeRunner, describe_pid, lock_holder
+from hack.node_run import HostChanges, NodeError, NodeRunner, describe_pid, host_lock, lock_holder
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHART = REPO_ROOT / "charts" / "offloadpool"
@@ -223,9 +223,17 @@ def down(timeout: float = DOWN_TIMEOUT) -> list[str]:
         with contextlib.suppress(OSError, ValueError):
             problems += json.loads(state.down_file.read_text())["problems"]
     if not state.down_file.exists() and state.changes_file.exists():
-        # The supervisor died before it could undo (its processes died with it): undo here.
+        # The supervisor died before it could undo (its processes died with it): undo here,
+        # under the host lock, so no other node's pods, cgroups or bridge are taken for ours.
         _say("the supervisor did not undo the node's changes; undoing them from its record")
-        HostChanges.load(state.changes_file).undo(problems)
+        try:
+            lock = host_lock(0, _say)
+        except NodeError as err:
+            raise DevClusterError(f"cannot undo the dead dev cluster's node now: {err}") from None
+        try:
+            HostChanges.load(state.changes_file).undo(problems)
+        finally:
+            lock.close()
     _remove(state)
     if state.root.exists():
         problems.append(f"{state.root} could not be removed")

@@ -54,8 +54,9 @@ SYSCTLS = (
 )
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: One node per machine: whoever runs one holds this lock (the kernel drops it when its holder
-#: dies); the file says the holder's PID.
-HOST_LOCK = Path("/run/lock/offloadpool-real-node.lock")
+#: dies); the file says the holder's PID. ``OFFLOADPOOL_NODE_LOCK`` names another file (for the
+#: tests of the refusals, which must not contend with a real node).
+HOST_LOCK = Path(os.environ.get("OFFLOADPOOL_NODE_LOCK", "/run/lock/offloadpool-real-node.lock"))
 HUGE_2M, HUGE_1G = 2 << 20, 1 << 30
 
 
