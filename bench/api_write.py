@@ -17,7 +17,7 @@ patch of a Node's status, the answer read) through:
 
 Process CPU (``time.process_time``) per write, median of ``--rounds`` rounds of ``--writes``
 writes each, after one warm-up round; ratios to ``http.client``. Starts its own control plane
-(hack/controlplane.py, built and cached by the test command).
+(hack.controlplane, built and cached by the test command).
 
     .venv/bin/python bench/api_write.py [--writes 300] [--rounds 5]
 """
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "hack"))
+sys.path.insert(0, str(ROOT))  # the package `hack`
 
 MERGE = "application/merge-patch+json"
 
@@ -47,12 +47,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
 
-    import controlplane  # hack/controlplane.py
     from kubernetes import client, config
 
+    from hack.controlplane import ControlPlane
+    from hack.controlplane_build import ensure_built
     from offloadpool.operator.kube import Kube
 
-    plane = controlplane.ControlPlane(controlplane.ensure_built(), Path(tempfile.mkdtemp()) / "cp")
+    plane = ControlPlane(ensure_built(), Path(tempfile.mkdtemp()) / "cp")
     plane.start()
     try:
         api = config.new_client_from_config(str(plane.kubeconfig))

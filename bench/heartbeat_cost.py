@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "hack"))
+sys.path.insert(0, str(ROOT))  # the package `hack`
 
 NAMESPACE = "default"
 SERVICE_ACCOUNT = "bench-agent"
@@ -37,12 +37,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
 
-    import controlplane  # hack/controlplane.py
     from kubernetes import client, config
 
+    from hack.controlplane import ControlPlane
+    from hack.controlplane_build import ensure_built
     from offloadpool.agent import kube
 
-    plane = controlplane.ControlPlane(controlplane.ensure_built(), Path(tempfile.mkdtemp()) / "cp")
+    plane = ControlPlane(ensure_built(), Path(tempfile.mkdtemp()) / "cp")
     plane.start()
     try:
         admin = config.new_client_from_config(str(plane.kubeconfig))

@@ -207,7 +207,7 @@ def write_layer(tree: Path, out: Path) -> dict[str, object]:
     decides names)."""
     with open(out, "wb") as raw:
         blob = _Hashing(raw)
-        with gzip.GzipFile(fileobj=blob, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as gz:  # type: ignore[arg-type]
+        with gzip.GzipFile(fileobj=blob, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as gz:
             diff = _Hashing(gz)  # type: ignore[arg-type]
             with tarfile.open(fileobj=diff, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
                 for dirpath, dirnames, filenames in os.walk(tree):

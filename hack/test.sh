@@ -18,7 +18,7 @@
 #   4. builds the real control plane (etcd, kube-apiserver, kube-controller-manager, kubectl,
 #      helm) into ${OFFLOADPOOL_CACHE:-/var/cache/offloadpool} — once; later runs reuse it,
 #   4b. builds the real node (kubelet, kube-scheduler, containerd, CNI, runc, images) the same way
-#      (hack/node.py),
+#      (python3 -m hack.node build),
 #   5. runs the whole suite: .venv/bin/python -m pytest "$@".
 # It exits non-zero if the lint phase had a finding, if any test fails, if no test ran, or if any
 # test was skipped or xfailed
@@ -183,17 +183,17 @@ vllm_env() {
 # ---- 4. control plane binaries -----------------------------------------------------------------
 control_plane_build() {
   phase_start "control plane build"
-  .venv/bin/python hack/controlplane.py build
+  .venv/bin/python -m hack.controlplane build
   phase_end
 }
 
 # ---- 4b. real node binaries --------------------------------------------------------------------
 # kubelet, kube-scheduler, containerd, the CNI plugins, runc and busybox (apt), the pause and
-# busybox images (hack/node.py, docs/real-node.md "The test node"): the node the `node` tests
+# busybox images (hack/node_build.py, docs/real-node.md "The test node"): the node the `node` tests
 # run pods on. Built once into its own cache; later runs take well under a second.
 node_build() {
   phase_start "node binaries"
-  .venv/bin/python hack/node.py build
+  .venv/bin/python -m hack.node build
   phase_end
 }
 

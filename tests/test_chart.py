@@ -84,7 +84,8 @@ def test_chart_crds_and_rbac_are_what_sync_chart_writes() -> None:
     """hack/sync_chart.py is how the chart's CRDs and RBAC templates come to equal crds/ and
     deploy/: its --check fails naming every file that differs from what it would write."""
     out = subprocess.run(
-        [sys.executable, str(REPO / "hack" / "sync_chart.py"), "--check"],
+        [sys.executable, "-m", "hack.sync_chart", "--check"],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,

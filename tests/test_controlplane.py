@@ -180,10 +180,9 @@ def test_a_stopped_control_plane_leaves_nothing_running(
     import socket
     from urllib.parse import urlparse
 
-    from fixtures.controlplane import load_hack_controlplane
+    from hack.controlplane import ControlPlane
 
-    hack = load_hack_controlplane()
-    plane = hack.ControlPlane(control_plane.bin_dir, tmp_path / "second")
+    plane = ControlPlane(control_plane.bin_dir, tmp_path / "second")
     try:
         plane.start()
         pids = plane.pids()

@@ -40,7 +40,8 @@ def chart_image(real_node: RealNode) -> str:
     import sys
 
     out = subprocess.run(
-        [sys.executable, str(REPO / "hack" / "image.py"), "archive"],
+        [sys.executable, "-m", "hack.image", "archive"],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=1500,

@@ -364,11 +364,14 @@ def shared_agent_root() -> Iterator[Path]:
 
 def import_offloadpool_image(real_node: RealNode) -> str:
     """hack/image.py's image (built or cached), imported into the node's containerd; its name."""
-    tool = CHART.parents[1] / "hack" / "image.py"
     out = {}
     for command in ("build", "archive"):
         run = subprocess.run(
-            [sys.executable, str(tool), command], capture_output=True, text=True, timeout=1500
+            [sys.executable, "-m", "hack.image", command],
+            cwd=CHART.parents[1],
+            capture_output=True,
+            text=True,
+            timeout=1500,
         )
         assert run.returncode == 0, f"hack/image.py {command} failed:\n{run.stderr[-4000:]}"
         out[command] = Path(run.stdout.strip().splitlines()[-1])

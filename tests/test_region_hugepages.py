@@ -24,7 +24,7 @@ from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
 
 MiB, GiB = 1 << 20, 1 << 30
-TOOL = [sys.executable, str(REPO / "hack" / "hugepages.py")]
+TOOL = [sys.executable, "-m", "hack.hugepages"]
 # /sys and /proc/sys read-only in a private mount namespace, as an unprivileged container has them
 READ_ONLY_SYS = (
     "mount --bind /sys /sys && mount -o remount,bind,ro /sys && "
@@ -36,7 +36,7 @@ def run_tool(*args: str, cache: str | None = None, **env: str) -> subprocess.Com
     environ = {**os.environ, **env}
     if cache is not None:
         environ["OFFLOADPOOL_CACHE"] = cache
-    return subprocess.run([*TOOL, *args], capture_output=True, text=True, timeout=300, env=environ)
+    return subprocess.run([*TOOL, *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=environ)
 
 
 def test_the_suite_draws_on_its_reservation(region_root, hugepage_baseline, hugepage_reservation):
