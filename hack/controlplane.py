@@ -707,6 +707,7 @@ class ControlPlane:
                 "--authorization-mode=RBAC",
                 "--allow-privileged=true",
                 "--service-cluster-ip-range=10.96.0.0/16",
+                "--enable-aggregator-routing=true",
                 # The apiserver would publish 127.0.0.1 as the `kubernetes` Service endpoint, which
                 # Endpoints validation rejects; nothing in-cluster needs to reach it here.
                 "--endpoint-reconciler-type=none",
