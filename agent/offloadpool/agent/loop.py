@@ -30,6 +30,7 @@ from offloadpool.api.constants import DEFAULT_HEARTBEAT_SECONDS, GROUP, NODE_PLU
 from offloadpool.api.conversion import SpecError
 from offloadpool.api.media import is_hugetlbfs
 from offloadpool.region import engine_id_mismatch, holders, places
+from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import provision
@@ -611,6 +612,11 @@ class Agent:
 
     def _retain(self, d: Decision) -> float:
         if self.status.phase != "Released":
+            # the node's own note, for `offloadpool status` (no API there): nothing owns it now
+            try:
+                records.mark_orphaned(self.pool_dir, "its OffloadPool was deleted with reclaimPolicy Retain")
+            except (OSError, RegionError) as exc:
+                log.warning("pool %s: cannot note the retained memory as orphaned: %s", self.pool_name, exc)
             self._phase("Released", reason=d.reason, message=d.message)
             self._event("Normal", "Retained", d.message)
         else:

@@ -322,6 +322,7 @@ def _reuse(
         wanted.write(pool_dir)
         manifest = wanted
     rec.request = records.Record.new(req).request
+    rec.orphaned = ""  # a pool of this name owns it again
     records.save(pool_dir, rec)
     return ProvisionResult(
         pool_dir,
@@ -405,7 +406,7 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
         rec = records.Record.new(req)
     else:
         rec.request = records.Record.new(req).request
-    rec.phase, rec.message, rec.numa_nodes = "Provisioning", "", call.numa_nodes
+    rec.phase, rec.message, rec.numa_nodes, rec.orphaned = "Provisioning", "", call.numa_nodes, ""
     records.save(pool_dir, rec)
     say("Provisioning")
 

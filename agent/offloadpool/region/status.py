@@ -20,7 +20,7 @@ from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.names import pool_name_error
 from offloadpool.region.planner import plan as make_plan
 
-PHASES = ("Absent", "Provisioning", "Populating", "Scrubbing", "Ready", "Failed")
+PHASES = ("Absent", "Provisioning", "Populating", "Scrubbing", "Ready", "Orphaned", "Failed")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,14 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
             message = "the pool's mount is gone; provision again to rebuild it"
         if message:
             return replace(common, phase="Failed", populated_bytes=0, manifest=manifest, message=message)
+        if rec.orphaned:  # Ready memory that no OffloadPool accounts for
+            message = (
+                f"{rec.orphaned}: no OffloadPool owns it; a pool of this name and shape adopts it, "
+                f"`offloadpool release {name}` frees it"
+            )
+            return replace(
+                common, phase="Orphaned", populated_bytes=plan.total_bytes, manifest=manifest, message=message
+            )
         return replace(common, phase="Ready", populated_bytes=plan.total_bytes, manifest=manifest)
     done = populated_bytes(pool_dir, units(plan.segments, plan.page_size))
     phase = rec.phase if rec.phase in PHASES else "Provisioning"  # Draining shows as in progress
