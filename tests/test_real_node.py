@@ -16,6 +16,7 @@ back. docs/real-node.md, "The chart on the real node".
 
 from __future__ import annotations
 
+import base64
 import json
 import mmap
 import os
@@ -622,6 +623,16 @@ def test_e2e_chart_the_guard_refuses_a_hand_written_pool_mount(chart_e2e: ChartE
 
     out = e2e.wait("the webhook answering", answered, 120)
     assert out.returncode != 0, f"a hand-written mount of the pool was admitted: {out.stdout}"
+    # It answered through the Service, over TLS the API server verified with the CA the
+    # operator made in its pod and wrote into the configurations itself.
+    for kind in ("mutatingwebhookconfiguration", "validatingwebhookconfiguration"):
+        configuration = e2e.get(kind, "offloadpool")
+        assert configuration is not None
+        for hook in configuration["webhooks"]:
+            client_config = hook["clientConfig"]
+            assert client_config["service"]["name"] == f"{RELEASE}-webhook", client_config
+            assert client_config["service"]["namespace"] == e2e.ns, client_config
+            assert "BEGIN CERTIFICATE" in base64.b64decode(client_config["caBundle"]).decode(), hook["name"]
     assert 'admission webhook "pods.guard.offloadpool.io" denied the request' in out.stderr, out.stderr
     assert f"hostPath '{e2e.pool_dir(pool)}' reaches /var/lib/offloadpool" in out.stderr, out.stderr
     assert e2e.get("pod", "hand-written", "-n", e2e.consumers_ns) is None
