@@ -89,7 +89,7 @@ def reserve(wanted: dict[int, int] | None = None) -> list[str]:
     wanted = needs() if wanted is None else wanted
     added = load_record()
     problems: list[str] = []
-    with hugepages.pool_lock():
+    with hugepages.reservation_lock():
         for size, pages in wanted.items():
             if pages <= 0:
                 continue
@@ -128,7 +128,7 @@ def reserve(wanted: dict[int, int] | None = None) -> list[str]:
 def release() -> dict[int, int]:
     """Give back what this tool added in this boot; return pages given back per size."""
     given: dict[int, int] = {}
-    with hugepages.pool_lock():
+    with hugepages.reservation_lock():
         for size, pages in load_record().items():
             if hugepages.supported(size):
                 hugepages.shrink(size, pages)

@@ -36,6 +36,7 @@ _PLUGINS: dict[str, tuple[str, ...]] = {
     "fixtures.chaos": (),
     "fixtures.vllm_env": (),
     "fixtures.node": (),
+    "fixtures.chart_node": (),
 }
 
 pytest_plugins = [

@@ -120,6 +120,30 @@ def test_what_the_api_server_defaults_around_the_injection_is_left_alone() -> No
     assert admission.mutate(defaulted, p, SETTINGS) == defaulted
 
 
+def test_the_service_account_token_mount_added_to_the_sidecar_is_left_alone() -> None:
+    """A pod that mounts its ServiceAccount token (the default): once the webhook added the
+    sidecar, the API server's ServiceAccount plugin mounts the token into it too and calls the
+    webhook again (reinvocationPolicy IfNeeded). The sidecar is still the webhook's own; a
+    mount of anything else in it is not."""
+    p = pool()
+    token = {
+        "name": "kube-api-access-x7k2q",
+        "readOnly": True,
+        "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+    }
+    once = admission.mutate(pod(), p, SETTINGS)
+    for container in once["spec"]["containers"] + once["spec"]["initContainers"]:
+        container.setdefault("volumeMounts", []).append(dict(token))
+    assert admission.mutate(once, p, SETTINGS) == once
+    assert admission.not_mutated(once, p, SETTINGS) == []
+
+    for other in ({**token, "readOnly": False}, {**token, "name": "host"}, {**token, "subPath": "x"}):
+        forged = copy.deepcopy(once)
+        forged["spec"]["initContainers"][0]["volumeMounts"][-1] = other
+        with pytest.raises(Refused, match="reserved for the lease sidecar"):
+            admission.mutate(forged, p, SETTINGS)
+
+
 def test_the_input_is_not_changed() -> None:
     original = pod()
     kept = copy.deepcopy(original)

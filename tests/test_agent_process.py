@@ -27,6 +27,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from fixtures.cluster import free_port, mounts_under, release_everything
+from fixtures.host import cli
 from fixtures.wait import wait_for
 from offloadpool.api import agent_env
 
@@ -408,6 +409,21 @@ def test_retain_reports_released_and_keeps_the_memory(env: dict[str, Any]) -> No
     assert mounts_under(pool_dir / "mnt") and (pool_dir / "manifest.json").exists(), (
         "Retain gave the memory back"
     )
+
+    # On the node, with no API to ask, `offloadpool status` says no OffloadPool owns it...
+    def node_status() -> dict[str, Any]:
+        out = cli("status", "--root", str(env["root"]), "--json")
+        return {p["name"]: p for p in json.loads(out.stdout)["pools"]}[pool]
+
+    seen = node_status()
+    assert seen["phase"] == "Orphaned", seen
+    assert "deleted with reclaimPolicy Retain" in seen["message"], seen["message"]
+    assert f"offloadpool release {pool}" in seen["message"], seen["message"]
+    assert "Orphaned" in cli("status", "--root", str(env["root"])).stdout
+    # ...until a pool of its name provisions it again: then it is that pool's, Ready
+    cli("provision", "--root", str(env["root"]), "--name", pool, "--capacity", "64Mi", "--medium", "Memory")
+    seen = node_status()
+    assert (seen["phase"], seen["message"]) == ("Ready", ""), seen
 
 
 def test_agent_waits_for_a_lockless_holder_in_another_mount_namespace(

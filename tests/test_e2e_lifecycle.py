@@ -366,6 +366,13 @@ def test_deletion_waits_for_an_attached_engine(e2e: E2E) -> None:
         ) from None
     assert mounts_under(e2e.pool_dir(a, pool) / "mnt"), "memory released under an attached engine"
     assert not e2e.pool_dir(b, pool).exists(), "the free node was not released"
+    # A deletion that waits is no error: the operator's own log says what it waits for, at
+    # INFO, and no line about the pool is an ERROR (kopf logs a TemporaryError at ERROR).
+    # (kopf's own lines name no pool, only the nodes its message lists)
+    lines = [line for line in e2e.operator.log(200_000).splitlines() if pool in line or a.name in line]
+    waits = [line for line in lines if "deletion waits for 1 node(s)" in line and a.name in line]
+    assert waits and all("[INFO" in line for line in waits), "\n".join(lines)
+    assert not [line for line in lines if "ERROR" in line or "failed temporarily" in line], "\n".join(lines)
 
     engine.kill()
     engine.wait(10)

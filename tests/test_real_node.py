@@ -16,11 +16,11 @@ back. docs/real-node.md, "The chart on the real node".
 
 from __future__ import annotations
 
+import base64
 import json
 import mmap
 import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.chart_node import CHART, host_mounts, import_offloadpool_image, node_values, remove_release
 from fixtures.node import HUGE_1G, HUGE_2M, TAINT, TOLERATION, RealNode, nr_hugepages
 from fixtures.wait import wait_for
 from offloadpool.api.constants import POOL_NAME_LABEL
@@ -286,11 +287,6 @@ def test_hugepages_pod_is_admitted_uses_its_hugetlbfs_volume_and_what_its_cgroup
     assert obj["status"]["phase"] == "Succeeded", obj["status"]
 
 
-def _host_mounts() -> set[str]:
-    with open("/proc/self/mountinfo") as fh:
-        return {line.split()[4] for line in fh}
-
-
 def test_bidirectional_host_path_mount_made_in_a_container_appears_on_the_host(
     real_node: RealNode, namespace: str
 ) -> None:
@@ -313,73 +309,18 @@ def test_bidirectional_host_path_mount_made_in_a_container_appears_on_the_host(
     )
     try:
         create(real_node, namespace, manifest)
-        wait_for(f"the pod's mount at {target} on the host", lambda: str(target) in _host_mounts(), 120)
+        wait_for(f"the pod's mount at {target} on the host", lambda: str(target) in host_mounts(), 120)
         assert (target / "hello").read_text() == "from-the-pod\n"
         (sub / "release").touch()
         obj = wait_phase(real_node, namespace, "prop", {"Succeeded", "Failed"})
         assert obj["status"]["phase"] == "Succeeded", obj["status"]
         # The container is gone; its mount stays on the host (what the agent's pool mounts rely on).
-        assert str(target) in _host_mounts()
+        assert str(target) in host_mounts()
     finally:
-        while str(target) in _host_mounts():
+        while str(target) in host_mounts():
             if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
                 break
-    assert str(target) not in _host_mounts()
-
-
-AGENT_ROOT = Path("/var/lib/offloadpool")  # the chart's host root (offloadpool.api's HOST_ROOT)
-CHART = Path(__file__).resolve().parents[1] / "charts" / "offloadpool"
-
-
-def _mounts_under(root: Path) -> list[tuple[str, str]]:
-    """(mount point, fstype) of every mount strictly below ``root`` on the host."""
-    found = []
-    with open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            fields = line.split()
-            point, fstype = fields[4], fields[fields.index("-") + 1]
-            if point.startswith(f"{root}/"):
-                found.append((point, fstype))
-    return found
-
-
-@pytest.fixture(scope="module")
-def shared_agent_root() -> Iterator[Path]:
-    """/var/lib/offloadpool as a shared mount (the agent's Bidirectional hostPath needs one; `/`
-    is private here); afterwards every mount below it and the bind itself are gone."""
-    created = not AGENT_ROOT.exists()
-    AGENT_ROOT.mkdir(parents=True, exist_ok=True)
-    assert AGENT_ROOT.as_posix() not in _host_mounts(), f"{AGENT_ROOT} is a mount point already"
-    subprocess.run(["mount", "--bind", str(AGENT_ROOT), str(AGENT_ROOT)], check=True)
-    subprocess.run(["mount", "--make-shared", str(AGENT_ROOT)], check=True)
-    try:
-        yield AGENT_ROOT
-    finally:
-        for point, _ in sorted(_mounts_under(AGENT_ROOT), key=lambda m: m[0].count("/"), reverse=True):
-            subprocess.run(["umount", "-l", point], capture_output=True)
-        subprocess.run(["umount", "-l", str(AGENT_ROOT)], capture_output=True)
-        if created:
-            subprocess.run(["rm", "-rf", "--one-file-system", str(AGENT_ROOT)], capture_output=True)
-
-
-def import_offloadpool_image(real_node: RealNode) -> str:
-    """hack/image.py's image (built or cached), imported into the node's containerd; its name."""
-    out = {}
-    for command in ("build", "archive"):
-        run = subprocess.run(
-            [sys.executable, "-m", "hack.image", command],
-            cwd=CHART.parents[1],
-            capture_output=True,
-            text=True,
-            timeout=1500,
-        )
-        assert run.returncode == 0, f"hack/image.py {command} failed:\n{run.stderr[-4000:]}"
-        out[command] = Path(run.stdout.strip().splitlines()[-1])
-    index = json.loads((out["build"] / "index.json").read_text())
-    ref = index["manifests"][0]["annotations"]["io.containerd.image.name"]
-    real_node.ctr("images", "import", "--platform", "linux/amd64", str(out["archive"]))
-    assert ref in real_node.ctr("images", "ls", "-q").stdout.split()
-    return ref
+    assert str(target) not in host_mounts()
 
 
 # ---- the chart end to end ----------------------------------------------------------------------
@@ -388,6 +329,7 @@ def import_offloadpool_image(real_node: RealNode) -> str:
 # pin -> the agent pods are replaced and reuse the regions -> the pools are deleted and
 # everything is given back. A later test fails (never skips) when an earlier one did.
 
+RELEASE = "op"
 POOL_BYTES = 64 * MiB
 FSTYPE = {"HugePages-2Mi": "hugetlbfs", "MemoryTHP": "tmpfs"}
 #: What the operator renders for a 64Mi pool with the chart's defaults (agent.cpuRequest 100m,
@@ -524,7 +466,6 @@ def chart_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path)
     """helm install of the chart with the local image; afterwards the pools, the release, the
     namespaces and (by ``shared_agent_root``) every mount are gone, whatever happened."""
     image = import_offloadpool_image(real_node)
-    repository, tag = image.rsplit(":", 1)
     suffix = uuid.uuid4().hex[:6]
     e2e = ChartE2E(
         node=real_node,
@@ -538,44 +479,22 @@ def chart_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path)
     cp = real_node.control_plane
     try:
         cp.kubectl("create", "namespace", e2e.consumers_ns)
+        # The webhook on (the chart's default): the API server reaches the operator pod's
+        # Service through its endpoints (--enable-aggregator-routing; there is no kube-proxy).
         cp.helm(
             "install",
-            "op",
+            RELEASE,
             str(CHART),
             "--namespace",
             e2e.ns,
             "--create-namespace",
             "--take-ownership",
-            "--set",
-            f"image.repository={repository}",
-            "--set",
-            f"image.tag={tag}",
-            "--set",
-            "image.pullPolicy=Never",
-            "--set",
-            "webhook.enabled=false",
-            "--set-json",
-            f"operator.tolerations={json.dumps([TOLERATION])}",
+            *node_values(image),
             timeout=120,
         )
         yield e2e
     finally:
-        # Consumers first (an attached engine holds a pool's release), then the pools while the
-        # operator and agents still run to release them, then the rest.
-        cp.kubectl("delete", "namespace", e2e.consumers_ns, "--timeout=60s", check=False, timeout=90)
-        pools = list(e2e.pools.values())
-        cp.kubectl(
-            "delete", "offloadpools", *pools, "--ignore-not-found", "--timeout=90s", check=False, timeout=120
-        )
-        for pool in pools:  # a pool stuck on its finalizer would outlive the operator: let go
-            for kind, name in (("offloadpool", pool), ("offloadpoolnode", f"{pool}.{real_node.name}")):
-                cp.kubectl(
-                    "patch", kind, name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False
-                )
-                cp.kubectl("delete", kind, name, "--ignore-not-found", "--wait=false", check=False)
-        cp.helm("uninstall", "op", "--namespace", e2e.ns, check=False, timeout=120)
-        cp.kubectl("delete", "pods", "--all", "-n", e2e.ns, "--grace-period=1", "--timeout=90s", check=False)
-        cp.kubectl("delete", "namespace", e2e.ns, "--wait=false", check=False)
+        remove_release(cp, RELEASE, e2e.ns, e2e.pools.values(), real_node.name, [e2e.consumers_ns])
 
 
 def test_e2e_chart_two_pools_get_admitted_agent_pods_that_provision_them_onto_the_host(
@@ -656,48 +575,108 @@ def test_e2e_chart_two_pools_get_admitted_agent_pods_that_provision_them_onto_th
     )
 
 
-def test_e2e_chart_consumer_pods_without_huge_pages_attach_write_and_pin_each_pool(
+def _consumer(e2e: ChartE2E, pool: str, token: str, **labels: str) -> dict:
+    """The consumer pod as a user writes it: no volume, no mount, no environment, no sidecar.
+    Its program gets the pool's directory from ``$(OFFLOADPOOL_POOL_DIR)``, which only the
+    webhook's environment makes a path (the kubelet leaves an unknown variable as it is)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"consumer-{pool}", "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "tolerations": [TOLERATION],
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": e2e.image,
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", CONSUMER, "$(OFFLOADPOOL_POOL_DIR)", token],
+                    "resources": {"limits": {"memory": "64Mi", "cpu": "100m"}},
+                    # mlock past RLIMIT_MEMLOCK (8 MiB here) needs CAP_IPC_LOCK, as in any pod
+                    "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                }
+            ],
+        },
+    }
+
+
+def test_e2e_chart_the_guard_refuses_a_hand_written_pool_mount(chart_e2e: ChartE2E) -> None:
+    """The API server calls the operator's pod (its Service, routed to the endpoint): an
+    unlabelled pod mounting a pool's directory by hand is refused by the guard, in its words."""
+    e2e = chart_e2e
+    pool = next(iter(e2e.pools.values()))
+    manifest = _consumer(e2e, pool, "never-runs")
+    manifest["metadata"]["name"] = "hand-written"
+    spec = manifest["spec"]
+    spec["volumes"] = [{"name": "pool", "hostPath": {"path": str(e2e.pool_dir(pool)), "type": "Directory"}}]
+    spec["containers"][0]["volumeMounts"] = [{"name": "pool", "mountPath": f"/offloadpool/{pool}"}]
+
+    def answered() -> subprocess.CompletedProcess[str] | None:
+        out = e2e.cp.kubectl(
+            "apply", "-n", e2e.consumers_ns, "-f", "-", input=json.dumps(manifest), check=False
+        )
+        # until the operator has served once and written its caBundle, the call itself fails
+        return None if "failed calling webhook" in out.stderr else out
+
+    out = e2e.wait("the webhook answering", answered, 120)
+    assert out.returncode != 0, f"a hand-written mount of the pool was admitted: {out.stdout}"
+    # It answered through the Service, over TLS the API server verified with the CA the
+    # operator made in its pod and wrote into the configurations itself.
+    for kind in ("mutatingwebhookconfiguration", "validatingwebhookconfiguration"):
+        configuration = e2e.get(kind, "offloadpool")
+        assert configuration is not None
+        for hook in configuration["webhooks"]:
+            client_config = hook["clientConfig"]
+            assert client_config["service"]["name"] == f"{RELEASE}-webhook", client_config
+            assert client_config["service"]["namespace"] == e2e.ns, client_config
+            assert "BEGIN CERTIFICATE" in base64.b64decode(client_config["caBundle"]).decode(), hook["name"]
+    assert 'admission webhook "pods.guard.offloadpool.io" denied the request' in out.stderr, out.stderr
+    assert f"hostPath '{e2e.pool_dir(pool)}' reaches /var/lib/offloadpool" in out.stderr, out.stderr
+    assert e2e.get("pod", "hand-written", "-n", e2e.consumers_ns) is None
+
+
+def test_e2e_chart_labelled_consumer_pods_are_mutated_then_attach_write_and_pin_each_pool(
     chart_e2e: ChartE2E,
 ) -> None:
-    """A consumer pod of the same image, given the pool directory with HostToContainer and
-    requesting no huge pages (memory 64Mi: the pool's pages are not charged to it), attaches
-    with the pinning helper, writes a pattern, pins with mlock and exits 0; the host reads the
-    pattern back from the pool's files."""
+    """A consumer pod of the same image, written with nothing but the label
+    ``offloadpool.io/pool`` (no huge pages requested, memory 64Mi: the pool's pages are not
+    charged to it): the API server has the operator's webhook add the pool's volume, mount,
+    environment and lease sidecar (the pod as stored has them), the kubelet runs it, and it
+    attaches with the pinning helper, writes a pattern, pins with mlock and exits 0; the host
+    reads the pattern back from the pool's files."""
     e2e, node = chart_e2e, chart_e2e.node
     assert set(e2e.seen) == set(e2e.pools.values()), "the pools were not provisioned (test above)"
     tokens = {}
     for medium, pool in e2e.pools.items():
         tokens[pool] = f"consumer-{medium}-{uuid.uuid4().hex[:8]}"
-        in_pod = f"/offloadpool/{pool}"
-        manifest = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": f"consumer-{pool}"},
-            "spec": {
-                "restartPolicy": "Never",
-                "automountServiceAccountToken": False,
-                "terminationGracePeriodSeconds": 1,
-                "tolerations": [TOLERATION],
-                "containers": [
-                    {
-                        "name": "engine",
-                        "image": e2e.image,
-                        "imagePullPolicy": "Never",
-                        "command": ["python", "-c", CONSUMER, in_pod, tokens[pool]],
-                        "resources": {"limits": {"memory": "64Mi", "cpu": "100m"}},
-                        # mlock past RLIMIT_MEMLOCK (8 MiB here) needs CAP_IPC_LOCK, as in any pod
-                        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
-                        "volumeMounts": [
-                            {"name": "pool", "mountPath": in_pod, "mountPropagation": "HostToContainer"}
-                        ],
-                    }
-                ],
-                "volumes": [
-                    {"name": "pool", "hostPath": {"path": str(e2e.pool_dir(pool)), "type": "Directory"}}
-                ],
-            },
-        }
+        manifest = _consumer(e2e, pool, tokens[pool], **{POOL_NAME_LABEL: pool})
         e2e.cp.kubectl("apply", "-n", e2e.consumers_ns, "-f", "-", input=json.dumps(manifest))
+
+        # What the API server stored is what the webhook made of it.
+        stored = e2e.get("pod", f"consumer-{pool}", "-n", e2e.consumers_ns)
+        assert stored is not None
+        spec = stored["spec"]
+        volume = {v["name"]: v for v in spec.get("volumes", [])}.get(f"offloadpool-{pool}")
+        expected = {"path": str(e2e.pool_dir(pool)), "type": "Directory"}
+        assert volume is not None and volume["hostPath"] == expected, spec.get("volumes")
+        engine = spec["containers"][0]
+        mount = {m["name"]: m for m in engine.get("volumeMounts", [])}.get(f"offloadpool-{pool}")
+        assert mount is not None and mount["mountPath"] == f"/offloadpool/{pool}", engine.get("volumeMounts")
+        assert mount["mountPropagation"] == "HostToContainer", mount
+        env = {e["name"]: e.get("value") for e in engine.get("env", [])}
+        assert env.get("OFFLOADPOOL_POOL_DIR") == f"/offloadpool/{pool}", env
+        assert env.get("OFFLOADPOOL_MEDIUM") == medium and env.get("OFFLOADPOOL_POOL") == pool, env
+        sidecar = spec["initContainers"][0]
+        assert sidecar["name"] == "offloadpool-lease" and sidecar["restartPolicy"] == "Always", sidecar
+        assert sidecar["image"] == e2e.image, sidecar
+        assert sidecar["resources"]["limits"].get(f"offloadpool.io/{pool}") == "1", sidecar["resources"]
+        terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert {"key": f"pool.offloadpool.io/{pool}", "operator": "In", "values": ["ready"]} in terms[
+            "nodeSelectorTerms"
+        ][0]["matchExpressions"], terms
 
     for medium, pool in e2e.pools.items():
         name = f"consumer-{pool}"
@@ -707,13 +686,14 @@ def test_e2e_chart_consumer_pods_without_huge_pages_attach_write_and_pin_each_po
             return obj if obj and obj["status"].get("phase") in ("Succeeded", "Failed") else None
 
         obj = e2e.wait(f"consumer pod {name} ended", ended, 120)
-        log = e2e.cp.kubectl("logs", name, "-n", e2e.consumers_ns, check=False)
+        log = e2e.cp.kubectl("logs", name, "-n", e2e.consumers_ns, "-c", "engine", check=False)
         assert obj["status"]["phase"] == "Succeeded", (obj["status"], log.stdout, log.stderr)
         print(f"consumer pod {name}: {log.stdout.strip()}")
         assert obj["spec"]["nodeName"] == node.name
         resources = _quantities(obj["spec"]["containers"][0]["resources"])
         assert not [r for kind in resources.values() for r in kind if r.startswith("hugepages-")], resources
-        assert obj["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        statuses = {c["name"]: c for c in obj["status"]["containerStatuses"]}
+        assert statuses["engine"]["state"]["terminated"]["exitCode"] == 0
         assert f"{medium}: wrote {tokens[pool]} and pinned {POOL_BYTES} bytes with mlock" in log.stdout, (
             log.stdout
         )

@@ -23,6 +23,7 @@ from offloadpool.agent.reconcile import Decision
 from offloadpool.agent.status_writer import StatusWriter
 from offloadpool.api.constants import clip_message
 from offloadpool.api.media import is_hugetlbfs
+from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import provision
@@ -258,6 +259,15 @@ class NodeActions:
     def retain(self, d: Decision) -> float:
         """The pool deleted, reclaimPolicy Retain: report Released, leave the memory."""
         if self.status.phase != RELEASED:
+            # the node's own note, for `offloadpool status` (no API there): nothing owns it now
+            try:
+                records.mark_orphaned(
+                    self.region.pool_dir, "its OffloadPool was deleted with reclaimPolicy Retain"
+                )
+            except (OSError, RegionError) as exc:
+                log.warning(
+                    "pool %s: cannot note the retained memory as orphaned: %s", self.region.pool_name, exc
+                )
             self._phase(RELEASED, reason=d.reason, message=d.message)
             self._event("Normal", "Retained", d.message)
         else:

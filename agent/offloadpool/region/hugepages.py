@@ -107,10 +107,6 @@ def reservation_lock(root: str | os.PathLike[str] | None = None) -> Iterator[Non
         lock.__exit__(None, None, None)
 
 
-#: The name hack/hugepages.py still calls (TODO(issue 28): drop once hack/ says reservation_lock).
-pool_lock = reservation_lock
-
-
 def reconcile(root: str | os.PathLike[str]) -> str | None:
     """Settle the intent a killed process left under ``root``; say what was done (None: none).
 

@@ -337,6 +337,7 @@ def _reuse(
         wanted.write(pool_dir)
         manifest = wanted
     rec.request = records.Record.new(req).request
+    rec.orphaned = ""  # a pool of this name owns it again
     records.save(pool_dir, rec)
     return ProvisionResult(
         pool_dir=pool_dir,
@@ -420,7 +421,7 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
         rec = records.Record.new(req)
     else:
         rec.request = records.Record.new(req).request
-    rec.phase, rec.message, rec.numa_nodes = PROVISIONING, "", call.numa_nodes
+    rec.phase, rec.message, rec.numa_nodes, rec.orphaned = PROVISIONING, "", call.numa_nodes, ""
     records.save(pool_dir, rec)
     say(PROVISIONING)
 

@@ -50,6 +50,10 @@ class Record:
     scrub_pending: str = ""
     #: the last scrub's figures (reason, seconds, GiB/s, method)
     scrub: dict[str, Any] = field(default_factory=dict)
+    #: why no OffloadPool owns this memory any more ("" while one does): the agent saw its pool
+    #: deleted with reclaimPolicy Retain and left the memory (``mark_orphaned``). Cleared by
+    #: the next provision of the name, which adopts or rebuilds it.
+    orphaned: str = ""
 
     @classmethod
     def new(cls, req: PoolRequest) -> Record:
@@ -84,6 +88,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "updated": (float, int),
     "consumer": (dict, type(None)),
     "scrub_pending": (str,),
+    "orphaned": (str,),
     "scrub": (dict,),
 }
 
@@ -140,3 +145,16 @@ def save(pool_dir: str | os.PathLike[str], rec: Record) -> None:
         if fd is None:
             raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
         beneath.write_file(fd, RECORD_NAME, data, 0o600)
+
+
+def mark_orphaned(pool_dir: str | os.PathLike[str], why: str) -> bool:
+    """Note in the record that no OffloadPool owns the pool any more, and why; False when the
+    node holds no record of it (nothing was built). Under the pool's lock, so a provision
+    adopting it meanwhile is not undone."""
+    with places.lock(pool_dir):
+        rec = load(pool_dir)
+        if rec is None:
+            return False
+        rec.orphaned = why
+        save(pool_dir, rec)
+        return True

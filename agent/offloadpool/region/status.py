@@ -22,6 +22,7 @@ from offloadpool.region.planner import plan as make_plan
 from offloadpool.region.vocabulary import (
     ABSENT,
     FAILED,
+    ORPHANED,
     POPULATING,
     PROVISIONING,
     READY,
@@ -106,6 +107,14 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
             message = "the pool's mount is gone; provision again to rebuild it"
         if message:
             return replace(common, phase=FAILED, populated_bytes=0, manifest=manifest, message=message)
+        if rec.orphaned:  # Ready memory that no OffloadPool accounts for
+            message = (
+                f"{rec.orphaned}: no OffloadPool owns it; a pool of this name and shape adopts it, "
+                f"`offloadpool release {name}` frees it"
+            )
+            return replace(
+                common, phase=ORPHANED, populated_bytes=plan.total_bytes, manifest=manifest, message=message
+            )
         return replace(common, phase=READY, populated_bytes=plan.total_bytes, manifest=manifest)
     done = populated_bytes(pool_dir, units(plan.segments, plan.page_size))
     phase = rec.phase if rec.phase in STATE_PHASES else PROVISIONING  # Draining shows as in progress

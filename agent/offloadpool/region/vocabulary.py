@@ -83,6 +83,9 @@ RELEASED: Final = "Released"
 FAILED: Final = "Failed"
 #: nothing of the pool on this node (``region.status`` only)
 ABSENT: Final = "Absent"
+#: Ready memory no OffloadPool owns: its pool was deleted with reclaimPolicy Retain
+#: (``region.status`` only, from the record's note)
+ORPHANED: Final = "Orphaned"
 
 NodePhaseName = Literal[
     "Pending", "Provisioning", "Populating", "Scrubbing", "Ready", "Draining", "Released", "Failed"
@@ -92,6 +95,6 @@ NODE_PHASES: Final[tuple[str, ...]] = get_args(NodePhaseName)
 #: the provisioning record's phases (``region.record``)
 RECORD_PHASES: Final = (PROVISIONING, POPULATING, READY, DRAINING, FAILED)
 #: what ``region.status`` reads from disk and the kernel
-STATE_PHASES: Final = (ABSENT, PROVISIONING, POPULATING, SCRUBBING, READY, FAILED)
+STATE_PHASES: Final = (ABSENT, PROVISIONING, POPULATING, SCRUBBING, READY, ORPHANED, FAILED)
 #: a manifest's ``state``: Ready means attachable
 MANIFEST_STATES: Final = (READY, DRAINING)

@@ -306,12 +306,34 @@ _PROBE_DEFAULTS = {"timeoutSeconds": 1, "successThreshold": 1}
 
 
 def _undefaulted(container: Mapping[str, Any]) -> dict[str, Any]:
-    """``container`` less the defaults the API server adds (to compare with what we wrote)."""
+    """``container`` less what the API server adds (to compare with what we wrote): defaults,
+    and the ServiceAccount admission plugin's token mount. That plugin runs again after the
+    webhook has added the sidecar (the API server re-runs its own mutating plugins once a
+    webhook changed the pod) and mounts the pod's token into every container, the sidecar too;
+    the webhook is then called again (reinvocationPolicy IfNeeded) and must know its sidecar."""
     out = {k: v for k, v in container.items() if _CONTAINER_DEFAULTS.get(k, object()) != v}
     probe = out.get("startupProbe")
     if isinstance(probe, Mapping):
         out["startupProbe"] = {k: v for k, v in probe.items() if _PROBE_DEFAULTS.get(k, object()) != v}
+    if isinstance(out.get("volumeMounts"), list):
+        out["volumeMounts"] = [m for m in out["volumeMounts"] if not _service_account_token_mount(m)]
     return out
+
+
+#: Where the ServiceAccount admission plugin mounts the pod's token (a projected volume it
+#: names kube-api-access-<random>), read-only.
+_TOKEN_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def _service_account_token_mount(mount: Any) -> bool:
+    """Exactly the mount the ServiceAccount admission plugin adds to each container."""
+    return (
+        isinstance(mount, Mapping)
+        and set(mount) == {"name", "mountPath", "readOnly"}
+        and str(mount["name"]).startswith("kube-api-access-")
+        and mount["mountPath"] == _TOKEN_MOUNT_PATH
+        and mount["readOnly"] is True
+    )
 
 
 def _add_exact(items: list[dict[str, Any]], item: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@
   wakes the daemons through ``Runtime``; a daemon's first pass waits for both to be listed,
   so a restarted operator never mistakes "not listed yet" for "gone";
 - the deletion handler holds the pool (finalizer) and runs deletion passes until every node
-  still present reports Released; kopf retries it, and posts its "waiting for ..." as Events.
+  still present reports Released, waiting between them in the handler (a wait is no error).
 
 kopf stops a pool's daemon when the pool is marked for deletion, before the deletion handler.
 """
@@ -32,6 +32,8 @@ from offloadpool.api.constants import GROUP, POOL_PLURAL, VERSION
 
 from . import settings as operator_settings
 from .runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 
 def _runtime(memo: kopf.Memo) -> Runtime:
@@ -111,12 +113,24 @@ async def pool_daemon(
 
 @kopf.on.delete(GROUP, VERSION, POOL_PLURAL)
 async def pool_deleted(name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Hold the pool until every node (that still exists) reports Released."""
+    """Hold the pool until every node (that still exists) reports Released.
+
+    The wait is a loop in the handler, not ``kopf.TemporaryError``: kopf logs every temporary
+    failure at ERROR and posts it as an Error Event, and a deletion waiting for agents to
+    release memory, or for an engine to let go of it, is the normal course of things (the
+    pool's status and its WaitingForRelease Event say what it waits for). The wait is logged
+    at INFO each time what it waits for changes."""
     runtime = _runtime(memo)
     await runtime.synced()
-    result = await asyncio.to_thread(runtime.connected().run, name)
-    if result is not None and result.unreleased:
+    said = None
+    while True:
+        result = await asyncio.to_thread(runtime.connected().run, name)
+        if result is None or not result.unreleased:
+            break
         message = result.status.get("conditions", [{}])[0].get("message", "waiting for nodes to release")
-        raise kopf.TemporaryError(message, delay=runtime.config.deletion_retry_seconds)
+        if message != said:
+            log.info("pool %s: %s", name, message)
+            said = message
+        await asyncio.sleep(runtime.config.deletion_retry_seconds)
     runtime.forget(name)
     logger.info("pool %s released on every node; finalizer removed", name)

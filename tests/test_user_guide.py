@@ -1,0 +1,241 @@
+"""docs/user-guide.md's own commands, run as written against the real node, so the guide
+cannot drift from what the chart, the operator, the agents and the webhook do.
+
+The guide marks each block a reader runs in order with an HTML comment (invisible when
+rendered) before it: ``<!-- guide-test: NAME -->``. This test reads the markdown, takes the
+``$`` lines of those blocks (a trailing ``\\`` continues a line) and runs them with bash, with the
+real kubectl and helm, in the repository's root (the guide's paths are relative to it). Every
+marked block must be there, in ``BLOCKS``' order: a block that disappears or is renamed fails
+the test, as does a command that exits non-zero. The helm uninstall's printed output (the
+block's other lines) must be what helm prints.
+
+What is substituted, and why (nothing else is; each substitution must find its text, so a guide
+that changes under it fails here rather than running unsubstituted):
+
+- namespace `offloadpool-system` -> a fresh one: the session's other tests keep deploy/'s
+  objects there;
+- the release `offloadpool` (`helm install/uninstall offloadpool`, `deploy/offloadpool-operator`,
+  `app.kubernetes.io/instance=offloadpool`, `[Role] offloadpool-agent` and `release "offloadpool"
+  uninstalled` in helm's output, ...) ->
+  a fresh name: the chart names cluster-wide objects after the release, as deploy/ names its own;
+- `--set image.repository=registry.example/offloadpool --set image.tag=0.1.0` -> the locally
+  built image with `pullPolicy=Never`, the operator tolerating the node's taint, and
+  `--take-ownership`: the node reaches no registry and is tainted, and the session's CRDs exist
+  already (the guide's "CRDs that already exist");
+- `-f examples/tmpfs-small.yaml` -> the same pool with the node's toleration and a nodeSelector
+  for it: the node is tainted, and the session's other Nodes have no kubelet;
+- `--image=busybox` -> the node's local busybox, `--image-pull-policy=Never` and the node's
+  toleration (`--overrides`), for the same reasons;
+- `kubectl delete offloadpools --all` -> `kubectl delete offloadpools tmpfs-small`: other
+  tests' pools share the control plane;
+- `kubectl delete -f crds/` is not run: the session's CRDs serve every other test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fixtures.chart_node import REPO, import_offloadpool_image, node_values, remove_release
+from fixtures.node import TOLERATION, RealNode
+from fixtures.wait import wait_for
+
+pytestmark = pytest.mark.node
+
+GUIDE = REPO / "docs" / "user-guide.md"
+#: the marked blocks, in the order a reader runs them
+BLOCKS = ("install", "check", "first-pool", "consumer", "delete-pools", "uninstall", "cleanup")
+POOL = "tmpfs-small"
+MARKED = re.compile(r"<!-- guide-test: (?P<name>[\w-]+) -->\n\s*```console\n(?P<body>.*?)\n\s*```", re.DOTALL)
+
+
+@dataclass
+class Command:
+    line: str
+    output: list[str] = field(default_factory=list)  # what the guide shows it printing
+
+
+def guide_blocks(text: str) -> dict[str, list[Command]]:
+    """name -> the block's commands, each with the output lines the guide shows after it."""
+    blocks: dict[str, list[Command]] = {}
+    for match in MARKED.finditer(text):
+        assert match["name"] not in blocks, f"two blocks marked {match['name']!r}"
+        commands: list[Command] = []
+        continued = False
+        for raw in match["body"].splitlines():
+            line = raw.strip()
+            if continued:
+                commands[-1].line = f"{commands[-1].line[:-1].rstrip()} {line}"
+            elif line.startswith("$ "):
+                commands.append(Command(line[2:]))
+            elif line and commands:
+                commands[-1].output.append(line)
+            continued = line.endswith("\\")
+        blocks[match["name"]] = commands
+    return blocks
+
+
+class Substitutions:
+    """The table in the module docstring, as (pattern, replacement) pairs; each must be used."""
+
+    def __init__(self, pairs: list[tuple[str, str | Callable[[re.Match[str]], str]]]) -> None:
+        self.pairs = [(re.compile(p), r) for p, r in pairs]
+        self.used = [0] * len(pairs)
+
+    def __call__(self, text: str) -> str:
+        for i, (pattern, replacement) in enumerate(self.pairs):
+            text, n = pattern.subn(replacement, text)
+            self.used[i] += n
+        return text
+
+    def unused(self) -> list[str]:
+        return [p.pattern for (p, _), n in zip(self.pairs, self.used, strict=True) if n == 0]
+
+
+@dataclass
+class Guide:
+    node: RealNode
+    release: str
+    namespace: str
+    image: str
+    tmp: Path
+
+    @property
+    def cp(self) -> Any:
+        return self.node.control_plane
+
+    def substitutions(self) -> Substitutions:
+        pool = yaml.safe_load((REPO / "examples" / f"{POOL}.yaml").read_text())
+        pool["spec"]["tolerations"] = [TOLERATION]
+        pool["spec"]["nodeSelector"] = {"kubernetes.io/hostname": self.node.name}
+        pool_file = self.tmp / f"{POOL}.yaml"
+        pool_file.write_text(yaml.safe_dump(pool))
+        toleration = shlex.quote(json.dumps({"apiVersion": "v1", "spec": {"tolerations": [TOLERATION]}}))
+        busybox = self.node.images["busybox"]
+        values = shlex.join([*node_values(self.image), "--take-ownership"])
+        return Substitutions(
+            [
+                (r"\boffloadpool-system\b", self.namespace),
+                (r"\b(helm (?:install|uninstall)) offloadpool\b", rf"\1 {self.release}"),
+                (r"\bdeploy/offloadpool-operator\b", f"deploy/{self.release}-operator"),
+                (r"app\.kubernetes\.io/instance=offloadpool\b", f"app.kubernetes.io/instance={self.release}"),
+                (r"^\[(?!ServiceAccount\])(\w+)\] offloadpool-agent$", rf"[\1] {self.release}-agent"),
+                (r'^release "offloadpool" uninstalled$', f'release "{self.release}" uninstalled'),
+                (r"--set image\.repository=registry\.example/offloadpool --set image\.tag=0\.1\.0", values),
+                (rf"-f examples/{POOL}\.yaml", f"-f {pool_file}"),
+                (
+                    r"--image=busybox\b",
+                    f"--image={busybox} --image-pull-policy=Never --overrides={toleration}",
+                ),
+                (r"\bdelete offloadpools --all\b", f"delete offloadpools {POOL}"),
+            ]
+        )
+
+    def run(self, command: str, timeout: float = 360) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            ["bash", "-c", command],
+            cwd=REPO,
+            env=self.cp.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        print(f"$ {command}\n{out.stdout}{out.stderr}")
+        return out
+
+    def get(self, *args: str) -> dict | None:
+        out = self.cp.kubectl("get", *args, "-o", "json", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def diagnostics(self) -> str:
+        ns, operator = self.namespace, f"deploy/{self.release}-operator"
+        return "\n".join(
+            self.cp.kubectl(*args, check=False).stdout
+            for args in (
+                ("get", "pods,daemonsets,events", "-n", ns, "-o", "wide"),
+                ("get", "offloadpools,offloadpoolnodes", "-o", "yaml"),
+                ("get", "pod", "pool-check", "-o", "yaml"),
+                ("logs", "-n", ns, operator, "--tail=60"),
+            )
+        )
+
+
+@pytest.fixture
+def guide(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -> Iterator[Guide]:
+    """The names and image the guide's commands run with; afterwards the pool, the pod, the
+    release, what it kept and its namespace are gone, whatever happened."""
+    image = import_offloadpool_image(real_node)
+    suffix = uuid.uuid4().hex[:6]
+    with tempfile.TemporaryDirectory(prefix="guide-") as tmp:
+        g = Guide(real_node, f"guide{suffix}", f"guide-{suffix}", image, Path(tmp))
+        try:
+            yield g
+        finally:
+            cp = real_node.control_plane
+            cp.kubectl("delete", "pod", "pool-check", "--ignore-not-found", "--grace-period=1", check=False)
+            remove_release(cp, g.release, g.namespace, [POOL], real_node.name)
+
+
+def test_the_guide_marks_its_runnable_blocks() -> None:
+    """Each block the guide test runs is there, marked, in the order a reader runs them."""
+    blocks = guide_blocks(GUIDE.read_text())
+    assert tuple(blocks) == BLOCKS, f"marked blocks {tuple(blocks)}, expected {BLOCKS}"
+    assert all(blocks[name] for name in BLOCKS), {name: len(blocks[name]) for name in BLOCKS}
+
+
+def test_the_guides_commands_install_run_a_pool_and_a_pod_and_uninstall(guide: Guide) -> None:
+    blocks = guide_blocks(GUIDE.read_text())
+    assert tuple(blocks) == BLOCKS, f"marked blocks {tuple(blocks)}, expected {BLOCKS}"
+    substitute = guide.substitutions()
+    printed: dict[str, str] = {}
+    try:
+        for name in BLOCKS:
+            for command in blocks[name]:
+                line = substitute(command.line)
+                if re.search(r"\bdelete -f crds/", line):
+                    continue  # the session's CRDs (module docstring)
+                out = guide.run(line)
+                assert out.returncode == 0, f"block {name!r}: `{line}` exited {out.returncode}:\n{out.stderr}"
+                printed[command.line] = out.stdout
+                if name == "uninstall" and command.output:
+                    shown = {substitute(o) for o in command.output}
+                    assert shown == {o.strip() for o in out.stdout.splitlines() if o.strip()}, (
+                        f"the guide shows\n{chr(10).join(sorted(shown))}\nhelm printed\n{out.stdout}"
+                    )
+            after(guide, name, printed)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{guide.diagnostics()}") from None
+    assert not substitute.unused(), f"substitutions that found nothing in the guide: {substitute.unused()}"
+
+
+def after(guide: Guide, block: str, printed: dict[str, str]) -> None:
+    """What must hold once a block has run, beyond its commands' exit codes."""
+    if block == "first-pool":
+        # A healthy start: nothing in the operator's log a user would take for a fault.
+        log = guide.cp.kubectl("logs", "-n", guide.namespace, f"deploy/{guide.release}-operator").stdout
+        assert not [line for line in log.splitlines() if "ERROR" in line or "Traceback" in line], log
+    elif block == "consumer":
+        log = next(out for line, out in printed.items() if line.startswith("kubectl logs pool-check"))
+        # What the pod printed came from the webhook: the environment and the pool's directory.
+        assert f"OFFLOADPOOL_POOL={POOL}" in log and f"OFFLOADPOOL_POOL_DIR=/offloadpool/{POOL}" in log, log
+        assert {"manifest.json", "lease", "mnt"} <= set(log.split()), log
+    elif block == "delete-pools":
+        wait_for(f"OffloadPool {POOL} gone", lambda: guide.get("offloadpool", POOL) is None, 60)
+        assert not (Path("/var/lib/offloadpool") / POOL).exists(), "the pool's memory was not released"
+    elif block == "cleanup":
+        selector = f"app.kubernetes.io/instance={guide.release}"
+        left = guide.cp.kubectl(
+            "get", "clusterrole,clusterrolebinding,validatingadmissionpolicy", "-l", selector, "-o", "name"
+        ).stdout
+        assert not left.strip(), f"the guide's cleanup left {left}"
