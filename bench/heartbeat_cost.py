@@ -5,7 +5,7 @@ Every Ready agent renews its Lease once per ``--agent-heartbeat`` (the agents' d
 as it runs: at N nodes that is N / heartbeat writes a second, the steady state's only writes and,
 while a big pool converges, a cost that grows with the nodes already Ready times the seconds the
 rest take. This renews ``--leases`` Leases through the agent's own code (``KubeAccess.
-renew_lease``: a merge patch of ``renewTime``), authenticated as the agents are (a bound
+renew_heartbeat``: a merge patch of ``renewTime``), authenticated as the agents are (a bound
 ServiceAccount token), and measures the CPU it costs each process — the API server, etcd, the
 controller manager (its garbage collector watches every Lease) and the client — per renewal,
 median of ``--rounds`` rounds after one warm-up round. Then what N nodes cost at a few
@@ -84,13 +84,13 @@ def main() -> int:
             kube.KubeAccess(agent_api, "bench", f"bench.node-{i:04d}", NAMESPACE) for i in range(args.leases)
         ]
         for agent in agents:  # the first renewal of each makes its Lease
-            agent.renew_lease(40, pool)
+            agent.renew_heartbeat(40, pool)
 
         per_process: dict[str, list[float]] = {}
         for rnd in range(args.rounds + 1):
             before, c0 = plane.cpu_seconds(), time.process_time()
             for k in range(args.renewals):
-                agents[k % len(agents)].renew_lease(40, pool)
+                agents[k % len(agents)].renew_heartbeat(40, pool)
             spent = {name: value - before.get(name, 0.0) for name, value in plane.cpu_seconds().items()}
             spent["client (the agent's code)"] = time.process_time() - c0
             if rnd:  # round 0 warms connections, caches and the watch caches

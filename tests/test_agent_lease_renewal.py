@@ -26,25 +26,25 @@ def test_created_once_renewed_after_a_restart_and_made_again_when_deleted(contro
     pool_body = {"metadata": {"name": pool}}
 
     first = KubeAccess(api, pool, name, NAMESPACE)
-    first.renew_lease(40, pool_body)
+    first.renew_heartbeat(40, pool_body)
     made = leases.read_namespaced_lease(name, NAMESPACE)
     assert made.spec.holder_identity == name and made.spec.lease_duration_seconds == 40
     try:
         time.sleep(0.01)
-        first.renew_lease(40, pool_body)
+        first.renew_heartbeat(40, pool_body)
         renewed = leases.read_namespaced_lease(name, NAMESPACE)
         assert renewed.spec.renew_time > made.spec.renew_time
         assert renewed.spec.acquire_time == made.spec.acquire_time, "renewing re-created the Lease"
 
         restarted = KubeAccess(api, pool, name, NAMESPACE)  # a new process: the Lease exists
         time.sleep(0.01)
-        restarted.renew_lease(40, pool_body)
+        restarted.renew_heartbeat(40, pool_body)
         again = leases.read_namespaced_lease(name, NAMESPACE)
         assert again.spec.renew_time > renewed.spec.renew_time
         assert again.metadata.uid == made.metadata.uid, "a restarted agent replaced the Lease"
 
         leases.delete_namespaced_lease(name, NAMESPACE)
-        restarted.renew_lease(40, pool_body)
+        restarted.renew_heartbeat(40, pool_body)
         remade = leases.read_namespaced_lease(name, NAMESPACE)
         assert remade.metadata.uid != made.metadata.uid and remade.spec.holder_identity == name
     finally:

@@ -118,9 +118,9 @@ def test_an_agent_writes_its_own_nodes_objects(scene: Scene) -> None:
     assert made is not None and made["spec"]["nodeName"] == s.a
     patched = own.patch_status({"phase": "Ready", "observedGeneration": 1})
     assert patched is not None and patched["status"]["phase"] == "Ready"
-    own.renew_lease(40, s.pool_body)  # created
+    own.renew_heartbeat(40, s.pool_body)  # created
     first = s.w.lease(NAMESPACE, s.name(s.a))
-    KubeAccess(s.api_a, s.pool, s.name(s.a), NAMESPACE).renew_lease(40, s.pool_body)  # a restart: patched
+    KubeAccess(s.api_a, s.pool, s.name(s.a), NAMESPACE).renew_heartbeat(40, s.pool_body)  # a restart: patched
     again = s.w.lease(NAMESPACE, s.name(s.a))
     assert first is not None and again is not None
     assert again["spec"]["holderIdentity"] == s.name(s.a)
@@ -141,7 +141,7 @@ def test_an_agent_is_refused_another_nodes_objects(scene: Scene) -> None:
 
     # B's agent makes its own object and Lease; A's agent cannot write them
     assert s.access(s.api_b, s.b).create_pool_node(s.pool_body) is not None
-    s.access(s.api_b, s.b).renew_lease(40, s.pool_body)
+    s.access(s.api_b, s.b).renew_heartbeat(40, s.pool_body)
     by_policy(refused(lambda: theirs.patch_status({"phase": "Ready"})), f"on node {s.a}", s.name(s.b))
     by_policy(refused(lambda: theirs.patch_status({"phase": "Released", "reason": "Released"})), s.name(s.b))
     assert "phase" not in (s.w.pool_nodes(s.pool).get(s.b) or {}).get("status", {})
@@ -162,7 +162,9 @@ def test_an_agent_is_refused_another_nodes_objects(scene: Scene) -> None:
     # B's Lease made by A: as the agent makes it, and as a Lease of A's name held by B's
     fresh = s.w.name("other")
     by_policy(
-        refused(lambda: KubeAccess(s.api_a, fresh, f"{fresh}.{s.b}", NAMESPACE).renew_lease(40, s.pool_body))
+        refused(
+            lambda: KubeAccess(s.api_a, fresh, f"{fresh}.{s.b}", NAMESPACE).renew_heartbeat(40, s.pool_body)
+        )
     )
     forged = {
         "metadata": {"name": f"{fresh}.{s.a}", "namespace": NAMESPACE},
@@ -183,12 +185,12 @@ def test_a_token_that_names_no_node_is_refused_everything(scene: Scene) -> None:
     s = scene
     for api, node in ((s.api_a, s.a), (s.api_b, s.b)):  # each node's own, to write to
         s.access(api, node).create_pool_node(s.pool_body)
-        s.access(api, node).renew_lease(40, s.pool_body)
+        s.access(api, node).renew_heartbeat(40, s.pool_body)
     for node in (s.a, s.b):
         anyone = s.access(s.unbound, node)
         by_policy(refused(lambda: anyone.create_pool_node(s.pool_body)), NO_NODE)  # noqa: B023
         by_policy(refused(lambda: anyone.patch_status({"phase": "Ready"})), NO_NODE)  # noqa: B023
-        by_policy(refused(lambda: anyone.renew_lease(40, s.pool_body)), NO_NODE)  # noqa: B023
+        by_policy(refused(lambda: anyone.renew_heartbeat(40, s.pool_body)), NO_NODE)  # noqa: B023
         by_policy(refused(lambda: s.event(s.unbound, node, node)), NO_NODE)  # noqa: B023
     assert not any("phase" in (o.get("status") or {}) for o in s.w.pool_nodes(s.pool).values())
     by_policy(
@@ -234,7 +236,7 @@ def test_the_policy_holds_where_rbac_grants_more(scene: Scene) -> None:
         wait_for("the wider grant in force", lambda: can(s.api_a, "update", NODE_PLURAL), timeout=30)
         for api, node in ((s.api_a, s.a), (s.api_b, s.b)):
             s.access(api, node).create_pool_node(s.pool_body)
-            s.access(api, node).renew_lease(40, s.pool_body)
+            s.access(api, node).renew_heartbeat(40, s.pool_body)
         custom = client.CustomObjectsApi(s.api_a)
         target = {"metadata": {"labels": {"forged": "yes"}}, "spec": {"targetGeneration": 99}}
 

@@ -145,7 +145,7 @@ def storm(kubeconfig: str, names: list[str], *, agent_retries: bool) -> list[Bas
                 access.coordination.list_namespaced_lease(NAMESPACE, limit=1)
             finally:
                 barrier.wait()
-            access.renew_lease(40, {"metadata": {"name": "throttled"}})
+            access.renew_heartbeat(40, {"metadata": {"name": "throttled"}})
         except BaseException as exc:  # reported by the caller
             outcome[i] = exc
 

@@ -9,15 +9,15 @@ from hypothesis import strategies as st
 
 from offloadpool.operator.aggregate import MAX_FAILING_NODES, aggregate
 from offloadpool.operator.events import transitions
-from offloadpool.operator.nodeview import NodeView
+from offloadpool.operator.pool_node_report import PoolNodeReport
 from offloadpool.operator.rollout import plan
 
 NOW = datetime(2026, 11, 29, 16, 0, tzinfo=timezone.utc)
 GiB = 1 << 30
 
 
-def ready(node: str, gen: int = 1, **kw) -> NodeView:
-    return NodeView(
+def ready(node: str, gen: int = 1, **kw) -> PoolNodeReport:
+    return PoolNodeReport(
         node=node,
         phase="Ready",
         observed_generation=gen,
@@ -56,7 +56,7 @@ def test_all_ready_is_ready():
 def test_failed_node_degrades_and_names_the_shortfall():
     views = {
         "a": ready("a"),
-        "b": NodeView(
+        "b": PoolNodeReport(
             node="b",
             phase="Failed",
             reason="InsufficientHugePages",
@@ -64,7 +64,7 @@ def test_failed_node_degrades_and_names_the_shortfall():
             observed_generation=1,
         ),
     }
-    views["c"] = NodeView(node="c", phase="Populating", progress=40, heartbeat=NOW)
+    views["c"] = PoolNodeReport(node="c", phase="Populating", progress=40, heartbeat=NOW)
     s = aggregate(generation=1, selected=["a", "b", "c", "d"], views=views, now=NOW).status
     assert (s["phase"], s["readyNodes"], s["failedNodes"], s["pendingNodes"]) == ("Degraded", 1, 1, 2)
     failing = {f["node"]: f for f in s["failingNodes"]}
@@ -80,7 +80,9 @@ def test_failed_node_degrades_and_names_the_shortfall():
 def test_stale_heartbeat_is_not_ready():
     views = {
         "a": ready("a"),
-        "b": NodeView(node="b", phase="Ready", observed_generation=1, heartbeat=NOW - timedelta(hours=1)),
+        "b": PoolNodeReport(
+            node="b", phase="Ready", observed_generation=1, heartbeat=NOW - timedelta(hours=1)
+        ),
     }
     agg = aggregate(generation=1, selected=views, views=views, now=NOW, heartbeat_timeout=60)
     assert agg.ready_nodes == {"a"} and agg.status["phase"] == "Degraded"
@@ -112,9 +114,9 @@ def test_transition_time_kept_when_status_unchanged():
 
 def test_deleting_waits_for_unreleased_existing_nodes():
     views = {
-        "a": NodeView(node="a", phase="Released"),
-        "b": NodeView(node="b", phase="Draining", reason="LeaseHeld", engines_attached=1),
-        "gone": NodeView(node="gone", phase="Ready"),
+        "a": PoolNodeReport(node="a", phase="Released"),
+        "b": PoolNodeReport(node="b", phase="Draining", reason="LeaseHeld", engines_attached=1),
+        "gone": PoolNodeReport(node="gone", phase="Ready"),
     }
     agg = aggregate(
         generation=1, selected=["a", "b"], views=views, now=NOW, deleting=True, existing_nodes=["a", "b"]
@@ -126,7 +128,7 @@ def test_deleting_waits_for_unreleased_existing_nodes():
 
 
 def test_events_on_transitions_only():
-    views = {"a": ready("a"), "b": NodeView(node="b", phase="Populating")}
+    views = {"a": ready("a"), "b": PoolNodeReport(node="b", phase="Populating")}
     s1 = aggregate(generation=1, selected=views, views=views, now=NOW).status
     first = transitions(None, s1)
     assert {e.reason for e in first} == {"NodesNotReady", "Provisioning"}
@@ -137,7 +139,7 @@ def test_events_on_transitions_only():
     reasons = {(e.type, e.reason) for e in transitions(s1, s2)}
     assert ("Normal", "AllNodesReady") in reasons and ("Normal", "Complete") in reasons
     assert transitions(s2, s2) == []
-    views["b"] = NodeView(node="b", phase="Failed", reason="InsufficientMemory", message="short by 1Gi")
+    views["b"] = PoolNodeReport(node="b", phase="Failed", reason="InsufficientMemory", message="short by 1Gi")
     s3 = aggregate(generation=1, selected=views, views=views, now=NOW, previous_conditions=s2["conditions"])
     reasons = {(e.type, e.reason) for e in transitions(s2, s3.status, s3.failed_nodes)}
     assert ("Warning", "NodeFailed") in reasons and ("Warning", "NodesFailed") in reasons
@@ -145,27 +147,27 @@ def test_events_on_transitions_only():
 
 def test_rollout_one_serving_node_at_a_time():
     views = {n: ready(n, 1) for n in ("a", "b", "c")}
-    views["d"] = NodeView(node="d", phase="Failed", target_generation=1)
+    views["d"] = PoolNodeReport(node="d", phase="Failed", target_generation=1)
     step = plan(2, views, views, now=NOW)
     assert [(a.node, a.serving) for a in step.advance] == [("d", False), ("a", True)]
     # a in flight (annotated, not yet Ready at 2): nothing more
-    views["a"] = NodeView(
+    views["a"] = PoolNodeReport(
         node="a", phase="Provisioning", target_generation=2, rollout_generation=2, observed_generation=1
     )
-    views["d"] = NodeView(node="d", phase="Provisioning", target_generation=2)
+    views["d"] = PoolNodeReport(node="d", phase="Provisioning", target_generation=2)
     assert plan(2, views, views, now=NOW).advance == () and plan(2, views, views, now=NOW).in_flight == ("a",)
     # a held by an engine: skipped, b goes
     views["a"] = ready("a", 1, pending_generation=2, reason="LeaseHeld", rollout_generation=2)
-    views["a"] = NodeView(**{**views["a"].__dict__, "target_generation": 2})
+    views["a"] = PoolNodeReport(**{**views["a"].__dict__, "target_generation": 2})
     assert [x.node for x in plan(2, views, views, now=NOW).advance] == ["b"]
     # waiting for its turn (agent says RolloutPending) is NOT held
-    views["a"] = NodeView(**{**views["a"].__dict__, "reason": "RolloutPending"})
+    views["a"] = PoolNodeReport(**{**views["a"].__dict__, "reason": "RolloutPending"})
     assert plan(2, views, views, now=NOW).advance == ()
 
 
 def test_rollout_halts_on_failure_of_a_node_that_was_serving():
     views = {
-        "a": NodeView(
+        "a": PoolNodeReport(
             node="a", phase="Failed", target_generation=2, rollout_generation=2, observed_generation=2
         ),
         "b": ready("b", 1),
@@ -188,7 +190,7 @@ def pools(draw):
     views = {}
     for n in names:
         if draw(st.booleans()):
-            views[n] = NodeView(
+            views[n] = PoolNodeReport(
                 node=n,
                 phase=draw(phases),
                 observed_generation=draw(st.integers(1, gen)),
@@ -227,10 +229,10 @@ def test_counts_are_consistent(pool, timeout):
 
 def test_node_marks_follow_readiness() -> None:
     from offloadpool.operator.nodes import label_patch, marks_patch, resource_patch
-    from offloadpool.operator.selection import NodeInfo
+    from offloadpool.operator.selection import SelectableNode
 
-    def node(labels=None, capacity=None, allocatable=None) -> NodeInfo:
-        return NodeInfo.from_body(
+    def node(labels=None, capacity=None, allocatable=None) -> SelectableNode:
+        return SelectableNode.from_body(
             {
                 "metadata": {"name": "n", "labels": labels or {}},
                 "status": {"capacity": capacity or {}, "allocatable": allocatable or {}},
@@ -262,9 +264,9 @@ def test_node_marks_follow_readiness() -> None:
 
 
 def test_selection_follows_the_daemonset_controller() -> None:
-    from offloadpool.operator.selection import NodeInfo, selects
+    from offloadpool.operator.selection import SelectableNode, selects
 
-    gpu = NodeInfo(
+    gpu = SelectableNode(
         "g",
         {"gpu": "h100"},
         (
@@ -295,7 +297,7 @@ def test_a_node_with_no_agent_at_work_is_named_by_its_cause_not_provisioning():
     why = "Unschedulable: 0/3 nodes are available: 1 Insufficient hugepages-2Mi."
     views = {
         "a": ready("a"),
-        "c": NodeView(node="c", phase="Provisioning", heartbeat=NOW - timedelta(minutes=5)),
+        "c": PoolNodeReport(node="c", phase="Provisioning", heartbeat=NOW - timedelta(minutes=5)),
     }
     s = aggregate(
         generation=1,
@@ -326,7 +328,7 @@ def test_a_node_with_no_agent_at_work_is_named_by_its_cause_not_provisioning():
     )
 
     # another node still at work: Provisioning, naming the stalled ones beside it
-    views["d"] = NodeView(node="d", phase="Populating", progress=10, heartbeat=NOW)
+    views["d"] = PoolNodeReport(node="d", phase="Populating", progress=10, heartbeat=NOW)
     s = aggregate(
         generation=1,
         selected=["a", "b", "c", "d"],
@@ -342,7 +344,7 @@ def test_a_node_with_no_agent_at_work_is_named_by_its_cause_not_provisioning():
 
     # a pod the scheduler refused, but an agent reporting live (a replaced pod's predecessor
     # still running): the agent's own word stands
-    views["b"] = NodeView(node="b", phase="Populating", progress=50, heartbeat=NOW)
+    views["b"] = PoolNodeReport(node="b", phase="Populating", progress=50, heartbeat=NOW)
     s = aggregate(
         generation=1, selected=["b"], views=views, now=NOW, heartbeat_timeout=60, unschedulable={"b": why}
     ).status

@@ -179,7 +179,7 @@ def test_unresponsive_agent_and_reselection(world: World, offloadpool_operator: 
     assert conds(w.pool(pool))["Degraded"]["reason"] == "AgentsUnresponsive"
     # the agent's heartbeat Lease alone (no status write, nothing that wakes a pass) makes the
     # node live again by the next resync
-    w.renew_lease(pool, a)
+    w.renew_heartbeat(pool, a)
     wait_for("Ready again from the Lease", lambda: status(w, pool).get("phase") == "Ready", timeout=30)
     assert w.pool_nodes(pool)[a]["status"]["heartbeat"] == "2020-01-01T00:00:00Z"
     w.report_ready(pool, a)

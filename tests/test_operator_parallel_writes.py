@@ -33,7 +33,7 @@ from offloadpool.api.constants import (
 from offloadpool.api.node import new_object
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.kube import MERGE, Kube
-from offloadpool.operator.nodeview import NodeView
+from offloadpool.operator.pool_node_report import PoolNodeReport
 from offloadpool.operator.reconcile import Reconciler
 from offloadpool.operator.watched import WatchedKind
 
@@ -95,7 +95,7 @@ class Pool:
     nodes: list[str]
     admin: client.ApiClient
     node_index: WatchedKind[Any]
-    objects: WatchedKind[NodeView]
+    objects: WatchedKind[PoolNodeReport]
 
     def reconciler(self, kube: Kube, config: OperatorConfig) -> Reconciler:
         return Reconciler(kube, config, lambda _pool, _event: None, self.node_index, self.objects)

@@ -1,6 +1,6 @@
 """A pass decides again only for the Nodes that changed: which nodes the pool selects
 (``selection.Selection``) and whether a Node's marks are right (``Reconciler._sync_node_marks``)
-are remembered per ``NodeInfo``, which the index replaces whenever a Node changes.
+are remembered per ``SelectableNode``, which the index replaces whenever a Node changes.
 
 What must hold: the answers are always those of deciding afresh (a property over random
 histories of Nodes and pool specs), a Node that changed — its labels edited by hand, its pool
@@ -30,7 +30,7 @@ from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.kube import Kube
 from offloadpool.operator.reconcile import Reconciler
 from offloadpool.operator.runtime import Runtime
-from offloadpool.operator.selection import NodeInfo, Selection, selected_nodes
+from offloadpool.operator.selection import SelectableNode, Selection, selected_nodes
 
 NAMES = [f"n{i}" for i in range(6)]
 LABELS = st.dictionaries(st.sampled_from(["gpu", "zone"]), st.sampled_from(["a", "b"]), max_size=2)
@@ -39,7 +39,7 @@ TAINTS = st.lists(
     max_size=1,
 )
 NODE = st.builds(
-    lambda name, labels, taints: NodeInfo(name=name, labels=labels, taints=tuple(taints)),
+    lambda name, labels, taints: SelectableNode(name=name, labels=labels, taints=tuple(taints)),
     st.sampled_from(NAMES),
     LABELS,
     TAINTS,
@@ -85,7 +85,7 @@ def counted(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[str
     calls: list[str] = []
 
     def counting(*args: Any) -> Any:
-        calls.append(next(a.name for a in args if isinstance(a, NodeInfo)))
+        calls.append(next(a.name for a in args if isinstance(a, SelectableNode)))
         return real(*args)
 
     monkeypatch.setattr(module, name, counting)
@@ -94,7 +94,7 @@ def counted(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[str
 
 def test_the_same_node_is_decided_once_and_a_changed_one_again() -> None:
     memory, spec = Selection(), {"nodeSelector": {"gpu": "a"}}
-    gpu, cpu = NodeInfo("n1", {"gpu": "a"}), NodeInfo("n2", {"gpu": "b"})
+    gpu, cpu = SelectableNode("n1", {"gpu": "a"}), SelectableNode("n2", {"gpu": "b"})
     assert memory.selected(spec, [gpu, cpu]) == ["n1"]
     relabelled = replace(cpu, labels={"gpu": "a"})
     with pytest.MonkeyPatch.context() as mp:
@@ -163,7 +163,7 @@ def test_a_pass_decides_again_only_for_the_nodes_that_changed(
     assert (kube.core.read_node(unmarked).metadata.labels or {}).get(pool_label_key(pool)) == "ready"
 
     # a node relabelled out of the pool's selection loses its OffloadPoolNode and its marks
-    # (first one pass over the mark's answer, a new NodeInfo of that node)
+    # (first one pass over the mark's answer, a new SelectableNode of that node)
     assert reconciler.run(pool).writes == []  # type: ignore[union-attr]
     selected.clear()
     gone = names[4]

@@ -9,14 +9,14 @@ from __future__ import annotations
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.reconcile import PassResult
 from offloadpool.operator.runtime import Runtime, node_change_matters
-from offloadpool.operator.selection import NodeInfo
+from offloadpool.operator.selection import SelectableNode
 
 PREFIX = "offloadpool.io/"
 
 
-def info(labels=None, taints=(), capacity=None) -> NodeInfo:
+def info(labels=None, taints=(), capacity=None) -> SelectableNode:
     cap = capacity or {}
-    return NodeInfo.from_body(
+    return SelectableNode.from_body(
         {
             "metadata": {"name": "n", "labels": labels or {}},
             "spec": {"taints": list(taints)},
@@ -30,9 +30,9 @@ class NodeEvents:
     """One Node's successive states as the watch index reports them (before, after)."""
 
     def __init__(self) -> None:
-        self.last: NodeInfo | None = None
+        self.last: SelectableNode | None = None
 
-    def node_changed(self, after: NodeInfo | None, _name: str) -> bool:
+    def node_changed(self, after: SelectableNode | None, _name: str) -> bool:
         before, self.last = self.last, after
         return node_change_matters(before, after)
 

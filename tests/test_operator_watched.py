@@ -19,7 +19,7 @@ from kubernetes import client
 from fixtures.wait import wait_for
 from offloadpool.api.constants import GROUP, NODE_PLURAL, VERSION
 from offloadpool.operator.kube import MERGE, Kube
-from offloadpool.operator.nodeview import NodeView
+from offloadpool.operator.pool_node_report import PoolNodeReport
 from offloadpool.operator.runtime import node_object_key
 from offloadpool.operator.watched import WatchedKind
 
@@ -39,20 +39,20 @@ def test_index_follows_the_api_server_and_keeps_the_newest(crds_installed: Any) 
     api = crds_installed.api_client()
     custom = client.CustomObjectsApi(api)
     pool, other = f"w-{uuid.uuid4().hex[:6]}", f"x-{uuid.uuid4().hex[:6]}"
-    changes: list[tuple[str, str, NodeView | None, NodeView | None]] = []
+    changes: list[tuple[str, str, PoolNodeReport | None, PoolNodeReport | None]] = []
     lock = threading.Lock()
 
-    def record(group: str, key: str, before: NodeView | None, after: NodeView | None) -> None:
+    def record(group: str, key: str, before: PoolNodeReport | None, after: PoolNodeReport | None) -> None:
         with lock:
             changes.append((group, key, before, after))
 
-    def seen(key: str) -> list[tuple[NodeView | None, NodeView | None]]:
+    def seen(key: str) -> list[tuple[PoolNodeReport | None, PoolNodeReport | None]]:
         with lock:
             return [(b, a) for g, k, b, a in changes if g == pool and k == key]
 
     first = custom.create_cluster_custom_object(GROUP, VERSION, NODE_PLURAL, opn(pool, "a"))
     index = WatchedKind(
-        "offloadpoolnodes", Kube(api).list_all_node_objects, NodeView.from_body, node_object_key, record
+        "offloadpoolnodes", Kube(api).list_all_node_objects, PoolNodeReport.from_body, node_object_key, record
     ).start()
     try:
         # the first list: synced only once what existed before the watch is in
@@ -140,11 +140,11 @@ def test_the_event_of_an_applied_write_is_not_converted_again() -> None:
     converted: list[str] = []
     changes: list[tuple[str, str]] = []
 
-    def convert(body: Any) -> NodeView:
+    def convert(body: Any) -> PoolNodeReport:
         converted.append(body["metadata"]["resourceVersion"])
-        return NodeView.from_body(body)
+        return PoolNodeReport.from_body(body)
 
-    index: WatchedKind[NodeView] = WatchedKind(
+    index: WatchedKind[PoolNodeReport] = WatchedKind(
         "offloadpoolnodes",
         lambda **_: None,
         convert,

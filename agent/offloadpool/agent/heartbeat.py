@@ -56,7 +56,7 @@ class Heartbeat:
         if now - max(self._sent, self.status.written_at) < self.heartbeat_seconds / 2:
             return
         try:
-            self.access.renew_lease(max(1, round(self.heartbeat_seconds * DURATION_PERIODS)), pool)
+            self.access.renew_heartbeat(max(1, round(self.heartbeat_seconds * DURATION_PERIODS)), pool)
             self._sent = now
             self._failures = 0
             self.credential.accepted()

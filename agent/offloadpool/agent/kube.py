@@ -158,7 +158,7 @@ class KubeAccess:
                 return None
             raise
 
-    def renew_lease(self, duration_seconds: int, pool: dict[str, Any]) -> None:
+    def renew_heartbeat(self, duration_seconds: int, pool: dict[str, Any]) -> None:
         """Renew our heartbeat Lease (creating it on first use): one small write per heartbeat.
 
         Owned by the pool, so the garbage collector removes it with the pool. A merge patch of
@@ -168,7 +168,7 @@ class KubeAccess:
         """
         stamp = micro_now()
         if not self._lease_exists:
-            created = self._create_lease(stamp, duration_seconds, pool)  # a refusal raises here
+            created = self._create_heartbeat(stamp, duration_seconds, pool)  # a refusal raises here
             self._lease_exists = True  # made now, or there already (a restarted agent)
             if created:
                 return
@@ -179,9 +179,9 @@ class KubeAccess:
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            self._create_lease(stamp, duration_seconds, pool)  # deleted: made again
+            self._create_heartbeat(stamp, duration_seconds, pool)  # deleted: made again
 
-    def _create_lease(self, stamp: str, duration_seconds: int, pool: dict[str, Any]) -> bool:
+    def _create_heartbeat(self, stamp: str, duration_seconds: int, pool: dict[str, Any]) -> bool:
         """Create the Lease; False if it exists already (a racing step or a restart)."""
         meta = pool.get("metadata") or {}
         body = {

@@ -61,7 +61,7 @@ from offloadpool.region.vocabulary import (
     SCRUBBING,
 )
 
-from .nodeview import NodeView, stale_cutoff
+from .pool_node_report import PoolNodeReport, stale_cutoff
 
 MAX_NAMES_IN_MESSAGE = 5
 
@@ -90,7 +90,7 @@ def _names(nodes: Sequence[str]) -> str:
 
 
 def _problem(
-    view: NodeView | None, node: str, now: datetime, cutoff: datetime | None, unscheduled: str | None
+    view: PoolNodeReport | None, node: str, now: datetime, cutoff: datetime | None, unscheduled: str | None
 ) -> tuple[str, str, str]:
     """(severity key, reason, message) for a node that is not Ready. ``unscheduled``: the
     scheduler's reason the node's agent pod is not placed, if it is not."""
@@ -170,7 +170,7 @@ class _Tally:
 def _tally(
     generation: int,
     selected: list[str],
-    views: Mapping[str, NodeView],
+    views: Mapping[str, PoolNodeReport],
     now: datetime,
     timeout: float,
     unschedulable: Mapping[str, str],
@@ -198,7 +198,7 @@ def _tally(
     return tally
 
 
-def _unreleased(views: Mapping[str, NodeView], existing_nodes: Iterable[str] | None) -> list[str]:
+def _unreleased(views: Mapping[str, PoolNodeReport], existing_nodes: Iterable[str] | None) -> list[str]:
     """Nodes a deletion waits for: every node of the pool still holding memory, unless the Node
     itself is gone."""
     alive = set(existing_nodes) if existing_nodes is not None else None
@@ -213,7 +213,7 @@ def aggregate(
     *,
     generation: int,
     selected: Iterable[str],
-    views: Mapping[str, NodeView],
+    views: Mapping[str, PoolNodeReport],
     previous_conditions: Iterable[Mapping[str, Any]] = (),
     now: datetime,
     heartbeat_timeout: float = 0.0,
@@ -265,7 +265,7 @@ def aggregate(
     )
 
 
-def _release_message(view: NodeView) -> str:
+def _release_message(view: PoolNodeReport) -> str:
     phase = view.phase or "no status"
     detail = f": {view.reason}" if view.reason else ""
     engines = f", {view.engines_attached} engine(s) attached" if view.engines_attached else ""
@@ -295,7 +295,7 @@ class _Conditions:
         text: ConditionStatus = "True" if status else "False"
         return transition(self.previous.get(ctype), ctype, text, reason, message, self.generation, self.now)
 
-    def deleting(self, unreleased: Sequence[str], views: Mapping[str, NodeView]) -> list[Condition]:
+    def deleting(self, unreleased: Sequence[str], views: Mapping[str, PoolNodeReport]) -> list[Condition]:
         cond = self.cond
         if unreleased:
             waiting = "; ".join(

@@ -189,7 +189,7 @@ class Kube:
         return self.send("PATCH", f"{NODE_OBJECTS_PATH}/{name}", dict(patch))
 
     # -- agents' heartbeat Leases ------------------------------------------------------
-    def list_agent_leases(self, namespace: str, pool: str) -> dict[str, datetime]:
+    def list_agent_heartbeats(self, namespace: str, pool: str) -> dict[str, datetime]:
         """Lease name (``<pool>.<node>``) -> last renewTime, for the pool's agents.
 
         Read as raw JSON: a thousand Leases turned into client model objects would cost more

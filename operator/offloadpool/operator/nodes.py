@@ -28,8 +28,8 @@ from typing import Any
 
 from offloadpool.api.constants import POOL_LABEL_READY, extended_resource_name, pool_label_key
 
-from .nodeview import ROLLOUT_ANNOTATION
-from .selection import NodeInfo
+from .pool_node_report import ROLLOUT_ANNOTATION
+from .selection import SelectableNode
 
 #: Capacity advertised per node: one engine per node per pool.
 EXTENDED_RESOURCE_CAPACITY = "1"
@@ -42,7 +42,7 @@ def advance_patch(generation: int, serving: bool) -> dict[str, Any]:
     return patch
 
 
-def label_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None:
+def label_patch(pool: str, node: SelectableNode, ready: bool) -> dict[str, Any] | None:
     """The metadata patch that makes the node's pool label match ``ready``; None if it does."""
     key = pool_label_key(pool)
     has = node.labels.get(key) == POOL_LABEL_READY
@@ -51,7 +51,7 @@ def label_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None
     return {"metadata": {"labels": {key: POOL_LABEL_READY if ready else None}}}
 
 
-def resource_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None:
+def resource_patch(pool: str, node: SelectableNode, ready: bool) -> dict[str, Any] | None:
     """The status patch that makes the node advertise the pool's resource iff ``ready``."""
     name = extended_resource_name(pool)
     if ready and name in node.resources:
@@ -62,7 +62,7 @@ def resource_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | N
     return {"status": {"capacity": {name: value}, "allocatable": {name: value}}}
 
 
-def marks_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None:
+def marks_patch(pool: str, node: SelectableNode, ready: bool) -> dict[str, Any] | None:
     """The one patch (for the status subresource) that makes both marks match ``ready``."""
     patch: dict[str, Any] = {}
     for part in (label_patch(pool, node, ready), resource_patch(pool, node, ready)):
@@ -70,6 +70,6 @@ def marks_patch(pool: str, node: NodeInfo, ready: bool) -> dict[str, Any] | None
     return patch or None
 
 
-def carries_pool(pool: str, node: NodeInfo) -> bool:
+def carries_pool(pool: str, node: SelectableNode) -> bool:
     """The node has the pool's label or resource (so a pass must look at it)."""
     return pool_label_key(pool) in node.labels or extended_resource_name(pool) in node.resource_keys

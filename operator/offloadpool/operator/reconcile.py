@@ -50,8 +50,8 @@ from .aggregate import aggregate
 from .config import OperatorConfig
 from .events import Event, transitions
 from .kube import Kube
-from .nodeview import NodeView, stale_cutoff
-from .selection import NodeInfo, Selection
+from .pool_node_report import PoolNodeReport, stale_cutoff
+from .selection import SelectableNode, Selection
 from .watched import WatchedKind
 from .writes import Batch, ParallelWrites
 
@@ -89,8 +89,8 @@ class PassResult:
 class Renewed(NamedTuple):
     """A node's view and the same view with its agent's heartbeat from the last Lease list."""
 
-    view: NodeView
-    renewed: NodeView
+    view: PoolNodeReport
+    renewed: PoolNodeReport
 
 
 class AppliedDaemonSet(NamedTuple):
@@ -104,7 +104,7 @@ class AppliedDaemonSet(NamedTuple):
 class Marked(NamedTuple):
     """A Node whose marks a pass found as they should be, and the pool's verdict then."""
 
-    info: NodeInfo
+    info: SelectableNode
     ready: bool
 
 
@@ -191,8 +191,8 @@ class Reconciler:
         kube: Kube,
         config: OperatorConfig,
         emit: EventSink,
-        nodes: WatchedKind[NodeInfo],
-        node_objects: WatchedKind[NodeView],
+        nodes: WatchedKind[SelectableNode],
+        node_objects: WatchedKind[PoolNodeReport],
         clock: Callable[[], datetime] = utcnow,
     ):
         self.kube = kube
@@ -216,7 +216,7 @@ class Reconciler:
         result.write_cpu_seconds += batch.offloaded_cpu_seconds
         return batch
 
-    def _views(self, pool: str, now: datetime) -> dict[str, NodeView]:
+    def _views(self, pool: str, now: datetime) -> dict[str, PoolNodeReport]:
         """The pool's OffloadPoolNodes by node, each with its agent's last heartbeat.
 
         The last list of the pool's heartbeat Leases is reused unless a node is stale by it and the list
@@ -230,13 +230,15 @@ class Reconciler:
             if recent or not any(view.silent_before(cutoff) for view in views.values()):
                 return views
         memory.heartbeats_listed_at = time.monotonic()
-        memory.heartbeats = self.kube.list_agent_leases(self.config.namespace, pool)
+        memory.heartbeats = self.kube.list_agent_heartbeats(self.config.namespace, pool)
         memory.renewed = {}
         return self._renewed(pool, objects, memory)
 
     @staticmethod
-    def _renewed(pool: str, objects: Mapping[str, NodeView], memory: PoolMemory) -> dict[str, NodeView]:
-        """Each view with its heartbeat from the last Lease list (``NodeView.renewed``),
+    def _renewed(
+        pool: str, objects: Mapping[str, PoolNodeReport], memory: PoolMemory
+    ) -> dict[str, PoolNodeReport]:
+        """Each view with its heartbeat from the last Lease list (``PoolNodeReport.renewed``),
         remembered for as long as the view is the same object and the list the same: most of a
         pool's views and its list outlast many passes, and making each again was a tenth of a
         pass at 1,000 nodes."""
@@ -284,7 +286,7 @@ class Reconciler:
                 )
             return result
 
-    def _pass(self, pool: dict[str, Any], node_infos: Sequence[NodeInfo]) -> PassResult:
+    def _pass(self, pool: dict[str, Any], node_infos: Sequence[SelectableNode]) -> PassResult:
         meta, spec = pool["metadata"], pool.get("spec") or {}
         name, generation = meta["name"], int(meta.get("generation") or 1)
         deleting = bool(meta.get("deletionTimestamp"))
@@ -367,8 +369,8 @@ class Reconciler:
         pool: Mapping[str, Any],
         generation: int,
         selected: Sequence[str],
-        views: dict[str, NodeView],
-        existing: Mapping[str, NodeInfo],
+        views: dict[str, PoolNodeReport],
+        existing: Mapping[str, SelectableNode],
         result: PassResult,
     ) -> None:
         """One OffloadPoolNode per selected Node; none for Nodes gone or no longer selected.
@@ -399,7 +401,7 @@ class Reconciler:
                 self.node_objects.apply(made)
                 created.append(node)
                 result.writes.append(f"created OffloadPoolNode {node_object_name(name, node)}")
-            views[node] = NodeView(node=node, target_generation=generation)
+            views[node] = PoolNodeReport(node=node, target_generation=generation)
         if created:  # one Event per pass, not one per node (a new pool over 1,000 nodes)
             self.emit(
                 pool,
@@ -435,7 +437,7 @@ class Reconciler:
         pool: Mapping[str, Any],
         generation: int,
         selected: Sequence[str],
-        views: dict[str, NodeView],
+        views: dict[str, PoolNodeReport],
         now: datetime,
         timeout: float,
         result: PassResult,
@@ -479,7 +481,7 @@ class Reconciler:
         generation: int,
         ds_generation: int,
         selected: Sequence[str],
-        views: Mapping[str, NodeView],
+        views: Mapping[str, PoolNodeReport],
         result: PassResult,
     ) -> None:
         """Give a node that is about to apply a new pool generation an agent pod with the
@@ -530,7 +532,7 @@ class Reconciler:
         self,
         pool: Mapping[str, Any],
         selected: Sequence[str],
-        views: Mapping[str, NodeView],
+        views: Mapping[str, PoolNodeReport],
         now: datetime,
         result: PassResult,
     ) -> dict[str, str]:
@@ -597,13 +599,13 @@ class Reconciler:
         return memory.unschedulable
 
     def _sync_node_marks(
-        self, pool: str, ready: frozenset[str], existing: Mapping[str, NodeInfo], result: PassResult
+        self, pool: str, ready: frozenset[str], existing: Mapping[str, SelectableNode], result: PassResult
     ) -> None:
         """Label and extended resource on exactly the Nodes where the pool is Ready (several
         Nodes at once: a pass may find hundreds of agents newly Ready).
 
         A Node whose marks a pass found right is not looked at again while it is the same
-        ``NodeInfo`` (the index hands out a new one when the Node changes, or when the answer
+        ``SelectableNode`` (the index hands out a new one when the Node changes, or when the answer
         to a mark comes back) and the pool's verdict on it the same: at a thousand nodes,
         looking at every Node every pass was a quarter of a pass.
         """

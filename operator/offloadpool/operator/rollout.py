@@ -25,7 +25,7 @@ from datetime import datetime
 
 from offloadpool.region.vocabulary import FAILED, READY
 
-from .nodeview import NodeView, stale_cutoff
+from .pool_node_report import PoolNodeReport, stale_cutoff
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,13 @@ class RolloutPlan:
     halted: tuple[str, ...]
 
 
-def _at_target(view: NodeView, generation: int) -> bool:
+def _at_target(view: PoolNodeReport, generation: int) -> bool:
     return view.target_generation is None or view.target_generation >= generation
 
 
 def plan(
     generation: int,
-    views: Mapping[str, NodeView],
+    views: Mapping[str, PoolNodeReport],
     selected: Iterable[str],
     *,
     now: datetime,

@@ -24,9 +24,9 @@ from offloadpool.api.constants import GROUP, clip_message, split_node_object_nam
 from .config import OperatorConfig
 from .events import Event
 from .kube import Kube, load_client
-from .nodeview import NodeView
+from .pool_node_report import PoolNodeReport
 from .reconcile import Reconciler
-from .selection import NodeInfo
+from .selection import SelectableNode
 from .watched import WatchedKind
 
 #: Extended resources of pools on Nodes are named ``offloadpool.io/<pool>``.
@@ -45,11 +45,11 @@ def node_object_key(body: Mapping[str, Any]) -> tuple[str, str] | None:
     return spec["pool"], spec.get("nodeName") or split_node_object_name(body["metadata"]["name"])[1]
 
 
-def node_info(body: Mapping[str, Any]) -> NodeInfo:
-    return NodeInfo.from_body(body, RESOURCE_PREFIX)
+def node_info(body: Mapping[str, Any]) -> SelectableNode:
+    return SelectableNode.from_body(body, RESOURCE_PREFIX)
 
 
-def node_change_matters(before: NodeInfo | None, after: NodeInfo | None) -> bool:
+def node_change_matters(before: SelectableNode | None, after: SelectableNode | None) -> bool:
     """True when a Node changed in a way a pass must see at once.
 
     That is: the Node came or went, its selection (labels, taints) changed, or it lost a pool
@@ -65,7 +65,7 @@ def node_change_matters(before: NodeInfo | None, after: NodeInfo | None) -> bool
     return before.selection_key() != after.selection_key() or bool(before.marks() - after.marks())
 
 
-def _differ_beyond_heartbeat(before: NodeView | None, after: NodeView | None) -> bool:
+def _differ_beyond_heartbeat(before: PoolNodeReport | None, after: PoolNodeReport | None) -> bool:
     if before is None or after is None:
         return before is not after
     return replace(before, heartbeat=after.heartbeat) != after
@@ -80,8 +80,8 @@ class Runtime:
     def __init__(self, config: OperatorConfig) -> None:
         self.config = config
         self.reconciler: Reconciler | None = None
-        self.nodes: WatchedKind[NodeInfo] | None = None
-        self.node_objects: WatchedKind[NodeView] | None = None
+        self.nodes: WatchedKind[SelectableNode] | None = None
+        self.node_objects: WatchedKind[PoolNodeReport] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._triggers: dict[str, asyncio.Event] = {}
         self._pool_seen: dict[str, tuple[Any, ...]] = {}
@@ -100,7 +100,7 @@ class Runtime:
         self.node_objects = WatchedKind(
             "offloadpoolnodes",
             kube.list_all_node_objects,
-            NodeView.from_body,
+            PoolNodeReport.from_body,
             node_object_key,
             self._view_event,
             timeout_seconds=timeout,
@@ -148,18 +148,22 @@ class Runtime:
         else:
             self._loop.call_soon_threadsafe(self.trigger_all)
 
-    def _node_event(self, _group: str, _name: str, before: NodeInfo | None, after: NodeInfo | None) -> None:
+    def _node_event(
+        self, _group: str, _name: str, before: SelectableNode | None, after: SelectableNode | None
+    ) -> None:
         if node_change_matters(before, after):
             self._wake(None)
 
-    def _view_event(self, pool: str, _node: str, before: NodeView | None, after: NodeView | None) -> None:
+    def _view_event(
+        self, pool: str, _node: str, before: PoolNodeReport | None, after: PoolNodeReport | None
+    ) -> None:
         """An OffloadPoolNode changed. Its heartbeat alone is no news (liveness is the Lease's,
         and the pass reads the heartbeat from the index when it runs anyway) — unless it
         brings back an agent that had been silent long enough to be taken for unresponsive."""
         if _differ_beyond_heartbeat(before, after) or self._revived(before, after):
             self._wake(pool)
 
-    def _revived(self, before: NodeView | None, after: NodeView | None) -> bool:
+    def _revived(self, before: PoolNodeReport | None, after: PoolNodeReport | None) -> bool:
         timeout = self.config.heartbeat_timeout_seconds
         if before is None or after is None or timeout <= 0 or before.heartbeat == after.heartbeat:
             return False

@@ -29,7 +29,7 @@ BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
 
 
 @dataclass(frozen=True)
-class NodeInfo:
+class SelectableNode:
     """What the operator needs to know about a Node (kept in a kopf index)."""
 
     name: str
@@ -59,7 +59,7 @@ class NodeInfo:
         return frozenset(k for k in self.labels if k.startswith(POOL_LABEL_PREFIX)) | self.resources
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any], resource_prefix: str) -> NodeInfo:
+    def from_body(cls, body: Mapping[str, Any], resource_prefix: str) -> SelectableNode:
         meta = body.get("metadata") or {}
         spec = body.get("spec") or {}
         status = body.get("status") or {}
@@ -108,14 +108,14 @@ def taints_tolerated(
     return True
 
 
-def selects(spec: Mapping[str, Any], node: NodeInfo) -> bool:
+def selects(spec: Mapping[str, Any], node: SelectableNode) -> bool:
     """Does the pool with this spec select this node?"""
     return labels_match(node.labels, spec.get("nodeSelector")) and taints_tolerated(
         node.taints, spec.get("tolerations")
     )
 
 
-def selected_nodes(spec: Mapping[str, Any], nodes: Sequence[NodeInfo]) -> list[str]:
+def selected_nodes(spec: Mapping[str, Any], nodes: Sequence[SelectableNode]) -> list[str]:
     """Names of the selected nodes, sorted (stable order for rollout and status)."""
     return sorted(n.name for n in nodes if selects(spec, n))
 
@@ -132,7 +132,7 @@ class Selection:
 
     A pass over a pool of a thousand nodes decided a thousand times which nodes the pool
     selects, two passes a second while it converged, though nodes are selected or not by their
-    labels and taints, which seldom change. The index hands out the same ``NodeInfo`` until a
+    labels and taints, which seldom change. The index hands out the same ``SelectableNode`` until a
     Node changes (frozen: a changed Node is a new value), so an answer is reused while its node
     is the same object and the pool's selection the same string; anything else is decided
     afresh. A cache of pure answers, so never a source of truth: a new process starts empty.
@@ -140,10 +140,10 @@ class Selection:
 
     def __init__(self) -> None:
         self._spec = ""
-        #: node name -> (the NodeInfo decided for, selected?)
-        self._answers: dict[str, tuple[NodeInfo, bool]] = {}
+        #: node name -> (the SelectableNode decided for, selected?)
+        self._answers: dict[str, tuple[SelectableNode, bool]] = {}
 
-    def selected(self, spec: Mapping[str, Any], nodes: Collection[NodeInfo]) -> list[str]:
+    def selected(self, spec: Mapping[str, Any], nodes: Collection[SelectableNode]) -> list[str]:
         """Names of the selected nodes, sorted: ``selected_nodes(spec, nodes)``."""
         key = selection_spec(spec)
         if key != self._spec:

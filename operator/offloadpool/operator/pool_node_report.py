@@ -29,7 +29,7 @@ def stale_cutoff(now: datetime, timeout_seconds: float) -> datetime | None:
 
 
 @dataclass(frozen=True)
-class NodeView:
+class PoolNodeReport:
     node: str
     #: Generation the node may apply (spec.targetGeneration); None = the pool's current one.
     target_generation: int | None = None
@@ -46,7 +46,7 @@ class NodeView:
     heartbeat: datetime | None = None
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> NodeView:
+    def from_body(cls, body: Mapping[str, Any]) -> PoolNodeReport:
         meta = body.get("metadata") or {}
         spec = body.get("spec") or {}
         status = body.get("status") or {}
@@ -66,7 +66,7 @@ class NodeView:
             heartbeat=parse_time(status.get("heartbeat")),
         )
 
-    def renewed(self, renew_time: datetime | None) -> NodeView:
+    def renewed(self, renew_time: datetime | None) -> PoolNodeReport:
         """This view with its agent's heartbeat Lease taken into account.
 
         Agents renew a Lease for liveness and write their status only on change, so the last

@@ -21,7 +21,7 @@ from offloadpool.agent.kube import KubeAccess
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.events import Event
 from offloadpool.operator.kube import Kube
-from offloadpool.operator.nodeview import NodeView
+from offloadpool.operator.pool_node_report import PoolNodeReport
 from offloadpool.operator.reconcile import Reconciler, heartbeat_list_max_age
 
 pytestmark = pytest.mark.controlplane
@@ -33,9 +33,9 @@ CONFIG = OperatorConfig(namespace="default", heartbeat_timeout_seconds=TIMEOUT, 
 class CountingKube(Kube):
     lists = 0
 
-    def list_agent_leases(self, namespace: str, pool: str) -> Any:
+    def list_agent_heartbeats(self, namespace: str, pool: str) -> Any:
         self.lists += 1
-        return super().list_agent_leases(namespace, pool)
+        return super().list_agent_heartbeats(namespace, pool)
 
 
 def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds_installed: Any) -> None:
@@ -52,7 +52,7 @@ def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds
         # Ready, with a status heartbeat long past: the Lease alone says the agent is alive
         report_ready(kube.custom, body, [node], heartbeat="2020-01-01T00:00:00Z")
         agent = KubeAccess(api, pool, f"{pool}.{node}", "default")
-        wait_for("indexed", lambda: (objects.group(pool).get(node) or NodeView(node)).phase == "Ready")
+        wait_for("indexed", lambda: (objects.group(pool).get(node) or PoolNodeReport(node)).phase == "Ready")
 
         def ready() -> int:
             result = reconciler.run(pool)
@@ -60,13 +60,13 @@ def test_leases_are_listed_again_only_when_a_node_is_stale_by_the_last_list(crds
             return int(result.status["readyNodes"])
 
         renewed0 = time.monotonic()
-        agent.renew_lease(40, body)
+        agent.renew_heartbeat(40, body)
         assert (ready(), kube.lists) == (1, 1), "the first pass lists"
 
         time.sleep(1.5)  # the list is older than heartbeat_list_max_age, but nobody is stale by it
         assert (ready(), kube.lists) == (1, 1), "listed again though no node was stale by the last list"
 
-        agent.renew_lease(40, body)
+        agent.renew_heartbeat(40, body)
         renewed1 = time.monotonic()
         time.sleep(max(0.0, renewed0 + TIMEOUT + 0.3 - time.monotonic()))
         assert (ready(), kube.lists) == (1, 2), (
