@@ -32,7 +32,7 @@ import signal
 import stat
 from dataclasses import dataclass
 
-from offloadpool.region import beneath, places
+from offloadpool.region import beneath, places, published
 from offloadpool.region.lease import Lease, LeaseHeld, lease_path
 from offloadpool.region.manifest import MOUNT_NAME
 
@@ -77,12 +77,17 @@ class PoolInUse(LeaseHeld):
     deletion waiting) and provision (nothing touched, nothing marked Failed) need no new case.
     """
 
-    def __init__(self, pool_dir: str | os.PathLike[str], holders: list[Holder]) -> None:
+    def __init__(
+        self,
+        pool_dir: str | os.PathLike[str],
+        holders: list[Holder],
+        volumes: list[published.Published] | None = None,
+    ) -> None:
         self.holders = holders
-        n = len(holders)
-        super().__init__(
-            f"pool {pool_dir} is held by {n} attached engine{'s' if n != 1 else ''}: {describe(holders)}"
-        )
+        self.volumes = volumes or []
+        n = len(holders) + len(self.volumes)
+        said = "; ".join(filter(None, [describe(holders), describe_volumes(self.volumes)]))
+        super().__init__(f"pool {pool_dir} is held by {n} attached engine{'s' if n != 1 else ''}: {said}")
 
 
 def describe(holders: list[Holder]) -> str:
@@ -90,6 +95,19 @@ def describe(holders: list[Holder]) -> str:
     named = "; ".join(h.describe() for h in holders[:_NAMED])
     more = len(holders) - _NAMED
     return named + (f"; and {more} more" if more > 0 else "")
+
+
+def describe_volumes(volumes: list[published.Published]) -> str:
+    """The CSI volumes published from a pool, in one line, the first few by name."""
+    named = "; ".join(v.describe() for v in volumes[:_NAMED])
+    more = len(volumes) - _NAMED
+    return named + (f"; and {more} more" if more > 0 else "")
+
+
+def csi_holders(pool_dir: str | os.PathLike[str]) -> list[published.Published]:
+    """The pool's volumes published to pods by the CSI node plugin (``region.published``): each
+    holds the pool from the kubelet's publish to its unpublish, mapped or not."""
+    return published.load_all(pool_dir)
 
 
 def _mount_dir(pool_dir: str | os.PathLike[str]) -> int | None:
@@ -311,16 +329,19 @@ def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> li
 
 
 def count(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> int:
-    """ "Engines attached": distinct processes holding the lease or mapping/opening the files.
+    """ "Engines attached": distinct processes holding the lease or mapping/opening the files,
+    plus the pool's published CSI volumes (``csi_holders``; a pod's volume and its engine
+    process that maps the files are two).
 
     The scan of every process (``find_holders``) runs only when a file of the pool is open or
     mapped somewhere (``open_anywhere``): the count is reported at every heartbeat, the scan's
     cost grows with the node's processes and sockets, and nearly always nothing holds the
     memory. Otherwise only flock holders can hold the pool, and ``/proc/locks`` names them.
     """
+    volumes = len(csi_holders(pool_dir))
     if open_anywhere(pool_dir) is False:
-        return len(pool_lockers(pool_dir, proc) - {self_pid(proc)})
-    return len(find_holders(pool_dir, proc=proc))
+        return volumes + len(pool_lockers(pool_dir, proc) - {self_pid(proc)})
+    return volumes + len(find_holders(pool_dir, proc=proc))
 
 
 def scans() -> int:
@@ -342,22 +363,27 @@ def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -
     process is skipped: a release or a rebuild on a node with thousands of processes or open
     files paid for it, nearly always to find nobody (at 1,000 simulated nodes in one process,
     minutes of deletion).
+
+    A published CSI volume (``csi_holders``) holds the pool too: its record is read under the
+    lease, and the plugin writes one before its bind mount exists.
     """
     try:
         lease = _exclusive_lease(pool_dir, proc)
     except LeaseHeld:
         holders = find_holders(pool_dir, proc=proc)
-        if holders:
-            raise PoolInUse(pool_dir, holders) from None
+        volumes = csi_holders(pool_dir)
+        if holders or volumes:
+            raise PoolInUse(pool_dir, holders, volumes) from None
         raise  # a holder this proc cannot see (another pid namespace): the lease's own message
     try:
+        volumes = csi_holders(pool_dir)
         holders = [] if open_anywhere(pool_dir) is False else find_holders(pool_dir, proc=proc)
     except BaseException:
         lease.close()
         raise
-    if holders:
+    if holders or volumes:
         lease.close()
-        raise PoolInUse(pool_dir, holders)
+        raise PoolInUse(pool_dir, holders, volumes)
     return lease
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from offloadpool.csi.server import main
+
+sys.exit(main())
