@@ -1,9 +1,9 @@
 """Each process's settings object is the one place its defaults are written.
 
-For the agent (``AgentConfig``), the operator (``OperatorConfig``, ``WebhookOptions``) and the CLI
-(``CliConfig``): every field has a docstring, parsing no flags (and no environment) gives
-exactly the fields' defaults, and the reference docs state the defaults the objects hold. The
-chart's side (no value given: no flag passed) is in ``test_chart.py``.
+For the agent (``AgentConfig``), the operator (``OperatorConfig``, ``WebhookOptions``), the CLI
+(``CliConfig``) and the CSI node plugin (``CsiConfig``): every field has a docstring, parsing no
+flags (and no environment) gives exactly the fields' defaults, and the reference docs state the
+defaults the objects hold. The chart's side (no value given: no flag passed) is in ``test_chart.py``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from offloadpool.api import agent_env
 from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
 from offloadpool.cli.config import CliConfig
 from offloadpool.cli.main import build_parser
+from offloadpool.csi.config import CsiConfig
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.main import config_from_args, parse_args
 from offloadpool.operator.webhook import WebhookOptions, options_from_args
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-SETTINGS = (AgentConfig, OperatorConfig, WebhookOptions, CliConfig)
+SETTINGS = (AgentConfig, OperatorConfig, WebhookOptions, CliConfig, CsiConfig)
 #: The operator's own environment, which would stand in for a flag's default.
 OPERATOR_ENV = (
     agent_env.POD_NAMESPACE_ENV,
@@ -122,6 +123,12 @@ def test_the_clis_defaults_are_what_no_flag_and_no_environment_give(monkeypatch:
     )
     monkeypatch.setenv(agent_env.ROOT_ENV, "/elsewhere")
     assert build_parser().parse_args(["status"]).root == "/elsewhere"
+
+
+def test_the_csi_plugins_defaults_are_what_no_flag_gives() -> None:
+    assert CsiConfig.from_args([], environ={agent_env.NODE_NAME_ENV: "n1"}) == CsiConfig(node_id="n1")
+    given = ["--endpoint", "/s.sock", "--root", "/r", "--kubelet-dir", "/k", "--node-id", "n2"]
+    assert CsiConfig.from_args(given, environ={}) == CsiConfig("n2", "/s.sock", "/r", "/k")
 
 
 def table_rows(doc: str, header: str) -> list[list[str]]:

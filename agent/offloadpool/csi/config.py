@@ -1,9 +1,15 @@
-"""The CSI node plugin's settings, every default written once (as ``AgentConfig`` does)."""
+"""The CSI node plugin's settings: every default written once, on a documented field (as
+``AgentConfig`` does); the command line takes its defaults from here."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from offloadpool.api.agent_env import NODE_NAME_ENV
 from offloadpool.api.constants import HOST_ROOT
 
 #: where the kubelet keeps its pods' volumes (``<dir>/pods/<uid>/volumes/...``)
@@ -12,11 +18,34 @@ KUBELET_DIR = "/var/lib/kubelet"
 
 @dataclass(frozen=True)
 class CsiConfig:
-    #: this node's name: the CSI node id (``NodeGetInfo``)
     node_id: str
-    #: the unix socket the plugin serves on
+    """This node's name: the CSI node id ``NodeGetInfo`` answers (flag ``--node-id``, else the
+    environment's node name, else the host name)."""
     endpoint: str = f"{KUBELET_DIR}/plugins/offloadpool.io/csi.sock"
-    #: the host root the agents keep their pools under
+    """The unix socket the plugin serves on, where the kubelet's registration points."""
     root: str = HOST_ROOT
-    #: the kubelet's directory: every target path must be a CSI volume's ``mount`` below it
+    """The host root the agents keep their pools under (the pools the plugin publishes)."""
     kubelet_dir: str = KUBELET_DIR
+    """The kubelet's directory: every target path must be a CSI volume's ``mount`` below it."""
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> CsiConfig:
+        """The settings from the command line; what is not given is the field's default."""
+        env = os.environ if environ is None else environ
+        p = argparse.ArgumentParser(
+            prog="python3 -m offloadpool.csi", description="offloadpool's CSI node plugin"
+        )
+        p.add_argument(
+            "--node-id", default=env.get(NODE_NAME_ENV) or socket.gethostname(), help="this node's name"
+        )
+        p.add_argument("--endpoint", default=cls.endpoint, help=f"the socket served (default {cls.endpoint})")
+        p.add_argument("--root", default=cls.root, help=f"the agents' host root (default {cls.root})")
+        p.add_argument(
+            "--kubelet-dir",
+            default=cls.kubelet_dir,
+            help=f"the kubelet's directory (default {cls.kubelet_dir})",
+        )
+        a = p.parse_args(argv)
+        return cls(node_id=a.node_id, endpoint=a.endpoint, root=a.root, kubelet_dir=a.kubelet_dir)

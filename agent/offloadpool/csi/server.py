@@ -7,16 +7,14 @@ restart sees exactly the volumes that are still mounted.
 
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
 
 from offloadpool.csi import publication
-from offloadpool.csi.config import KUBELET_DIR, CsiConfig
+from offloadpool.csi.config import CsiConfig
 from offloadpool.csi.identity import Identity
 from offloadpool.csi.node import Node
 from offloadpool.csi.proto import csi_pb2_grpc
@@ -40,14 +38,7 @@ def serve(config: CsiConfig, *, workers: int = 4) -> tuple[grpc.Server, list[Pub
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    defaults = CsiConfig(node_id="")
-    p = argparse.ArgumentParser(prog="python3 -m offloadpool.csi", description=__doc__)
-    p.add_argument("--node-id", default=os.environ.get("NODE_NAME") or socket.gethostname())
-    p.add_argument("--endpoint", default=defaults.endpoint)
-    p.add_argument("--root", default=defaults.root)
-    p.add_argument("--kubelet-dir", default=KUBELET_DIR)
-    a = p.parse_args(argv)
-    config = CsiConfig(node_id=a.node_id, endpoint=a.endpoint, root=a.root, kubelet_dir=a.kubelet_dir)
+    config = CsiConfig.from_args(argv)
     server, kept = serve(config)
     print(f"serving {config.endpoint} for node {config.node_id}; {len(kept)} published volumes", flush=True)
     server.wait_for_termination()
