@@ -28,8 +28,8 @@ MOUNT_NAME = "mount"
 CSI_PLUGIN_DIR = "kubernetes.io~csi"
 #: a pod's uid (a UUID; a static pod's is a hash): what may be a directory name
 POD_UID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
-#: a pod's volume name is a DNS-1123 label
-VOLUME_NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+#: a pod's volume name, like a namespace's, is a DNS-1123 label
+DNS_LABEL_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def parse(kubelet_dir: str, target_path: object) -> Target:
         raise ValueError(f"target_path {target_path!r} is not {rule}")
     if not POD_UID_PATTERN.fullmatch(names[0]):
         raise ValueError(f"target_path {target_path!r}: {names[0]!r} is not a pod uid")
-    if not VOLUME_NAME_PATTERN.fullmatch(names[3]):
+    if not DNS_LABEL_PATTERN.fullmatch(names[3]):
         raise ValueError(f"target_path {target_path!r}: {names[3]!r} is not a volume name")
     return Target(base, names[0], names[3])
 

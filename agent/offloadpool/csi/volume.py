@@ -8,7 +8,6 @@ written by whoever wrote the pod (past the webhook, too), so it is hostile input
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,6 @@ POOL_ATTRIBUTE = "pool"
 EPHEMERAL = "csi.storage.k8s.io/ephemeral"
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
 POD_UID = "csi.storage.k8s.io/pod.uid"
-_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ def publish_request(req: Any, kubelet_dir: str) -> Publish:
     if error:
         raise invalid(error)
     namespace = ctx.get(POD_NAMESPACE, "")
-    if not _NAMESPACE.fullmatch(namespace):
+    if not targets.DNS_LABEL_PATTERN.fullmatch(namespace):
         raise invalid(f"volume_context[{POD_NAMESPACE!r}] {namespace!r} is not a namespace name")
     pod_uid = ctx.get(POD_UID, "")
     if not targets.POD_UID_PATTERN.fullmatch(pod_uid):

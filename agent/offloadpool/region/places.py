@@ -107,7 +107,7 @@ def state_fd(pool: str | os.PathLike[str], *, create: bool = False) -> Iterator[
         try:
             if create:
                 for rel in (STATE_DIR_NAME, f"{STATE_DIR_NAME}/{pool.name}"):
-                    _make_dir(root, rel, STATE_DIR_MODE)
+                    make_root_dir(root, rel, STATE_DIR_MODE)
             fd = beneath.open_dir(root, f"{STATE_DIR_NAME}/{pool.name}")
         except FileNotFoundError:
             fd = -1
@@ -124,7 +124,7 @@ def state_fd(pool: str | os.PathLike[str], *, create: bool = False) -> Iterator[
         os.close(fd)
 
 
-def _make_dir(dirfd: int, rel: str, mode: int) -> None:
+def make_root_dir(dirfd: int, rel: str, mode: int) -> None:
     """Make ``rel`` (or keep it) a directory owned by root with exactly ``mode``, by descriptor."""
     beneath.mkdir(dirfd, rel, mode)
     fd = beneath.open_dir(dirfd, rel)
@@ -145,7 +145,7 @@ def make_dirs(pool: str | os.PathLike[str]) -> None:
     root = _open_root(pool)
     try:
         try:
-            _make_dir(root, pool.name, POOL_DIR_MODE)
+            make_root_dir(root, pool.name, POOL_DIR_MODE)
         except beneath.WrongEntry as exc:
             raise UnsafeEntry(pool.parent, exc) from None
     finally:

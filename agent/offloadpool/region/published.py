@@ -77,13 +77,7 @@ def save(pool_dir: str | os.PathLike[str], pub: Published) -> None:
     with places.state_fd(pool_dir, create=True) as fd:
         if fd is None:
             raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
-        beneath.mkdir(fd, DIR_NAME, DIR_MODE)
-        dfd = beneath.open_dir(fd, DIR_NAME)
-        try:
-            os.fchown(dfd, 0, 0)
-            os.fchmod(dfd, DIR_MODE)
-        finally:
-            os.close(dfd)
+        places.make_root_dir(fd, DIR_NAME, DIR_MODE)
         data = (json.dumps(asdict(pub), indent=2, sort_keys=True) + "\n").encode()
         beneath.write_file(fd, name, data, 0o600)
 
