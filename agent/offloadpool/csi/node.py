@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from offloadpool.csi import publication, volume
@@ -24,15 +25,28 @@ class Node(csi_pb2_grpc.NodeServicer):
         return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[])
 
     def NodePublishVolume(self, request: Any, context: Any) -> Any:
-        try:
-            publication.publish(self.config, volume.publish_request(request, self.config.kubelet_dir))
-        except Refused as refused:
-            context.abort(refused.code, refused.message)
-        return csi_pb2.NodePublishVolumeResponse()
+        return _answer(
+            context,
+            lambda: publication.publish(
+                self.config, volume.publish_request(request, self.config.kubelet_dir)
+            ),
+            csi_pb2.NodePublishVolumeResponse,
+        )
 
     def NodeUnpublishVolume(self, request: Any, context: Any) -> Any:
-        try:
-            publication.unpublish(self.config, volume.unpublish_request(request, self.config.kubelet_dir))
-        except Refused as refused:
-            context.abort(refused.code, refused.message)
-        return csi_pb2.NodeUnpublishVolumeResponse()
+        return _answer(
+            context,
+            lambda: publication.unpublish(
+                self.config, volume.unpublish_request(request, self.config.kubelet_dir)
+            ),
+            csi_pb2.NodeUnpublishVolumeResponse,
+        )
+
+
+def _answer(context: Any, act: Callable[[], object], response: Callable[[], Any]) -> Any:
+    """Run ``act``; a refusal ends the call with its gRPC status code and message."""
+    try:
+        act()
+    except Refused as refused:
+        context.abort(refused.code, refused.message)
+    return response()
