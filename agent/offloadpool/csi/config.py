@@ -10,10 +10,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from offloadpool.api.agent_env import NODE_NAME_ENV
-from offloadpool.api.constants import HOST_ROOT
+from offloadpool.api.constants import GROUP, HOST_ROOT
 
-#: where the kubelet keeps its pods' volumes (``<dir>/pods/<uid>/volumes/...``)
+#: where the kubelet keeps its pods' volumes (``<dir>/pods/<uid>/volumes/...``) and its plugins
 KUBELET_DIR = "/var/lib/kubelet"
+#: the driver's name, as the CSIDriver object and every pod's ``csi.driver`` say it
+DRIVER_NAME = GROUP
 
 
 @dataclass(frozen=True)
@@ -21,12 +23,16 @@ class CsiConfig:
     node_id: str
     """This node's name: the CSI node id ``NodeGetInfo`` answers (flag ``--node-id``, else the
     environment's node name, else the host name)."""
-    endpoint: str = f"{KUBELET_DIR}/plugins/offloadpool.io/csi.sock"
-    """The unix socket the plugin serves on, where the kubelet's registration points."""
+    endpoint: str = f"{KUBELET_DIR}/plugins/{DRIVER_NAME}/csi.sock"
+    """The unix socket the plugin serves CSI on, where its registration points the kubelet."""
     root: str = HOST_ROOT
     """The host root the agents keep their pools under (the pools the plugin publishes)."""
     kubelet_dir: str = KUBELET_DIR
     """The kubelet's directory: every target path must be a CSI volume's ``mount`` below it."""
+    registration: str = f"{KUBELET_DIR}/plugins_registry/{DRIVER_NAME}-reg.sock"
+    """The unix socket the plugin serves the kubelet's plugin registration on: the kubelet's
+    plugin watcher finds it in its ``plugins_registry`` directory and is told ``endpoint`` there
+    (served only once ``endpoint`` is, removed when the plugin stops)."""
 
     @classmethod
     def from_args(
@@ -47,5 +53,16 @@ class CsiConfig:
             default=cls.kubelet_dir,
             help=f"the kubelet's directory (default {cls.kubelet_dir})",
         )
+        p.add_argument(
+            "--registration-endpoint",
+            default=cls.registration,
+            help=f"the plugin-registration socket served (default {cls.registration})",
+        )
         a = p.parse_args(argv)
-        return cls(node_id=a.node_id, endpoint=a.endpoint, root=a.root, kubelet_dir=a.kubelet_dir)
+        return cls(
+            node_id=a.node_id,
+            endpoint=a.endpoint,
+            root=a.root,
+            kubelet_dir=a.kubelet_dir,
+            registration=a.registration_endpoint,
+        )
