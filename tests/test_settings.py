@@ -136,11 +136,12 @@ def test_the_csi_plugins_defaults_are_what_no_flag_gives() -> None:
 
 def test_the_csi_plugin_registers_in_the_kubelets_plugin_watcher_directory() -> None:
     """The kubelet's plugin watcher looks in ``<kubelet>/plugins_registry`` only, and dials the
-    CSI socket by its host path: both defaults sit in the default kubelet directory."""
-    c = CsiConfig(node_id="n")
-    assert os.path.dirname(c.registration) == f"{c.kubelet_dir}/plugins_registry"
-    assert c.endpoint.startswith(f"{c.kubelet_dir}/plugins/{DRIVER_NAME}/")
-    assert os.path.basename(c.registration) == f"{DRIVER_NAME}-reg.sock"
+    CSI socket by its host path: both sockets follow the kubelet's directory."""
+    for c in (CsiConfig(node_id="n"), CsiConfig.from_args(["--kubelet-dir", "/k"], environ={})):
+        assert os.path.dirname(c.registration) == f"{c.kubelet_dir}/plugins_registry"
+        assert c.endpoint.startswith(f"{c.kubelet_dir}/plugins/{DRIVER_NAME}/")
+        assert os.path.basename(c.registration) == f"{DRIVER_NAME}-reg.sock"
+    assert CsiConfig(node_id="n").kubelet_dir == "/var/lib/kubelet"  # the kubelet's own default
 
 
 def table_rows(doc: str, header: str) -> list[list[str]]:
