@@ -363,10 +363,10 @@ def test_plain_manifests_are_accepted(operator_rbac: Any, control_plane: Any) ->
 @pytest.mark.controlplane
 def test_chart_csi_renders_the_driver_and_one_node_plugin_only_when_enabled(control_plane: Any) -> None:
     """Off by default. On: the CSIDriver of inline ephemeral volumes, and a privileged DaemonSet
-    running the plugin with its own defaults (no flag), the kubelet's directory Bidirectional
-    (its binds and sockets reach the host, and the sockets are where the kubelet looks), the
-    agents' host root HostToContainer, the node's name from the downward API; no API access, so
-    no token and no RBAC."""
+    running the plugin told only the kubelet's directory (by default the plugin's own), mounted
+    Bidirectional (its binds and sockets reach the host, where the kubelet looks), the agents'
+    host root HostToContainer, the node's name from the downward API; no API access, so no
+    token and no RBAC."""
     plain = helm_template(control_plane)
     docs = helm_template(control_plane, "--set", "csi.enabled=true")
     added = [d for d in docs if d not in plain]
@@ -385,13 +385,14 @@ def test_chart_csi_renders_the_driver_and_one_node_plugin_only_when_enabled(cont
     pod = ds["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
     (c,) = pod["containers"]
-    assert c["command"] == ["python3", "-m", "offloadpool.csi"] and "args" not in c
+    assert c["command"] == ["python3", "-m", "offloadpool.csi"]
+    defaults = CsiConfig(node_id="any")
+    assert c["args"] == [f"--kubelet-dir={defaults.kubelet_dir}"]  # the plugin's own default
     assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
     assert c["securityContext"] == {"privileged": True}
     assert c["env"] == [{"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     mounts = {m["mountPath"]: (volumes[m["name"]], m["mountPropagation"]) for m in c["volumeMounts"]}
-    defaults = CsiConfig(node_id="any")
     assert mounts == {
         defaults.kubelet_dir: (defaults.kubelet_dir, "Bidirectional"),
         defaults.root: (HOST_ROOT, "HostToContainer"),
@@ -605,6 +606,7 @@ def test_rendered_chart_is_accepted_by_the_api_server(
         ("csi.enabled=maybe", "at '/csi/enabled': got string, want boolean"),
         ("csi.resources.requests.cpu=lots", "at '/csi/resources/requests/cpu'"),
         ("csi.nodeSelector=x", "at '/csi/nodeSelector': got string, want object"),
+        ("csi.kubeletDir=var/lib/kubelet", "at '/csi/kubeletDir': 'var/lib/kubelet' does not match pattern"),
         ("samplePool.spec.medium=Disk", "at '/samplePool/spec/medium': value must be one of 'HugePages-2Mi'"),
         ("samplePool.name=Not_A_Pool", "at '/samplePool/name'"),
     ],
