@@ -1,15 +1,16 @@
-"""Regenerate the CSI v1 stubs (``agent/offloadpool/csi/proto``) from the pinned spec.
+"""Regenerate the CSI node plugin's stubs (``agent/offloadpool/csi/proto``) from the pinned protos.
 
-Why: the CSI node plugin speaks the spec's gRPC protocol; its Python stubs are committed (the
-plugin's image then needs only ``grpcio`` and ``protobuf``, no protoc), so where they came from
-must be repeatable. This fetches ``csi.proto`` from the pinned Go module (``go mod download``,
-the Go module proxy: how every other pinned source of the project arrives), refuses a file
-whose sha256 is not the pinned one, and compiles it with grpcio-tools' protoc::
+Why: the CSI node plugin speaks the CSI spec's gRPC protocol and the kubelet's plugin
+registration; their Python stubs are committed (the plugin's image then needs only ``grpcio``
+and ``protobuf``, no protoc), so where they came from must be repeatable. For each pinned proto
+(``offloadpool.csi.proto.PINNED``) this fetches the file from its Go module (``go mod
+download``, the Go module proxy: how every other pinned source of the project arrives), refuses
+one whose sha256 is not the pinned one, and compiles it with grpcio-tools' protoc::
 
     .venv/bin/pip install grpcio-tools   # in the `test` extra
-    python3 -m hack.csi_proto            # writes csi.proto, csi_pb2.py, csi_pb2_grpc.py
+    python3 -m hack.csi_proto            # writes csi.proto, pluginregistration.proto, their stubs
 
-To move to another spec release, change ``SPEC_VERSION`` and ``CSI_PROTO_SHA256`` in
+To move to another release, change the pin's ``version`` and ``sha256`` in
 ``offloadpool/csi/proto/__init__.py`` (and ``GENERATED_BY`` if protoc changed), run this, and
 run ``tests/test_csi_proto.py``.
 """
@@ -31,12 +32,11 @@ from offloadpool.csi import proto as pin
 REPO = Path(__file__).resolve().parent.parent
 OUT_ROOT = REPO / "agent"
 PROTO_DIR = OUT_ROOT / "offloadpool" / "csi" / "proto"
-GENERATED = ("csi_pb2.py", "csi_pb2_grpc.py")
 
 
-def fetch_proto() -> bytes:
-    """The pinned ``csi.proto`` from the Go module proxy, checked against its sha256."""
-    module = f"{pin.SPEC_MODULE}@{pin.SPEC_VERSION}"
+def fetch_proto(proto: pin.PinnedProto) -> bytes:
+    """The pinned proto from the Go module proxy, checked against its sha256."""
+    module = f"{proto.module}@{proto.version}"
     with tempfile.TemporaryDirectory() as cwd:
         out = subprocess.run(
             ["go", "mod", "download", "-json", module],
@@ -48,21 +48,23 @@ def fetch_proto() -> bytes:
     info = json.loads(out.stdout or "{}")
     if out.returncode != 0 or info.get("Error") or "Dir" not in info:
         raise BuildError(f"go mod download {module}: {info.get('Error') or out.stderr.strip()}")
-    data = (Path(info["Dir"]) / "csi.proto").read_bytes()
+    data = (Path(info["Dir"]) / proto.source).read_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    if digest != pin.CSI_PROTO_SHA256:
-        raise BuildError(f"{module}'s csi.proto has sha256 {digest}, pinned {pin.CSI_PROTO_SHA256}")
+    if digest != proto.sha256:
+        raise BuildError(f"{module}'s {proto.source} has sha256 {digest}, pinned {proto.sha256}")
     return data
 
 
-def compile_proto(proto: bytes, out_dir: Path, *, descriptor_set: Path | None = None) -> None:
-    """protoc (grpcio-tools) over ``proto`` laid out at ``PROTO_PATH``: the stubs go under
+def compile_proto(
+    pinned: pin.PinnedProto, proto: bytes, out_dir: Path, *, descriptor_set: Path | None = None
+) -> None:
+    """protoc (grpcio-tools) over ``proto`` laid out at ``pinned.path``: the stubs go under
     ``out_dir`` (``out_dir/offloadpool/csi/proto/``), or only a descriptor set when asked."""
     from grpc_tools import protoc  # the `test` extra: only this script and its test need it
 
     includes = Path(protoc.__file__).parent / "_proto"  # google/protobuf/*.proto
     with tempfile.TemporaryDirectory() as src:
-        where = Path(src) / pin.PROTO_PATH
+        where = Path(src) / pinned.path
         where.parent.mkdir(parents=True)
         where.write_bytes(proto)
         outputs = (
@@ -70,26 +72,30 @@ def compile_proto(proto: bytes, out_dir: Path, *, descriptor_set: Path | None = 
             if descriptor_set is not None
             else [f"--python_out={out_dir}", f"--grpc_python_out={out_dir}"]
         )
-        args = ["grpc_tools.protoc", f"-I{src}", f"-I{includes}", *outputs, pin.PROTO_PATH]
+        args = ["grpc_tools.protoc", f"-I{src}", f"-I{includes}", *outputs, pinned.path]
         if protoc.main(args) != 0:
             raise BuildError(f"protoc failed: {' '.join(args)}")
 
 
-def generate() -> None:
-    proto = fetch_proto()
+def generate(pinned: pin.PinnedProto) -> None:
+    proto = fetch_proto(pinned)
     with tempfile.TemporaryDirectory() as out:
-        compile_proto(proto, Path(out))
-        made = Path(out) / Path(pin.PROTO_PATH).parent
-        for name in GENERATED:
+        compile_proto(pinned, proto, Path(out))
+        made = Path(out) / Path(pinned.path).parent
+        for name in pinned.generated:
             shutil.copyfile(made / name, PROTO_DIR / name)
-    (PROTO_DIR / "csi.proto").write_bytes(proto)
-    print(f"wrote csi.proto ({pin.SPEC_VERSION}, sha256 {pin.CSI_PROTO_SHA256}) and {', '.join(GENERATED)}")
+    (PROTO_DIR / pinned.name).write_bytes(proto)
+    print(
+        f"wrote {pinned.name} ({pinned.module}@{pinned.version}, sha256 {pinned.sha256})"
+        f" and {', '.join(pinned.generated)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="python3 -m hack.csi_proto", description=__doc__).parse_args(argv)
     try:
-        generate()
+        for pinned in pin.PINNED:
+            generate(pinned)
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -32,7 +32,7 @@ class World:
         import grpc
 
         from offloadpool.csi.config import CsiConfig
-        from offloadpool.csi.proto import csi_pb2, csi_pb2_grpc
+        from offloadpool.csi.proto import csi_pb2, csi_pb2_grpc, pluginregistration_pb2
         from offloadpool.region.provision import provision
         from offloadpool.region.request import PoolRequest
 
@@ -47,25 +47,33 @@ class World:
             self.root,
         )
         self.config = CsiConfig(
-            node_id="node-a", endpoint=f"{scratch}/plugin/csi.sock", root=self.root, kubelet_dir=self.kubelet
+            node_id="node-a",
+            endpoint=f"{scratch}/plugin/csi.sock",
+            root=self.root,
+            kubelet_dir=self.kubelet,
+            registration=f"{scratch}/reg/r.sock",  # a socket's path is at most 107 bytes
         )
         self.pb = csi_pb2
+        self.reg_pb = pluginregistration_pb2
         self.grpc = grpc
         self.stubs = csi_pb2_grpc
-        self.server: Any = None
+        self.plugin: Any = None
         self.start()
 
     def start(self) -> list[str]:
+        from offloadpool.csi.proto import pluginregistration_pb2_grpc
         from offloadpool.csi.server import serve
 
-        self.server, kept = serve(self.config)
+        self.plugin = serve(self.config)
         channel = self.grpc.insecure_channel(f"unix://{self.config.endpoint}")
         self.identity = self.stubs.IdentityStub(channel)
         self.node = self.stubs.NodeStub(channel)
-        return [p.volume_id for p in kept]
+        registration = self.grpc.insecure_channel(f"unix://{self.config.registration}")
+        self.registration = pluginregistration_pb2_grpc.RegistrationStub(registration)
+        return [p.volume_id for p in self.plugin.kept]
 
     def stop(self) -> None:
-        self.server.stop(None).wait()
+        self.plugin.stop()
 
     def target(self, pod: str = POD) -> str:
         return f"{self.kubelet}/pods/{pod}/volumes/kubernetes.io~csi/kv-cache/mount"
@@ -136,6 +144,41 @@ def identity(w: World) -> dict[str, Any]:
         "ready": probe.ready.value,
         "node_id": node.node_id,
         "node_caps": len(ncaps.capabilities),
+    }
+
+
+def registration(w: World) -> dict[str, Any]:
+    """What the kubelet's plugin watcher does: the socket in plugins_registry, GetInfo, a dial
+    of the endpoint it names, NodeGetInfo there, NotifyRegistrationStatus; then a stop."""
+    import stat
+
+    sock = w.config.registration
+    listed = sorted(os.listdir(os.path.dirname(sock)))
+    is_socket = stat.S_ISSOCK(os.lstat(sock).st_mode)
+    info = w.registration.GetInfo(w.reg_pb.InfoRequest(), timeout=30)
+    dialed = w.stubs.NodeStub(w.grpc.insecure_channel(f"unix://{info.endpoint}"))
+    node_id = dialed.NodeGetInfo(w.pb.NodeGetInfoRequest(), timeout=30).node_id
+    before = w.plugin.registrar.status
+    w.registration.NotifyRegistrationStatus(w.reg_pb.RegistrationStatus(plugin_registered=True), timeout=30)
+    registered = w.plugin.registrar.status
+    w.registration.NotifyRegistrationStatus(
+        w.reg_pb.RegistrationStatus(plugin_registered=False, error="no"), timeout=30
+    )
+    refused = w.plugin.registrar.status
+    w.stop()
+    after_stop = sorted(os.listdir(os.path.dirname(sock)))
+    w.start()  # main() stops it once more at the end
+    return {
+        "listed": listed,
+        "is_socket": is_socket,
+        "type": info.type,
+        "name": info.name,
+        "endpoint": info.endpoint,
+        "versions": list(info.supported_versions),
+        "node_id": node_id,
+        "status": [before, registered, refused],
+        "after_stop": after_stop,
+        "csi_socket_after_stop": os.path.exists(w.config.endpoint),
     }
 
 

@@ -19,7 +19,9 @@ import pytest
 import yaml
 
 from fixtures.operator_process import wait_agent_policy_in_force
-from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
+from offloadpool.api.agent_env import NODE_NAME_ENV
+from offloadpool.api.constants import HOST_ROOT, MIN_HEARTBEATS_PER_TIMEOUT
+from offloadpool.csi.config import DRIVER_NAME, CsiConfig
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.main import config_from_args, parse_args
 
@@ -358,6 +360,52 @@ def test_plain_manifests_are_accepted(operator_rbac: Any, control_plane: Any) ->
 # --- CRDs, values schema, example values, install / upgrade / uninstall ---------------------------
 
 
+@pytest.mark.controlplane
+def test_chart_csi_renders_the_driver_and_one_node_plugin_only_when_enabled(control_plane: Any) -> None:
+    """Off by default. On: the CSIDriver of inline ephemeral volumes, and a privileged DaemonSet
+    running the plugin told only the kubelet's directory (by default the plugin's own), mounted
+    Bidirectional (its binds and sockets reach the host, where the kubelet looks), the agents'
+    host root HostToContainer, the node's name from the downward API; no API access, so no
+    token and no RBAC."""
+    plain = helm_template(control_plane)
+    docs = helm_template(control_plane, "--set", "csi.enabled=true")
+    added = [d for d in docs if d not in plain]
+    assert sorted(d["kind"] for d in added) == ["CSIDriver", "DaemonSet"]
+    assert not [d for d in plain if d["kind"] in ("CSIDriver", "DaemonSet")]
+    (driver,) = [d for d in added if d["kind"] == "CSIDriver"]
+    assert driver["metadata"]["name"] == DRIVER_NAME
+    assert driver["spec"] == {
+        "attachRequired": False,
+        "podInfoOnMount": True,
+        "volumeLifecycleModes": ["Ephemeral"],
+        "fsGroupPolicy": "None",
+    }
+    ds = by_kind_and_app(added, "DaemonSet", "offloadpool-csi")
+    assert ds["metadata"]["namespace"] == "offloadpool-system"
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    (c,) = pod["containers"]
+    assert c["command"] == ["python3", "-m", "offloadpool.csi"]
+    defaults = CsiConfig(node_id="any")
+    assert c["args"] == [f"--kubelet-dir={defaults.kubelet_dir}"]  # the plugin's own default
+    assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
+    assert c["securityContext"] == {"privileged": True}
+    assert c["env"] == [{"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    mounts = {m["mountPath"]: (volumes[m["name"]], m["mountPropagation"]) for m in c["volumeMounts"]}
+    assert mounts == {
+        defaults.kubelet_dir: (defaults.kubelet_dir, "Bidirectional"),
+        defaults.root: (HOST_ROOT, "HostToContainer"),
+    }
+    for socket in (defaults.endpoint, defaults.registration):
+        assert socket.startswith(defaults.kubelet_dir + "/"), socket
+    agent_image = helm_template(control_plane, "--set", "csi.enabled=true", "--set", "agent.image=reg/a:1")
+    c = by_kind_and_app(agent_image, "DaemonSet", "offloadpool-csi")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert c["image"] == "reg/a:1"
+
+
 def helm_template(
     cp: Any, *args: str, namespace: str = "offloadpool-system", chart: Path = CHART
 ) -> list[dict[str, Any]]:
@@ -555,6 +603,10 @@ def test_rendered_chart_is_accepted_by_the_api_server(
             "metrics.serviceMonitor.interval=soon",
             "at '/metrics/serviceMonitor/interval': 'soon' does not match pattern",
         ),
+        ("csi.enabled=maybe", "at '/csi/enabled': got string, want boolean"),
+        ("csi.resources.requests.cpu=lots", "at '/csi/resources/requests/cpu'"),
+        ("csi.nodeSelector=x", "at '/csi/nodeSelector': got string, want object"),
+        ("csi.kubeletDir=var/lib/kubelet", "at '/csi/kubeletDir': 'var/lib/kubelet' does not match pattern"),
         ("samplePool.spec.medium=Disk", "at '/samplePool/spec/medium': value must be one of 'HugePages-2Mi'"),
         ("samplePool.name=Not_A_Pool", "at '/samplePool/name'"),
     ],

@@ -122,3 +122,16 @@ def test_csi_restart_rebuilds_holders_from_records_and_the_mount_table(tmp_path)
         m["target"] for m in r["after"]["mounts"] if f"/{POD}/" in m["target"]
     ] and len(r["after"]["mounts"]) == 2
     assert r["unpublish_a"] == "OK" and r["end"]["mounts"] == [] and r["end"]["records"] == []
+
+
+def test_csi_registration_answers_the_kubelets_plugin_watcher(tmp_path):
+    """The registration socket in plugins_registry names the driver, the CSI socket (which
+    answers there) and version 1.0.0, keeps the kubelet's verdict, and is gone at a stop."""
+    r = scenario(tmp_path, "registration")
+    scratch = tmp_path / "scratch"
+    assert r["listed"] == ["r.sock"] and r["is_socket"]
+    assert (r["type"], r["name"], r["versions"]) == ("CSIPlugin", "offloadpool.io", ["1.0.0"])
+    assert r["endpoint"] == f"{scratch}/plugin/csi.sock"
+    assert r["node_id"] == "node-a"
+    assert r["status"] == [None, [True, ""], [False, "no"]]
+    assert r["after_stop"] == [], "the registration socket outlived the plugin"

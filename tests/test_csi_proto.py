@@ -1,24 +1,40 @@
-"""The committed CSI stubs are the pinned spec's: the proto's hash is the pin, and the stubs'
-descriptor is exactly what protoc compiles from that proto (hack/csi_proto.py made both)."""
+"""The committed stubs of the CSI node plugin are the pinned protos': each proto's hash is its
+pin, and its stubs' descriptor is exactly what protoc compiles from that proto (hack/csi_proto.py
+made them all)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from pathlib import Path
 
+import pytest
 from google.protobuf import descriptor_pb2
 
 from hack.csi_proto import PROTO_DIR, compile_proto
 from offloadpool.csi import proto as pin
-from offloadpool.csi.proto import csi_pb2, csi_pb2_grpc
+
+#: the hashes written out again: a changed pin must change this test too
+HASHES = {
+    "csi.proto": "8c5604cb76fefff19c01cf88ebd229e4f8c88c419898b07e4914318d25d84af3",
+    "pluginregistration.proto": "7a67a0000a1a167c155286834bc9ccb489f8bcdb394e006daba270189c272afa",
+}
+#: the package and the services the kubelet calls (gRPC method names are /<package>.<service>/...)
+SERVICES = {
+    "csi.proto": ("csi.v1", {"Identity", "Node", "Controller"}),
+    "pluginregistration.proto": ("pluginregistration", {"Registration"}),
+}
 
 
-def test_the_committed_proto_is_the_pinned_one():
-    data = (PROTO_DIR / "csi.proto").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == pin.CSI_PROTO_SHA256
-    assert pin.SPEC_VERSION in pin.__doc__ and pin.CSI_PROTO_SHA256 == (
-        "8c5604cb76fefff19c01cf88ebd229e4f8c88c419898b07e4914318d25d84af3"
-    )
+@pytest.mark.parametrize("pinned", pin.PINNED, ids=lambda p: p.name)
+def test_the_committed_proto_is_the_pinned_one(pinned: pin.PinnedProto):
+    data = (PROTO_DIR / pinned.name).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == pinned.sha256 == HASHES[pinned.name]
+    assert pinned.module in pin.__doc__ and pinned.version in (pin.CSI.version, pin.REGISTRATION.version)
+
+
+def test_the_pins_cover_every_committed_proto():
+    assert {p.name for p in pin.PINNED} == {f.name for f in PROTO_DIR.glob("*.proto")} == set(HASHES)
 
 
 def _without_json_names(message: descriptor_pb2.DescriptorProto) -> None:
@@ -28,20 +44,28 @@ def _without_json_names(message: descriptor_pb2.DescriptorProto) -> None:
         _without_json_names(nested)
 
 
-def test_the_stubs_are_compiled_from_the_committed_proto(tmp_path: Path):
+@pytest.mark.parametrize("pinned", pin.PINNED, ids=lambda p: p.name)
+def test_the_stubs_are_compiled_from_the_committed_proto(tmp_path: Path, pinned: pin.PinnedProto):
     """Compared as descriptors, not bytes: another protoc release writes other Python around
     the same descriptor, which is what defines the messages and the services. protoc's Python
     output leaves out the derived ``json_name`` of each field; the descriptor set keeps it."""
-    out = tmp_path / "csi.desc"
-    compile_proto((PROTO_DIR / "csi.proto").read_bytes(), tmp_path, descriptor_set=out)
+    # imported first: the stubs register the proto's option extensions (csi.proto's
+    # ``csi_secret`` ...), which the descriptor set's options are then parsed with
+    pb2, pb2_grpc = (
+        importlib.import_module(f"offloadpool.csi.proto.{Path(name).stem}") for name in pinned.generated
+    )
+    out = tmp_path / "proto.desc"
+    compile_proto(pinned, (PROTO_DIR / pinned.name).read_bytes(), tmp_path, descriptor_set=out)
     compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
-    (ours,) = [f for f in compiled.file if f.name == pin.PROTO_PATH]
+    (ours,) = [f for f in compiled.file if f.name == pinned.path]
     for message in ours.message_type:
         _without_json_names(message)
     for extension in ours.extension:
         extension.ClearField("json_name")
-    committed = descriptor_pb2.FileDescriptorProto.FromString(csi_pb2.DESCRIPTOR.serialized_pb)
+    committed = descriptor_pb2.FileDescriptorProto.FromString(pb2.DESCRIPTOR.serialized_pb)
     assert committed == ours
-    assert committed.package == "csi.v1"
-    assert {s.name for s in committed.service} >= {"Identity", "Node", "Controller"}
-    assert hasattr(csi_pb2_grpc, "add_NodeServicer_to_server")
+    package, services = SERVICES[pinned.name]
+    assert committed.package == package
+    assert {s.name for s in committed.service} >= services
+    for service in services:
+        assert hasattr(pb2_grpc, f"add_{service}Servicer_to_server")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -23,7 +24,7 @@ from offloadpool.api import agent_env
 from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
 from offloadpool.cli.config import CliConfig
 from offloadpool.cli.main import build_parser
-from offloadpool.csi.config import CsiConfig
+from offloadpool.csi.config import DRIVER_NAME, CsiConfig
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.main import config_from_args, parse_args
 from offloadpool.operator.webhook import WebhookOptions, options_from_args
@@ -129,6 +130,18 @@ def test_the_csi_plugins_defaults_are_what_no_flag_gives() -> None:
     assert CsiConfig.from_args([], environ={agent_env.NODE_NAME_ENV: "n1"}) == CsiConfig(node_id="n1")
     given = ["--endpoint", "/s.sock", "--root", "/r", "--kubelet-dir", "/k", "--node-id", "n2"]
     assert CsiConfig.from_args(given, environ={}) == CsiConfig("n2", "/s.sock", "/r", "/k")
+    given += ["--registration-endpoint", "/reg.sock"]
+    assert CsiConfig.from_args(given, environ={}) == CsiConfig("n2", "/s.sock", "/r", "/k", "/reg.sock")
+
+
+def test_the_csi_plugin_registers_in_the_kubelets_plugin_watcher_directory() -> None:
+    """The kubelet's plugin watcher looks in ``<kubelet>/plugins_registry`` only, and dials the
+    CSI socket by its host path: both sockets follow the kubelet's directory."""
+    for c in (CsiConfig(node_id="n"), CsiConfig.from_args(["--kubelet-dir", "/k"], environ={})):
+        assert os.path.dirname(c.registration) == f"{c.kubelet_dir}/plugins_registry"
+        assert c.endpoint.startswith(f"{c.kubelet_dir}/plugins/{DRIVER_NAME}/")
+        assert os.path.basename(c.registration) == f"{DRIVER_NAME}-reg.sock"
+    assert CsiConfig(node_id="n").kubelet_dir == "/var/lib/kubelet"  # the kubelet's own default
 
 
 def table_rows(doc: str, header: str) -> list[list[str]]:

@@ -10,10 +10,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from offloadpool.api.agent_env import NODE_NAME_ENV
-from offloadpool.api.constants import HOST_ROOT
+from offloadpool.api.constants import GROUP, HOST_ROOT
 
-#: where the kubelet keeps its pods' volumes (``<dir>/pods/<uid>/volumes/...``)
+#: where the kubelet keeps its pods' volumes (``<dir>/pods/<uid>/volumes/...``) and its plugins
 KUBELET_DIR = "/var/lib/kubelet"
+#: the driver's name, as the CSIDriver object and every pod's ``csi.driver`` say it
+DRIVER_NAME = GROUP
 
 
 @dataclass(frozen=True)
@@ -21,12 +23,28 @@ class CsiConfig:
     node_id: str
     """This node's name: the CSI node id ``NodeGetInfo`` answers (flag ``--node-id``, else the
     environment's node name, else the host name)."""
-    endpoint: str = f"{KUBELET_DIR}/plugins/offloadpool.io/csi.sock"
-    """The unix socket the plugin serves on, where the kubelet's registration points."""
+    endpoint: str = ""
+    """The unix socket the plugin serves CSI on, where its registration points the kubelet
+    (a host path); empty: ``<kubelet_dir>/plugins/offloadpool.io/csi.sock``."""
     root: str = HOST_ROOT
     """The host root the agents keep their pools under (the pools the plugin publishes)."""
     kubelet_dir: str = KUBELET_DIR
-    """The kubelet's directory: every target path must be a CSI volume's ``mount`` below it."""
+    """The kubelet's directory (its ``--root-dir``): every target path must be a CSI volume's
+    ``mount`` below it, and its ``plugins_registry`` is where the kubelet looks for plugins."""
+    registration: str = ""
+    """The unix socket the plugin serves the kubelet's plugin registration on, where the
+    kubelet's plugin watcher finds it and is told ``endpoint`` (served only once ``endpoint``
+    is, removed when the plugin stops); empty:
+    ``<kubelet_dir>/plugins_registry/offloadpool.io-reg.sock``."""
+
+    def __post_init__(self) -> None:
+        """The sockets follow the kubelet's directory unless given: a kubelet with another
+        ``--root-dir`` needs only ``--kubelet-dir``."""
+        if not self.endpoint:
+            object.__setattr__(self, "endpoint", f"{self.kubelet_dir}/plugins/{DRIVER_NAME}/csi.sock")
+        if not self.registration:
+            registration = f"{self.kubelet_dir}/plugins_registry/{DRIVER_NAME}-reg.sock"
+            object.__setattr__(self, "registration", registration)
 
     @classmethod
     def from_args(
@@ -40,12 +58,28 @@ class CsiConfig:
         p.add_argument(
             "--node-id", default=env.get(NODE_NAME_ENV) or socket.gethostname(), help="this node's name"
         )
-        p.add_argument("--endpoint", default=cls.endpoint, help=f"the socket served (default {cls.endpoint})")
+        p.add_argument(
+            "--endpoint",
+            default=cls.endpoint,
+            help="the CSI socket served (default <kubelet-dir>/plugins/offloadpool.io/csi.sock)",
+        )
         p.add_argument("--root", default=cls.root, help=f"the agents' host root (default {cls.root})")
         p.add_argument(
             "--kubelet-dir",
             default=cls.kubelet_dir,
             help=f"the kubelet's directory (default {cls.kubelet_dir})",
         )
+        p.add_argument(
+            "--registration-endpoint",
+            default=cls.registration,
+            help="the plugin-registration socket served"
+            " (default <kubelet-dir>/plugins_registry/offloadpool.io-reg.sock)",
+        )
         a = p.parse_args(argv)
-        return cls(node_id=a.node_id, endpoint=a.endpoint, root=a.root, kubelet_dir=a.kubelet_dir)
+        return cls(
+            node_id=a.node_id,
+            endpoint=a.endpoint,
+            root=a.root,
+            kubelet_dir=a.kubelet_dir,
+            registration=a.registration_endpoint,
+        )

@@ -5,11 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from offloadpool import __version__
-from offloadpool.api.constants import GROUP
+from offloadpool.csi.config import DRIVER_NAME
 from offloadpool.csi.proto import csi_pb2, csi_pb2_grpc
-
-#: the driver's name, as the CSIDriver object and every pod's ``csi.driver`` say it
-DRIVER_NAME = GROUP
 
 
 class Identity(csi_pb2_grpc.IdentityServicer):

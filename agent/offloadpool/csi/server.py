@@ -1,15 +1,21 @@
-"""The plugin's gRPC server on its unix socket, and its command line.
+"""The plugin's gRPC servers on their unix sockets, and its command line.
 
 At start the holders are rebuilt from the records and the mount table
-(``publication.rebuild``) before the socket is served: the kubelet's first call after a
-restart sees exactly the volumes that are still mounted.
+(``publication.rebuild``) before the CSI socket is served: the kubelet's first call after a
+restart sees exactly the volumes that are still mounted. The registration socket is served
+only after the CSI socket (the kubelet dials the CSI endpoint as soon as it reads it), by a
+server of its own (a gRPC server takes no socket once started), and removed first at a stop:
+the kubelet then deregisters the driver instead of calling a plugin that is gone.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Sequence
 from concurrent import futures
+from dataclasses import dataclass
+from types import FrameType
 
 import grpc
 
@@ -17,29 +23,75 @@ from offloadpool.csi import publication
 from offloadpool.csi.config import CsiConfig
 from offloadpool.csi.identity import Identity
 from offloadpool.csi.node import Node
-from offloadpool.csi.proto import csi_pb2_grpc
+from offloadpool.csi.proto import csi_pb2_grpc, pluginregistration_pb2_grpc
+from offloadpool.csi.registration import Registration
 from offloadpool.region.published import Published
 
 
-def serve(config: CsiConfig, *, workers: int = 4) -> tuple[grpc.Server, list[Published]]:
-    """The started server and the volumes that hold their pools (kept by the rebuild)."""
-    kept = publication.rebuild(config)
-    os.makedirs(os.path.dirname(config.endpoint), mode=0o750, exist_ok=True)
-    try:  # a socket a killed plugin left: its name must be free to bind
-        os.unlink(config.endpoint)
+@dataclass
+class Plugin:
+    """The running plugin: its two servers and the volumes the rebuild kept."""
+
+    config: CsiConfig
+    csi: grpc.Server
+    registration: grpc.Server
+    registrar: Registration
+    kept: list[Published]
+
+    def stop(self, grace: float | None = None) -> None:
+        """Deregistered first (server stopped, socket removed), then the CSI server."""
+        self.registration.stop(grace).wait()
+        _unlink(self.config.registration)
+        self.csi.stop(grace).wait()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
     except FileNotFoundError:
         pass
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
-    csi_pb2_grpc.add_IdentityServicer_to_server(Identity(), server)
-    csi_pb2_grpc.add_NodeServicer_to_server(Node(config), server)
-    server.add_insecure_port(f"unix://{config.endpoint}")
-    server.start()
-    return server, kept
+
+
+#: the longest path a unix socket takes (``sun_path`` is 108 bytes, NUL included)
+SOCKET_PATH_MAX = 107
+
+
+def _listen(server: grpc.Server, path: str) -> None:
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        raise ValueError(f"socket path {path!r} is longer than {SOCKET_PATH_MAX} bytes")
+    os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+    _unlink(path)  # a socket a killed plugin left: its name must be free to bind
+    server.add_insecure_port(f"unix://{path}")
+
+
+def serve(config: CsiConfig, *, workers: int = 4) -> Plugin:
+    """The started plugin: CSI served, then registration."""
+    kept = publication.rebuild(config)
+    csi = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    csi_pb2_grpc.add_IdentityServicer_to_server(Identity(), csi)
+    csi_pb2_grpc.add_NodeServicer_to_server(Node(config), csi)
+    _listen(csi, config.endpoint)
+    csi.start()
+    registrar = Registration(config.endpoint)
+    registration = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(registrar, registration)
+    _listen(registration, config.registration)
+    registration.start()
+    return Plugin(config, csi, registration, registrar, kept)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = CsiConfig.from_args(argv)
-    server, kept = serve(config)
-    print(f"serving {config.endpoint} for node {config.node_id}; {len(kept)} published volumes", flush=True)
-    server.wait_for_termination()
+    plugin = serve(config)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        plugin.stop(grace=5)
+
+    signal.signal(signal.SIGTERM, stop)
+    print(
+        f"serving {config.endpoint} (registration {config.registration}) for node {config.node_id};"
+        f" {len(plugin.kept)} published volumes",
+        flush=True,
+    )
+    plugin.csi.wait_for_termination()
     return 0

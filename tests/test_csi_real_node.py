@@ -1,0 +1,255 @@
+"""The CSI node plugin on the real node, installed by the chart (``csi.enabled=true``).
+
+Why real: registration is the kubelet's plugin watcher finding the plugin's socket and writing
+the driver into the node's ``CSINode``; publishing is the kubelet calling ``NodePublishVolume``
+for a pod's inline ``csi`` volume with the pod's own information, and the bind reaching the
+pod's container through the kubelet's directory and the runtime. Only the real kubelet and
+containerd can say these hold. One release for the module (tests run in order): the plugin
+registers -> a pool's allowed namespace gets it, another does not -> the pod's deletion
+drops the holder and the mount.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.chart_node import CHART, host_mounts, import_offloadpool_image, node_values, remove_release
+from fixtures.node import TOLERATION, RealNode
+from fixtures.wait import wait_for
+from offloadpool.csi.config import DRIVER_NAME, CsiConfig
+from offloadpool.region import published
+
+pytestmark = pytest.mark.node
+
+RELEASE = "csi"
+PLUGIN_PODS = "app.kubernetes.io/name=offloadpool-csi"
+
+
+@dataclass
+class CsiE2E:
+    node: RealNode
+    root: Path
+    ns: str
+    allowed_ns: str
+    other_ns: str
+    pool: str
+    config: CsiConfig
+    seen: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cp(self) -> Any:
+        return self.node.control_plane
+
+    def get(self, *args: str) -> dict | None:
+        out = self.cp.kubectl("get", *args, "-o", "json", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def diagnostics(self) -> str:
+        cp = self.cp
+        return "\n".join(
+            [
+                cp.kubectl("get", "pods,daemonsets,events", "-n", self.ns, "-o", "wide", check=False).stdout,
+                cp.kubectl("get", "pods,events", "-n", self.allowed_ns, check=False).stdout,
+                cp.kubectl("get", "pods,events", "-n", self.other_ns, check=False).stdout,
+                cp.kubectl("get", "csinodes,offloadpools,offloadpoolnodes", "-o", "yaml", check=False).stdout,
+                cp.kubectl("logs", "-n", self.ns, "-l", PLUGIN_PODS, "--tail=40", check=False).stdout,
+                self.node.logs(3000),
+            ]
+        )
+
+    def wait(self, what: str, predicate: Any, timeout: float) -> Any:
+        try:
+            return wait_for(what, predicate, timeout, interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnostics()}") from None
+
+    def pod(self, ns: str, name: str) -> dict | None:
+        return self.get("pod", name, "-n", ns)
+
+    def holders(self) -> list[published.Published]:
+        return published.load_all(self.root / self.pool)
+
+
+@pytest.fixture(scope="module")
+def csi_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -> Iterator[CsiE2E]:
+    """helm install with the CSI plugin on (and the webhook off: nothing here needs it) on the
+    test node's kubelet directory; afterwards the pool, the release, the CSIDriver and the
+    namespaces are gone, whatever happened."""
+    image = import_offloadpool_image(real_node)
+    suffix = uuid.uuid4().hex[:6]
+    kubelet_dir = str(real_node.workdir / "kubelet")
+    e2e = CsiE2E(
+        node=real_node,
+        root=shared_agent_root,
+        ns=f"offloadpool-csi-{suffix}",
+        allowed_ns=f"csi-allowed-{suffix}",
+        other_ns=f"csi-other-{suffix}",
+        pool=f"csi-tmpfs-{suffix}",
+        config=CsiConfig(node_id=real_node.name, kubelet_dir=kubelet_dir),
+    )
+    cp = real_node.control_plane
+    try:
+        for ns in (e2e.allowed_ns, e2e.other_ns):
+            cp.kubectl("create", "namespace", ns)
+        cp.helm(
+            "install",
+            RELEASE,
+            str(CHART),
+            "--namespace",
+            e2e.ns,
+            "--create-namespace",
+            "--take-ownership",
+            *node_values(image),
+            "--set",
+            "webhook.enabled=false",
+            "--set",
+            "csi.enabled=true",
+            "--set",
+            f"csi.kubeletDir={kubelet_dir}",
+            "--set-json",
+            f"csi.tolerations={json.dumps([TOLERATION])}",
+            timeout=120,
+        )
+        yield e2e
+    finally:
+        remove_release(cp, RELEASE, e2e.ns, [e2e.pool], real_node.name, [e2e.allowed_ns, e2e.other_ns])
+        cp.kubectl("delete", "csidriver", DRIVER_NAME, "--ignore-not-found", check=False)
+
+
+def test_csi_the_kubelet_registers_the_plugin_from_the_chart(csi_e2e: CsiE2E) -> None:
+    """The chart's DaemonSet runs the plugin on the node; the kubelet's plugin watcher finds its
+    registration socket and writes the driver, with the node's name as its id, into the node's
+    CSINode; the plugin hears that it is registered."""
+    e2e = csi_e2e
+
+    def plugin_running() -> dict | None:
+        pods = e2e.get("pods", "-n", e2e.ns, "-l", PLUGIN_PODS) or {}
+        running = [p for p in pods.get("items", []) if p["status"].get("phase") == "Running"]
+        return running[0] if running else None
+
+    plugin = e2e.wait("the CSI plugin's pod Running", plugin_running, 180)
+    assert plugin["spec"]["nodeName"] == e2e.node.name
+
+    def registered() -> dict | None:
+        csinode = e2e.get("csinode", e2e.node.name) or {}
+        drivers = {d["name"]: d for d in (csinode.get("spec") or {}).get("drivers") or []}
+        return drivers.get(DRIVER_NAME)
+
+    driver = e2e.wait(f"{DRIVER_NAME} in CSINode {e2e.node.name}", registered, 120)
+    assert driver["nodeID"] == e2e.node.name, driver
+    assert stat.S_ISSOCK(os.lstat(e2e.config.registration).st_mode)
+    assert stat.S_ISSOCK(os.lstat(e2e.config.endpoint).st_mode)
+
+    def heard() -> str | None:
+        out = e2e.cp.kubectl("logs", "-n", e2e.ns, plugin["metadata"]["name"], check=False).stdout
+        return out if f"registered with the kubelet as {DRIVER_NAME}" in out else None
+
+    e2e.wait("the plugin told of its registration", heard, 60)
+    e2e.seen["registered"] = True
+
+
+def _consumer(e2e: CsiE2E, name: str, pool: str) -> dict:
+    """A busybox pod with nothing but an inline csi volume of the pool: it prints the pool's
+    manifest as its mount shows it, then waits to be deleted."""
+    script = "cat /pool/manifest.json; echo; ls /pool/mnt; echo CONSUMER-DONE; sleep 3600"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "tolerations": [TOLERATION],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": e2e.node.images["busybox"],
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", script],
+                    "volumeMounts": [{"name": "pool", "mountPath": "/pool"}],
+                }
+            ],
+            "volumes": [{"name": "pool", "csi": {"driver": DRIVER_NAME, "volumeAttributes": {"pool": pool}}}],
+        },
+    }
+
+
+def test_csi_a_pod_of_an_allowed_namespace_gets_the_pool_another_is_refused(csi_e2e: CsiE2E) -> None:
+    """A Ready tmpfs pool for one namespace: a pod there with an inline csi volume starts and
+    reads the pool's manifest at its mount, and the plugin holds the pool for it (a record
+    naming the pod); the same pod in another namespace never starts, the kubelet's event
+    carrying the plugin's refusal."""
+    e2e, cp = csi_e2e, csi_e2e.cp
+    assert e2e.seen.get("registered"), "the plugin did not register (see the test before)"
+    body = {
+        "apiVersion": "offloadpool.io/v1alpha1",
+        "kind": "OffloadPool",
+        "metadata": {"name": e2e.pool},
+        "spec": {
+            "capacity": "16Mi",
+            "medium": "Memory",
+            "tolerations": [TOLERATION],
+            "consumers": {"namespaces": [e2e.allowed_ns]},
+        },
+    }
+    cp.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+    def pool_ready() -> dict | None:
+        status = (e2e.get("offloadpoolnodes", f"{e2e.pool}.{e2e.node.name}") or {}).get("status") or {}
+        return status if status.get("phase") == "Ready" else None
+
+    e2e.wait(f"OffloadPoolNode {e2e.pool}.{e2e.node.name} Ready", pool_ready, 180)
+    for ns in (e2e.allowed_ns, e2e.other_ns):
+        cp.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_consumer(e2e, "consumer", e2e.pool)))
+
+    def consumer_log() -> str | None:
+        out = cp.kubectl("logs", "consumer", "-n", e2e.allowed_ns, check=False)
+        return out.stdout if out.returncode == 0 and "CONSUMER-DONE" in out.stdout else None
+
+    log = e2e.wait("the allowed consumer's log", consumer_log, 180)
+    manifest, _ = json.JSONDecoder().raw_decode(log)
+    host_manifest = json.loads((e2e.root / e2e.pool / "manifest.json").read_text())
+    assert manifest == host_manifest and manifest["medium"] == "Memory", manifest
+    pod = e2e.pod(e2e.allowed_ns, "consumer")
+    assert pod is not None
+    uid = pod["metadata"]["uid"]
+    (holder,) = e2e.holders()
+    assert (holder.pod_uid, holder.pod_namespace) == (uid, e2e.allowed_ns), holder
+    assert holder.target_path.startswith(f"{e2e.config.kubelet_dir}/pods/{uid}/volumes/kubernetes.io~csi/")
+    assert holder.target_path in host_mounts(), "the plugin's bind did not reach the host"
+    e2e.seen["consumer"] = {"uid": uid, "target": holder.target_path}
+
+    def refused() -> str | None:
+        events = cp.kubectl("get", "events", "-n", e2e.other_ns, "-o", "json", check=False)
+        for ev in json.loads(events.stdout or "{}").get("items", []):
+            if ev.get("reason") == "FailedMount" and "PermissionDenied" in ev.get("message", ""):
+                return str(ev["message"])
+        return None
+
+    message = e2e.wait("the other namespace's pod refused its mount", refused, 120)
+    assert f"pool {e2e.pool} is not for namespace {e2e.other_ns}" in message, message
+    other = e2e.pod(e2e.other_ns, "consumer")
+    assert other is not None and other["status"].get("phase") == "Pending", other["status"]
+    assert len(e2e.holders()) == 1
+
+
+def test_csi_deleting_the_pod_drops_its_holder_and_mount(csi_e2e: CsiE2E) -> None:
+    """The kubelet's unpublish after the pod's deletion: the holder record and the bind are
+    gone, and the pool stays Ready on the host."""
+    e2e, cp = csi_e2e, csi_e2e.cp
+    seen = e2e.seen.get("consumer")
+    assert seen, "no consumer attached (see the test before)"
+    cp.kubectl("delete", "pod", "consumer", "-n", e2e.allowed_ns, "--grace-period=1", "--timeout=90s")
+    e2e.wait("the holder record gone", lambda: not e2e.holders(), 120)
+    e2e.wait("the bind gone", lambda: seen["target"] not in host_mounts(), 60)
+    assert (e2e.root / e2e.pool / "manifest.json").exists()
