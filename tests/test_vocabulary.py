@@ -107,3 +107,15 @@ def test_the_api_types_are_the_engines() -> None:
     assert media.NODE_PHASES == vocabulary.NODE_PHASES
     assert set(media.PAGE_SIZES) == set(vocabulary.MEDIA)
     assert media.HUGEPAGE_MEDIA == (vocabulary.HUGEPAGES_2MI, vocabulary.HUGEPAGES_1GI)
+
+
+def test_an_environment_name_is_written_in_one_module() -> None:
+    """Every ``OFFLOADPOOL_*`` variable a product module reads or sets is spelled in one place
+    (``api.agent_env`` for the agent's, ``region.vocabulary``/``api.pods`` for a pod's)."""
+    name = re.compile(r"""["'](OFFLOADPOOL_[A-Z0-9_]+)["']""")
+    where: dict[str, set[str]] = {}
+    for module, text in SOURCES.items():
+        for found in name.findall(text):
+            where.setdefault(found, set()).add(module)
+    assert "OFFLOADPOOL_ROOT" in where and "OFFLOADPOOL_POOL_DIR" in where
+    assert {n: sorted(m) for n, m in where.items() if len(m) > 1} == {}

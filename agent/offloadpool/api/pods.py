@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from offloadpool.region import vllm_compat
 from offloadpool.region.manifest import LEASE_NAME, MOUNT_NAME
+from offloadpool.region.vocabulary import ENV_POOL_DIR as ENV_POOL_DIR
 
 from .constants import GROUP, POOL_NAME_LABEL
 
@@ -32,7 +33,6 @@ VLLM_SHM_DIR = "/dev/shm"
 
 #: Environment given to every container of a labelled pod.
 ENV_POOL = "OFFLOADPOOL_POOL"
-ENV_POOL_DIR = "OFFLOADPOOL_POOL_DIR"
 ENV_MEDIUM = "OFFLOADPOOL_MEDIUM"
 ENV_LAYOUT = "OFFLOADPOOL_LAYOUT"
 ENV_RANKS = "OFFLOADPOOL_RANKS"

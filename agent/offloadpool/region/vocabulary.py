@@ -59,6 +59,11 @@ RECLAIM_RETAIN: Final = "Retain"
 ReclaimPolicyName = Literal["Delete", "Retain"]
 RECLAIM_POLICIES: Final[tuple[str, ...]] = get_args(ReclaimPolicyName)
 
+# -- what a consumer's containers are told ----------------------------------------------------
+#: the environment variable naming the pool directory in a labelled pod's containers: the
+#: admission webhook sets it (``api.pods``), the engine side reads it (``vllm.geometry``)
+ENV_POOL_DIR: Final = "OFFLOADPOOL_POOL_DIR"
+
 # -- phases ------------------------------------------------------------------------------------
 # One set of words for where a pool stands on a node. The engine's provisioning record
 # (``region.record``) steps Provisioning -> Populating -> Ready, and Draining while it is torn

@@ -21,10 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from offloadpool.region.manifest import Manifest
-from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK, REPLICATED
-
-#: The environment variable the admission webhook sets in every container of a pool's pods.
-ENV_POOL_DIR = "OFFLOADPOOL_POOL_DIR"
+from offloadpool.region.vocabulary import ENV_POOL_DIR, INTERLEAVED, PER_RANK, REPLICATED
 
 
 class PoolMismatch(ValueError):
