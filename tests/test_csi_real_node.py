@@ -22,9 +22,15 @@ from typing import Any
 
 import pytest
 
-from fixtures.chart_node import CHART, host_mounts, import_offloadpool_image, node_values, remove_release
+from fixtures.chart_node import (
+    CHART,
+    ReleaseOnNode,
+    host_mounts,
+    import_offloadpool_image,
+    node_values,
+    remove_release,
+)
 from fixtures.node import TOLERATION, RealNode
-from fixtures.wait import wait_for
 from offloadpool.csi.config import DRIVER_NAME, CsiConfig
 from offloadpool.region import published
 
@@ -35,7 +41,7 @@ PLUGIN_PODS = "app.kubernetes.io/name=offloadpool-csi"
 
 
 @dataclass
-class CsiE2E:
+class CsiE2E(ReleaseOnNode):
     node: RealNode
     root: Path
     ns: str
@@ -44,14 +50,6 @@ class CsiE2E:
     pool: str
     config: CsiConfig
     seen: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def cp(self) -> Any:
-        return self.node.control_plane
-
-    def get(self, *args: str) -> dict | None:
-        out = self.cp.kubectl("get", *args, "-o", "json", check=False)
-        return json.loads(out.stdout) if out.returncode == 0 else None
 
     def diagnostics(self) -> str:
         cp = self.cp
@@ -65,12 +63,6 @@ class CsiE2E:
                 self.node.logs(3000),
             ]
         )
-
-    def wait(self, what: str, predicate: Any, timeout: float) -> Any:
-        try:
-            return wait_for(what, predicate, timeout, interval=0.5)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.diagnostics()}") from None
 
     def pod(self, ns: str, name: str) -> dict | None:
         return self.get("pod", name, "-n", ns)

@@ -23,7 +23,7 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -31,7 +31,14 @@ from typing import Any
 
 import pytest
 
-from fixtures.chart_node import CHART, host_mounts, import_offloadpool_image, node_values, remove_release
+from fixtures.chart_node import (
+    CHART,
+    ReleaseOnNode,
+    host_mounts,
+    import_offloadpool_image,
+    node_values,
+    remove_release,
+)
 from fixtures.node import HUGE_1G, HUGE_2M, TAINT, TOLERATION, RealNode, nr_hugepages
 from fixtures.wait import wait_for
 from offloadpool.api.constants import POOL_NAME_LABEL
@@ -395,7 +402,7 @@ def _hugepages_2m() -> tuple[int, int, int]:
 
 
 @dataclass
-class ChartE2E:
+class ChartE2E(ReleaseOnNode):
     """The release and what the tests learned so far (``seen``), shared along the module."""
 
     node: RealNode
@@ -406,14 +413,6 @@ class ChartE2E:
     pools: dict[str, str]  # medium -> pool name
     hugepages_before: tuple[int, int, int]
     seen: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def cp(self) -> Any:
-        return self.node.control_plane
-
-    def get(self, *args: str) -> dict | None:
-        out = self.cp.kubectl("get", *args, "-o", "json", check=False)
-        return json.loads(out.stdout) if out.returncode == 0 else None
 
     def pool_node(self, pool: str) -> dict | None:
         return self.get("offloadpoolnodes", f"{pool}.{self.node.name}")
@@ -439,13 +438,6 @@ class ChartE2E:
                 str(self.node.service_errors()),
             ]
         )
-
-    def wait(self, what: str, predicate: Callable[[], Any], timeout: float) -> Any:
-        """wait_for, failing with the cluster's side of the story."""
-        try:
-            return wait_for(what, predicate, timeout, interval=0.5)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.diagnostics()}") from None
 
     def ready_agent(self, pool: str, not_uid: str | None = None) -> dict | None:
         """The pool's agent pod once it is Ready (a different one than ``not_uid``)."""
