@@ -37,13 +37,13 @@ from pathlib import Path
 
 from offloadpool.region import beneath, places
 from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.vocabulary import ENV_POD_UID
 
 SHARES_NAME = "shares"
 #: where a share's ``mnt`` points: the pool's mount, two levels up, inside any bind mount
 LINK_TARGET = f"../../{MOUNT_NAME}"
 #: the environment variables an engine's owner is read from, in this order
 OWNER_ENV = "OFFLOADPOOL_SHARE_OWNER"
-POD_UID_ENV = "OFFLOADPOOL_POD_UID"
 #: most bytes of a claim record read (it is written by an engine: hostile to everyone else)
 RECORD_LIMIT = 1024
 #: longest owner shown or compared
@@ -212,7 +212,7 @@ def default_owner() -> str:
     (``OFFLOADPOOL_POD_UID``, injected by the webhook), else this process's pid namespace and
     session (the workers one engine starts share both; two containers never share the first,
     two engines started apart on one host never share the second)."""
-    for name in (OWNER_ENV, POD_UID_ENV):
+    for name in (OWNER_ENV, ENV_POD_UID):
         value = os.environ.get(name, "").strip()
         if value:
             return _clip(value)
