@@ -62,4 +62,5 @@ def pool_request(pool: OffloadPool | Mapping[str, Any], workers_override: int = 
         scrub=spec.consumers.scrub_policy,
         consumer_namespaces=",".join(sorted(namespaces)) if namespaces else None,
         pool_uid=str(pool.metadata.get("uid") or ""),
+        partitions=spec.partitions,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from offloadpool.region import vllm_compat
 from offloadpool.region.manifest import LEASE_NAME, MOUNT_NAME
+from offloadpool.region.vocabulary import ENV_POD_UID as ENV_POD_UID
 from offloadpool.region.vocabulary import ENV_POOL_DIR as ENV_POOL_DIR
 
 from .constants import GROUP, POOL_NAME_LABEL

@@ -22,9 +22,11 @@ from offloadpool.region.request import (
     DEFAULT_MEDIUM,
     DEFAULT_MIN_SEGMENT,
     DEFAULT_NUMA,
+    DEFAULT_PARTITIONS,
     DEFAULT_SCRUB,
     DEFAULT_VLLM_SEGMENTS,
     MAX_FILES_LIMIT,
+    MAX_PARTITIONS,
 )
 from offloadpool.region.request import (
     DEFAULT_MODE as DEFAULT_MODE_BITS,
@@ -182,6 +184,8 @@ class OffloadPoolSpec(SpecModel):
     consumers: ConsumersSpec = Field(default_factory=ConsumersSpec)
     reclaim_policy: ReclaimPolicy = DEFAULT_RECLAIM
     compat: CompatSpec | None = None
+    #: independent shares per node, one engine on each (``offloadpool.region.shares``)
+    partitions: int = Field(default=DEFAULT_PARTITIONS, ge=1, le=MAX_PARTITIONS)
 
     # -- the CRD's cross-field CEL rules, restated -----------------------------------------
     @model_validator(mode="after")
@@ -199,6 +203,18 @@ class OffloadPoolSpec(SpecModel):
                     f"spec.capacity ({self.capacity}) must split into spec.layout.ranks "
                     f"({self.layout.ranks}) equal parts of whole {page}-byte pages"
                 )
+        ranks = 1 if self.layout.type == REPLICATED or self.layout.ranks is None else self.layout.ranks
+        if cap % (self.partitions * ranks * page):
+            raise ValueError(
+                f"spec.capacity ({self.capacity}) must split into spec.partitions ({self.partitions}) "
+                f"equal shares of whole {page}-byte pages (for PerRank and Interleaved layouts, "
+                f"ranks × whole pages each)"
+            )
+        if self.partitions > 1 and self.compat is not None and self.compat.vllm is not None:
+            raise ValueError(
+                "spec.partitions above 1 cannot be combined with spec.compat.vllm: stock vLLM "
+                "maps one region under its own file names, which one engine uses"
+            )
         slot = self.slot_size_bytes()
         if slot is not None and self.layout.ranks is not None:
             if slot > cap // self.layout.ranks or cap % (self.layout.ranks * slot):

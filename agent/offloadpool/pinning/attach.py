@@ -11,6 +11,12 @@ The order matters:
 
 A failure at any step undoes the earlier ones: nothing stays mapped, open or leased.
 The attachment holds the lease until ``close()``; if the engine dies, the kernel drops it.
+
+A pool of several shares (``spec.partitions``) is attached through one of them: the pool's
+lease is taken, a share is claimed for this engine (``offloadpool.region.shares.claim``: the
+share its other workers hold, else a free one) and that share's directory is attached as a
+pool. Attaching a share's directory itself claims that share. Either way the attachment holds
+the pool's lease and the claim until ``close()``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from offloadpool.pinning.backends.base import PinBackend
 from offloadpool.pinning.errors import AttachError, PinError
 from offloadpool.pinning.pin import PinRange, PinStats, register_plan, unregister_all
 from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, plan_pin_ranges, split_at
+from offloadpool.region import shares
 from offloadpool.region.lease import Lease, LeaseHeld
 from offloadpool.region.manifest import LEASE_NAME, Manifest, Region, load
 from offloadpool.region.media import is_hugetlbfs
@@ -133,6 +140,8 @@ class _State:
         self.size = size
         self.fds = fds
         self.lease: Lease | None = lease
+        #: what a share's attachment holds besides its lease: the claim, the pool's lease
+        self.also: list[Lease | shares.Claim] = []
         self.backend: PinBackend | None = None
         self.registered: list[tuple[int, int]] = []
         self.exports: list[weakref.ref[Any]] = []  # views handed out (ctypes arrays: unhashable)
@@ -172,6 +181,8 @@ class _State:
         if self.lease is not None:
             self.lease.close()
             self.lease = None
+        while self.also:
+            self.also.pop().close()
         return errors
 
 
@@ -183,6 +194,10 @@ class Attachment:
     views alive releases the memory anyway and leaves the range inaccessible (until the last
     view is gone), so a stale view faults instead of reading foreign memory.
     """
+
+    #: the share of a partitioned pool this attachment claimed (``pool_dir`` is its
+    #: directory); None for a pool without shares
+    share: int | None = None
 
     def __init__(self, pool_dir: Path, rank: int, manifest: Manifest, region: Region, state: _State) -> None:
         self.pool_dir = pool_dir
@@ -447,16 +462,59 @@ class Attachment:
 
 
 def attach(
-    pool_dir: str | os.PathLike[str], rank: int = 0, *, lease_timeout: float | None = DEFAULT_LEASE_TIMEOUT
+    pool_dir: str | os.PathLike[str],
+    rank: int = 0,
+    *,
+    lease_timeout: float | None = DEFAULT_LEASE_TIMEOUT,
+    owner: str | None = None,
 ) -> Attachment:
     """Map this rank's region of the pool at ``pool_dir`` and hold the pool's shared lease.
 
     Replicated: the one region. PerRank: region ``rank``. Interleaved: the one region, in
     which this rank's data is its slot of every row (see ``Attachment.row_geometry``).
+    A pool of several shares: this engine's share (see the module docstring); ``owner`` names
+    the engine (every worker of one engine must give the same; default
+    ``offloadpool.region.shares.default_owner()``, the pod).
     Raises ``ManifestError``/``AttachError`` (a subclass) before anything is mapped.
     """
     pool_dir = Path(pool_dir)
-    _check_request(load(pool_dir), pool_dir, rank)  # clear errors before creating anything
+    head = load(pool_dir)
+    _check_request(head, pool_dir, rank)  # clear errors before creating anything
+    if head.shares > 1 or head.share is not None:
+        return _attach_share(pool_dir, head, rank, lease_timeout, owner)
+    return _attach(pool_dir, rank, lease_timeout)
+
+
+def _attach_share(
+    pool_dir: Path, head: Manifest, rank: int, lease_timeout: float | None, owner: str | None
+) -> Attachment:
+    """Take the pool's lease, claim a share (``head.share`` when a share was named), attach it."""
+    pool = pool_dir if head.share is None else shares.pool_of(pool_dir)
+    with contextlib.ExitStack() as undo:
+        pool_lease = _take_lease(pool, lease_timeout)
+        undo.callback(pool_lease.close)
+        now = load(pool)  # authoritative: read under the lease
+        _check_request(now, pool, rank)
+        if now.shares < 2 or (head.share is not None and head.share >= now.shares):
+            raise AttachError(f"pool {now.pool!r} at {pool} has no share {head.share} now: attach the pool")
+        try:
+            claim = shares.claim(
+                pool, now.shares, owner=owner, only=head.share, timeout=lease_timeout or 30.0
+            )
+        except shares.ShareRefused as exc:
+            raise AttachError(str(exc)) from None
+        except (OSError, ValueError) as exc:  # a share's name missing or of the wrong kind
+            raise AttachError(f"cannot claim a share of pool {now.pool!r} at {pool}: {exc}") from None
+        undo.callback(claim.close)
+        attachment = _attach(claim.dir, rank, lease_timeout)
+        attachment._state.also += [claim, pool_lease]
+        attachment.share = claim.index
+        undo.pop_all()
+    return attachment
+
+
+def _attach(pool_dir: Path, rank: int, lease_timeout: float | None) -> Attachment:
+    """Attach the pool (or share) directory ``pool_dir``, whose request was checked."""
     with contextlib.ExitStack() as undo:
         lease = _take_lease(pool_dir, lease_timeout)
         undo.callback(lease.close)

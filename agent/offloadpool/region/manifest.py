@@ -14,6 +14,17 @@ Pool directory layout (``<root>/<pool>/``)::
 Segment paths in the manifest are relative to the pool directory (``mnt/r0-s000``), so the
 same pool directory can be bind-mounted anywhere inside a pod.
 
+A pool of several shares (``shares`` > 1) lists every share's regions, and gives each share a
+directory of its own that looks like a pool directory (``region.shares``)::
+
+    shares/<i>/manifest.json   share i's regions alone (``share`` = i), attachable as a pool
+    shares/<i>/lease           the share's claim: an flock, and who holds it (written by the engine)
+    shares/<i>/mnt             a link to ``../../mnt``, so the share's segment paths read the same
+
+``shares`` and ``share`` are written only when set: a manifest of a pool without shares reads
+exactly as before, and an older library refuses a partitioned pool (an unknown field) rather
+than map every share as one region.
+
 A pod can write the pool directory, so the manifest is hostile input to whoever reads it: it is
 read without following links (``beneath``), at most ``beneath.MAX_READ`` bytes, and every field
 is checked for its type and range, every file name for being a plain name in ``mnt/``, before
@@ -94,6 +105,10 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
     version: int = VERSION
+    #: independent shares the pool is split into; ``regions`` lists share 0's first
+    shares: int = 1
+    #: which share of its pool this manifest describes (a share directory's); None: a pool's
+    share: int | None = None
 
     # -- validation -------------------------------------------------------------------------
     def validate(self) -> None:
@@ -117,10 +132,13 @@ class Manifest:
             raise ManifestError(f"page size {self.page_size} is not a power of two")
         if self.layout.ranks < 1:
             raise ManifestError(f"layout.ranks must be >= 1, got {self.layout.ranks}")
-        expected_regions = self.layout.ranks if self.layout.type == PER_RANK else 1
+        if self.shares < 1 or (self.share is not None and (self.shares != 1 or self.share < 0)):
+            raise ManifestError(f"shares {self.shares} / share {self.share} is not a pool's or a share's")
+        expected_regions = (self.layout.ranks if self.layout.type == PER_RANK else 1) * self.shares
         if len(self.regions) != expected_regions:
             raise ManifestError(
-                f"{self.layout.type} layout with {self.layout.ranks} ranks needs "
+                f"{self.layout.type} layout with {self.layout.ranks} ranks"
+                f"{f' in {self.shares} shares' if self.shares > 1 else ''} needs "
                 f"{expected_regions} regions, manifest lists {len(self.regions)}"
             )
         total = 0
@@ -171,6 +189,10 @@ class Manifest:
     # -- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.shares == 1:
+            del d["shares"]
+        if self.share is None:
+            del d["share"]
         d["regions"] = [{**asdict(r), "segments": [asdict(s) for s in r.segments]} for r in self.regions]
         return d
 
@@ -205,13 +227,17 @@ class Manifest:
         manifest.validate()
         return manifest
 
+    def encode(self) -> bytes:
+        """The manifest's file content (validated first)."""
+        self.validate()
+        return (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+
     def write(self, pool_dir: str | os.PathLike[str]) -> Path:
         """Write atomically (temp file, fsync, rename) so a reader never sees half a manifest.
 
         Whatever a pod left at the manifest's name (a link included) is replaced as a name,
         never written through."""
-        self.validate()
-        data = (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+        data = self.encode()
         fd = _open_pool_dir(pool_dir)
         try:
             beneath.write_file(fd, MANIFEST_NAME, data, 0o644)
@@ -275,6 +301,8 @@ def _check_types(m: Manifest) -> None:
         ("extra", m.extra, isinstance(m.extra, dict)),
         ("layout.type", m.layout.type, isinstance(m.layout.type, str)),
         ("layout.ranks", m.layout.ranks, _is_int(m.layout.ranks)),
+        ("shares", m.shares, _is_int(m.shares)),
+        ("share", m.share, m.share is None or _is_int(m.share)),
     ]
     for name in ("row_bytes", "slot_bytes"):
         value = getattr(m.layout, name)

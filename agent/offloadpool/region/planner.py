@@ -20,6 +20,10 @@ Rules (docs/node-engine.md, "What one `provision` call does"), and why:
   because unmodified vLLM maps the files by name at the offsets it computes; ``segments``
   settings do not apply to it. Each file must still be whole pages of the medium, and a
   hugetlbfs medium can serve only a one-file region (vLLM maps several with MAP_FIXED at 4 KiB).
+* A pool of ``partitions`` shares is that many pools of ``capacity / partitions`` side by side
+  in the one mount: share p's files are ``p<p>-r<i>-s<k>``, its regions follow share p-1's
+  (``region.shares`` gives each share its own directory and manifest). One share keeps the
+  names of a pool without shares.
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK
 
 @dataclass(frozen=True)
 class Plan:
-    """The regions of a pool and their segment files (paths relative to the pool directory)."""
+    """The regions of a pool and their segment files (paths relative to the pool directory).
+
+    With ``shares`` > 1, ``regions`` holds every share's regions, share 0's first."""
 
     medium: Medium
     layout: Layout
     regions: tuple[Region, ...]
+    shares: int = 1
 
     @property
     def page_size(self) -> int:
@@ -151,37 +158,48 @@ def plan(req: PoolRequest) -> Plan:
             f"capacity {fmt_bytes(req.capacity)} is not a multiple of the {fmt_bytes(med.page_size)} "
             f"page size of {med.name}"
         )
-    if req.layout_type == PER_RANK:
-        if req.capacity % (req.ranks * med.page_size):
-            raise RequestError(
-                f"PerRank capacity {fmt_bytes(req.capacity)} does not divide into {req.ranks} "
-                f"regions of whole {fmt_bytes(med.page_size)} pages"
-            )
-        region_sizes = [req.capacity // req.ranks] * req.ranks
-    else:
-        region_sizes = [req.capacity]
-    regions = []
-    for index, size in enumerate(region_sizes):
-        offset, segs = 0, []
-        if req.compat_engine_id is not None:
-            sizes = compat_segment_sizes(req, med.page_size, rows)
-        else:
-            sizes = segment_sizes(size, med.page_size, rows, req.max_files, req.min_segment)
-        for s, nbytes in enumerate(sizes):
-            segs.append(Segment(file=f"{MOUNT_NAME}/r{index}-s{s:03d}", offset=offset, bytes=nbytes))
-            offset += nbytes
-        regions.append(
-            Region(
-                index=index,
-                bytes=size,
-                segments=tuple(segs),
-                rank=index if req.layout_type == PER_RANK else None,
-            )
+    shares = req.partitions
+    if req.capacity % (shares * med.page_size):
+        raise RequestError(
+            f"capacity {fmt_bytes(req.capacity)} does not divide into {shares} partitions of whole "
+            f"{fmt_bytes(med.page_size)} pages of {med.name}"
         )
+    share = req.capacity // shares
+    if req.layout_type == PER_RANK:
+        if share % (req.ranks * med.page_size):
+            raise RequestError(
+                f"PerRank capacity {fmt_bytes(share)}{' per partition' if shares > 1 else ''} does not "
+                f"divide into {req.ranks} regions of whole {fmt_bytes(med.page_size)} pages"
+            )
+        region_sizes = [share // req.ranks] * req.ranks
+    else:
+        region_sizes = [share]
+    regions: list[Region] = []
+    for p in range(shares):
+        prefix = f"p{p}-" if shares > 1 else ""
+        for rank, size in enumerate(region_sizes):
+            offset, segs = 0, []
+            if req.compat_engine_id is not None:
+                sizes = compat_segment_sizes(req, med.page_size, rows)
+            else:
+                sizes = segment_sizes(size, med.page_size, rows, req.max_files, req.min_segment)
+            for s, nbytes in enumerate(sizes):
+                segs.append(
+                    Segment(file=f"{MOUNT_NAME}/{prefix}r{rank}-s{s:03d}", offset=offset, bytes=nbytes)
+                )
+                offset += nbytes
+            regions.append(
+                Region(
+                    index=len(regions),
+                    bytes=size,
+                    segments=tuple(segs),
+                    rank=rank if req.layout_type == PER_RANK else None,
+                )
+            )
     layout = Layout(
         type=req.layout_type,
         ranks=req.ranks,
         row_bytes=rows,
         slot_bytes=req.slot_bytes if req.layout_type == INTERLEAVED else None,
     )
-    return Plan(medium=med, layout=layout, regions=tuple(regions))
+    return Plan(medium=med, layout=layout, regions=tuple(regions), shares=shares)

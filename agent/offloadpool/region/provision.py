@@ -45,6 +45,7 @@ from offloadpool.region import (
     numa,
     places,
     scrub,
+    shares,
 )
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
@@ -129,6 +130,7 @@ def _manifest(req: PoolRequest, plan: Plan, compat: str | None, rec: records.Rec
         regions=plan.regions,
         total_bytes=plan.total_bytes,
         alignment=plan.page_size,
+        shares=plan.shares,
         uid=req.uid,
         gid=req.gid,
         mode=req.mode,
@@ -333,6 +335,7 @@ def _reuse(
     compat = layout_files.sync_compat(pool_dir, plan, req)
     manifest = load_manifest(pool_dir)
     wanted = _manifest(req, plan, compat, rec)
+    shares.write(pool_dir, wanted, req.uid, req.gid, req.mode)
     if manifest != wanted:
         wanted.write(pool_dir)
         manifest = wanted
@@ -489,6 +492,7 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
     scrub.before_hand_out(pool_dir, plan, req, rec, progress=opts.progress, say=say)
     compat = layout_files.sync_compat(pool_dir, plan, req)
     manifest = _manifest(req, plan, compat, rec)
+    shares.write(pool_dir, manifest, req.uid, req.gid, req.mode)  # attachable once the pool's is
     manifest.write(pool_dir)  # last: from here on engines may attach
     rec.phase = READY
     records.save(pool_dir, rec)

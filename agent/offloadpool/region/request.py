@@ -45,6 +45,12 @@ MAX_FILES_LIMIT: Final = 32
 #: When the node zeroes a pool's memory before handing it out again: ``SCRUB_POLICIES``
 #: (``offloadpool.region.scrub`` applies them).
 DEFAULT_SCRUB: Final = SCRUB_ON_CONSUMER_CHANGE
+#: Independent shares a node's pool is split into (``spec.partitions``): 1 is one pool for one
+#: engine; each share holds ``capacity / partitions`` (``offloadpool.region.shares``).
+DEFAULT_PARTITIONS: Final = 1
+#: Most shares per node: more engines than this per node has no use, and each share is a few
+#: names and files the node makes and an engine scans when it claims one.
+MAX_PARTITIONS: Final = 64
 
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _NAMESPACES = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(,[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$")
@@ -72,6 +78,9 @@ class PoolRequest:
     ``metadata.uid``; empty when unknown, e.g. a pool file without one) are who the memory is
     for: the node zeroes it before a different consumer or a re-created pool gets it. None of
     them shapes the memory.
+
+    ``partitions`` splits the node's ``capacity`` into that many independent shares, each laid
+    out as a whole pool of ``capacity / partitions`` for one engine (``region.shares``).
     """
 
     name: str
@@ -94,6 +103,7 @@ class PoolRequest:
     scrub: str = DEFAULT_SCRUB
     consumer_namespaces: str | None = None
     pool_uid: str = ""
+    partitions: int = DEFAULT_PARTITIONS
 
     def validate(self) -> None:
         """Raise RequestError naming the field for anything that cannot be planned."""
@@ -144,6 +154,17 @@ class PoolRequest:
             )
         if not isinstance(self.pool_uid, str) or not _POOL_UID.match(self.pool_uid):
             raise RequestError(f"pool uid {self.pool_uid!r} must be empty or a Kubernetes uid")
+        if (
+            not isinstance(self.partitions, int)
+            or isinstance(self.partitions, bool)
+            or not 1 <= self.partitions <= MAX_PARTITIONS
+        ):
+            raise RequestError(f"partitions must be 1-{MAX_PARTITIONS}, got {self.partitions!r}")
+        if self.partitions > 1 and self.compat_engine_id is not None:
+            raise RequestError(
+                "compat.vllm exposes one region under stock vLLM's own file names, which one "
+                "engine maps; it cannot be combined with partitions > 1 (one share per engine)"
+            )
         from offloadpool.region.numa import parse_policy  # local: numa imports ctypes lazily
 
         parse_policy(self.numa)
@@ -161,6 +182,9 @@ class PoolRequest:
         if self.compat_engine_id is not None and self.compat_row_bytes is not None:
             # Only when given, so the fingerprints of pools made before these fields stay put.
             shape["vllm_split"] = [self.compat_row_bytes, self.compat_segments]
+        if self.partitions != DEFAULT_PARTITIONS:
+            # Only when not 1, so the fingerprints of pools made before shares stay put.
+            shape["partitions"] = self.partitions
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -7,7 +7,8 @@ huge pages this node added to the kernel pool (announced in the huge page intent
 cannot give them back twice), then the names the node made.
 
 Only those names are removed, one by one, each as a name (``unlinkat``/``rmdir``, never through
-a link): the manifest, the lease, the plan's segment and compat names, ``mnt``, the names an
+a link): the manifest (the shares' with it), the shares' directories (``region.shares``), the
+lease, the plan's segment and compat names, ``mnt``, the names an
 older offloadpool kept in the pool directory, then the record, the journal and the state
 directory. Nothing is removed recursively: whatever else is found (a pod's files, a directory
 where a file belongs) is left and reported, and the directory holding it stays.
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from offloadpool.region import beneath, hugepage_intent, hugepages, mounts, places
+from offloadpool.region import beneath, hugepage_intent, hugepages, mounts, places, shares
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.journal import JOURNAL_NAME
@@ -51,12 +52,15 @@ def teardown(
     with _pool(pool_dir) as pfd:
         if pfd is not None:
             _remove(pfd, MANIFEST_NAME, left)
+    if manifest is not None:
+        shares.withdraw(pool_dir, manifest.shares)
     mnt = pool_dir / MOUNT_NAME
     if mounts.mount_at(mnt) is not None:
         try:
             mounts.umount(mnt, lazy=lazy)  # frees every page of every file in it
         except RegionError:
             if manifest is not None:  # still intact: put it back as it was
+                shares.write(pool_dir, manifest, manifest.uid, manifest.gid, manifest.mode)
                 manifest.write(pool_dir)
             raise
     if rec is not None:
@@ -116,6 +120,7 @@ def made_names(rec: records.Record | None) -> list[str]:
 def _remove_made(
     pool_dir: Path, rec: records.Record | None, *, keep_dir: bool, left: list[str] | None
 ) -> None:
+    shares.remove(pool_dir, left if left is not None else [])  # a rebuild makes them again
     with _pool(pool_dir) as pfd:
         if pfd is not None:
             if mounts.mount_at(pool_dir / MOUNT_NAME) is None:  # else a lazy unmount left it busy

@@ -63,6 +63,9 @@ RECLAIM_POLICIES: Final[tuple[str, ...]] = get_args(ReclaimPolicyName)
 #: the environment variable naming the pool directory in a labelled pod's containers: the
 #: admission webhook sets it (``api.pods``), the engine side reads it (``vllm.geometry``)
 ENV_POOL_DIR: Final = "OFFLOADPOOL_POOL_DIR"
+#: the pod's uid (the downward API's ``metadata.uid``), set by the webhook for a pool of several
+#: shares: every worker of a pod claims the same share (``region.shares.default_owner``)
+ENV_POD_UID: Final = "OFFLOADPOOL_POD_UID"
 
 # -- phases ------------------------------------------------------------------------------------
 # One set of words for where a pool stands on a node. The engine's provisioning record

@@ -58,6 +58,7 @@ from offloadpool.api.pods import (
     ENV_CAPACITY_BYTES,
     ENV_LAYOUT,
     ENV_MEDIUM,
+    ENV_POD_UID,
     ENV_POOL,
     ENV_POOL_DIR,
     ENV_RANKS,
@@ -147,8 +148,11 @@ def refusal(pool_name: str, namespace: str | None, pool: Pool | None) -> str | N
 
 
 # -- the mutation ------------------------------------------------------------------------------
-def pool_env(pool: Pool) -> list[dict[str, str]]:
-    """The environment every container gets: where the pool is and what shape it has."""
+def pool_env(pool: Pool) -> list[dict[str, Any]]:
+    """The environment every container gets: where the pool is and what shape it has.
+
+    A pool of several shares: the capacity is one share's (what an engine attaches), and the
+    pod's uid names the engine, so every worker of the pod claims the same share."""
     name = pool["metadata"]["name"]
     spec = _spec(pool)
     env = {
@@ -157,14 +161,17 @@ def pool_env(pool: Pool) -> list[dict[str, str]]:
         ENV_MEDIUM: spec.medium,
         ENV_LAYOUT: spec.layout.type,
         ENV_RANKS: str(spec.layout.rank_count),
-        ENV_CAPACITY_BYTES: str(spec.capacity_bytes()),
+        ENV_CAPACITY_BYTES: str(spec.capacity_bytes() // spec.partitions),
     }
     slot = spec.slot_size_bytes()
     if slot is not None:
         env[ENV_SLOT_BYTES] = str(slot)
     if spec.compat is not None and spec.compat.vllm is not None:
         env[ENV_VLLM_ENGINE_ID] = spec.compat.vllm.engine_id
-    return [{"name": k, "value": v} for k, v in env.items()]
+    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    if spec.partitions > 1:
+        out.append({"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
+    return out
 
 
 def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
@@ -390,7 +397,7 @@ def _add_mounts(container: dict[str, Any], wanted: Iterable[dict[str, Any]]) -> 
         present.append(dict(mount))
 
 
-def _set_env(container: dict[str, Any], wanted: list[dict[str, str]]) -> None:
+def _set_env(container: dict[str, Any], wanted: list[dict[str, Any]]) -> None:
     env = container.setdefault("env", [])
     for var in wanted:
         for i, present in enumerate(env):

@@ -31,7 +31,8 @@ from offloadpool.api.constants import POOL_LABEL_READY, extended_resource_name, 
 from .pool_node_report import ROLLOUT_ANNOTATION
 from .selection import SelectableNode
 
-#: Capacity advertised per node: one engine per node per pool.
+#: Capacity advertised per node for a pool without shares: one engine per node per pool (a pool
+#: of ``spec.partitions`` N advertises N, one per share).
 EXTENDED_RESOURCE_CAPACITY = "1"
 
 
@@ -51,21 +52,23 @@ def label_patch(pool: str, node: SelectableNode, ready: bool) -> dict[str, Any] 
     return {"metadata": {"labels": {key: POOL_LABEL_READY if ready else None}}}
 
 
-def resource_patch(pool: str, node: SelectableNode, ready: bool) -> dict[str, Any] | None:
-    """The status patch that makes the node advertise the pool's resource iff ``ready``."""
+def resource_patch(pool: str, node: SelectableNode, ready: bool, count: int = 1) -> dict[str, Any] | None:
+    """The status patch that makes the node advertise the pool's resource iff ``ready``, as
+    ``count`` (the pool's shares: each pod requests one)."""
     name = extended_resource_name(pool)
-    if ready and name in node.resources:
+    value = str(count) if count != 1 else EXTENDED_RESOURCE_CAPACITY
+    if ready and name in node.resources and node.resource_counts.get(name) == value:
         return None
     if not ready and name not in node.resource_keys:
         return None
-    value = EXTENDED_RESOURCE_CAPACITY if ready else None
-    return {"status": {"capacity": {name: value}, "allocatable": {name: value}}}
+    wanted = value if ready else None
+    return {"status": {"capacity": {name: wanted}, "allocatable": {name: wanted}}}
 
 
-def marks_patch(pool: str, node: SelectableNode, ready: bool) -> dict[str, Any] | None:
+def marks_patch(pool: str, node: SelectableNode, ready: bool, count: int = 1) -> dict[str, Any] | None:
     """The one patch (for the status subresource) that makes both marks match ``ready``."""
     patch: dict[str, Any] = {}
-    for part in (label_patch(pool, node, ready), resource_patch(pool, node, ready)):
+    for part in (label_patch(pool, node, ready), resource_patch(pool, node, ready, count)):
         patch.update(part or {})
     return patch or None
 

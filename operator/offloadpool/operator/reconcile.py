@@ -106,6 +106,8 @@ class Marked(NamedTuple):
 
     info: SelectableNode
     ready: bool
+    #: the extended resource's count then (the pool's ``spec.partitions``)
+    advertised: int = 1
 
 
 class MarkWrite(NamedTuple):
@@ -333,7 +335,9 @@ class Reconciler:
             unschedulable=unschedulable,
         )
         result.unreleased = agg.unreleased_nodes
-        self._sync_node_marks(name, agg.ready_nodes, existing, result)
+        shares = spec.get("partitions")
+        count = shares if isinstance(shares, int) and not isinstance(shares, bool) and shares > 0 else 1
+        self._sync_node_marks(name, agg.ready_nodes, existing, result, count)
 
         before = pool.get("status") or {}
         result.status = agg.status
@@ -599,7 +603,12 @@ class Reconciler:
         return memory.unschedulable
 
     def _sync_node_marks(
-        self, pool: str, ready: frozenset[str], existing: Mapping[str, SelectableNode], result: PassResult
+        self,
+        pool: str,
+        ready: frozenset[str],
+        existing: Mapping[str, SelectableNode],
+        result: PassResult,
+        count: int = 1,
     ) -> None:
         """Label and extended resource on exactly the Nodes where the pool is Ready (several
         Nodes at once: a pass may find hundreds of agents newly Ready).
@@ -614,15 +623,15 @@ class Reconciler:
         for info in existing.values():
             is_ready = info.name in ready
             hit = marked.get(info.name)
-            if hit is not None and hit.info is info and hit.ready is is_ready:
+            if hit is not None and hit.info is info and hit.ready is is_ready and hit.advertised == count:
                 continue
             patch = None
             if is_ready or nodes.carries_pool(pool, info):
-                patch = nodes.marks_patch(pool, info, is_ready)
+                patch = nodes.marks_patch(pool, info, is_ready, count)
             if patch:
                 todo.append(MarkWrite(info.name, is_ready, patch))
             else:
-                marked[info.name] = Marked(info, is_ready)
+                marked[info.name] = Marked(info, is_ready, count)
         if len(marked) > len(existing):  # Nodes deleted since: forget them
             for node in set(marked).difference(existing):
                 del marked[node]

@@ -35,8 +35,11 @@ class SelectableNode:
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, Any], ...] = ()
-    #: offloadpool.io/ extended resources advertised as 1 in both capacity and allocatable.
+    #: offloadpool.io/ extended resources advertised as the same positive count in both
+    #: capacity and allocatable (the count: ``resource_counts``).
     resources: frozenset[str] = frozenset()
+    #: the capacity each of ``resources`` advertises (a pool's ``spec.partitions``)
+    resource_counts: Mapping[str, str] = field(default_factory=dict)
     #: offloadpool.io/ extended resources present at all (a kubelet that re-registers a node
     #: zeroes extended resources it does not manage: present but "0" must be re-advertised).
     resource_keys: frozenset[str] = frozenset()
@@ -66,13 +69,19 @@ class SelectableNode:
         capacity = status.get("capacity") or {}
         allocatable = status.get("allocatable") or {}
         keys = {k for k in (*capacity, *allocatable) if k.startswith(resource_prefix)}
+        full = {
+            k
+            for k in keys
+            if str(capacity.get(k)) == str(allocatable.get(k))
+            and str(capacity.get(k)).isdigit()
+            and int(str(capacity.get(k))) > 0
+        }
         return cls(
             name=meta["name"],
             labels=dict(meta.get("labels") or {}),
             taints=tuple(dict(t) for t in spec.get("taints") or ()),
-            resources=frozenset(
-                k for k in keys if str(capacity.get(k)) == "1" and str(allocatable.get(k)) == "1"
-            ),
+            resources=frozenset(full),
+            resource_counts={k: str(capacity[k]) for k in full},
             resource_keys=frozenset(keys),
         )
 

@@ -1,0 +1,342 @@
+"""Shares: one node's pool split into N independent pools, one engine on each.
+
+A pool with ``partitions`` N > 1 holds N shares of ``capacity / N`` in its one mount (the
+planner names share p's files ``p<p>-r<i>-s<k>``). Each share has a directory that looks like
+a pool directory to the engine library, so ``attach(share_dir)`` and everything built on it
+(the vLLM spec) serve a share exactly as they serve a pool::
+
+    <pool>/shares/<i>/manifest.json   share i's regions alone (``Manifest.share`` = i)
+    <pool>/shares/<i>/lease           the share's claim (an flock) and who holds it
+    <pool>/shares/<i>/mnt             a link to ``../../mnt``: the share's segment paths
+
+**Claims.** An engine takes a share when it attaches (``claim``): under a short flock on the
+``shares`` directory (so the workers of one engine, arriving together, agree) it takes the
+share already held by its own owner, else a free one, and holds a shared flock on that share's
+lease for as long as it is attached. The first worker writes the owner into the lease file;
+the kernel drops the flock when the last process of the engine exits, so a share is freed when
+its pod ends (or its engine crashes), with nothing to clean up. An engine's owner is its pod
+(``OFFLOADPOOL_POD_UID``, set by the webhook), so every worker of a pod gets the same share and
+two pods never do. When every share is held, the claim is refused naming the holders.
+
+Shares separate engines' memory, not pods from each other: a pod that is given the pool can
+open every share's files, as it could open the whole pool's before (same uid, gid and mode).
+
+The node writes the directories, leases and links (``write``) and reads who holds each share
+(``states``); it never follows the link and reads a lease's record only as hostile text.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from offloadpool.region import beneath, places
+from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.vocabulary import ENV_POD_UID
+
+SHARES_NAME = "shares"
+#: where a share's ``mnt`` points: the pool's mount, two levels up, inside any bind mount
+LINK_TARGET = f"../../{MOUNT_NAME}"
+#: the environment variables an engine's owner is read from, in this order
+OWNER_ENV = "OFFLOADPOOL_SHARE_OWNER"
+#: most bytes of a claim record read (it is written by an engine: hostile to everyone else)
+RECORD_LIMIT = 1024
+#: longest owner shown or compared
+OWNER_LIMIT = 128
+
+
+class ShareRefused(RuntimeError):
+    """No share can be claimed (all held by other engines, or the one asked for is)."""
+
+
+def share_rel(index: int) -> str:
+    """``shares/<index>``, relative to the pool directory."""
+    return f"{SHARES_NAME}/{index}"
+
+
+def share_dir(pool_dir: str | os.PathLike[str], index: int) -> Path:
+    return Path(pool_dir) / share_rel(index)
+
+
+def pool_of(share: str | os.PathLike[str]) -> Path:
+    """The pool directory of the share directory ``share`` (``<pool>/shares/<i>``)."""
+    return Path(share).parent.parent
+
+
+def share_manifest(head: Manifest, index: int) -> Manifest:
+    """Share ``index`` of the pool manifest ``head`` as a manifest of its own: its regions,
+    numbered from 0, with the pool's medium, layout, ownership and generation."""
+    if not 0 <= index < head.shares:
+        raise ManifestError(f"pool {head.pool!r} has {head.shares} shares, not share {index}")
+    per = len(head.regions) // head.shares
+    mine = slice(index * per, (index + 1) * per)
+    regions = tuple(replace(r, index=j) for j, r in enumerate(head.regions[mine]))
+    extra = dict(head.extra)
+    numa = extra.get("numa_nodes")
+    if isinstance(numa, list) and len(numa) == len(head.regions):
+        extra["numa_nodes"] = numa[mine]  # per region, as the pool's lists them
+    total = sum(r.bytes for r in regions)
+    return replace(head, regions=regions, total_bytes=total, extra=extra, shares=1, share=index)
+
+
+# -- the node's side ---------------------------------------------------------------------------
+
+
+def write(pool_dir: Path, head: Manifest, uid: int, gid: int, mode: int) -> None:
+    """Make every share's directory (root's, 0755), lease (the consumers', ``mode``) and link,
+    and write its manifest. Names a pod replaced are replaced as names, never followed."""
+    if head.shares == 1:
+        return
+    with places.pool_fd(pool_dir) as pfd:
+        try:
+            places.make_root_dir(pfd, SHARES_NAME, places.POOL_DIR_MODE)
+            for i in range(head.shares):
+                rel = share_rel(i)
+                places.make_root_dir(pfd, rel, places.POOL_DIR_MODE)
+                fd = beneath.open_file(pfd, f"{rel}/{LEASE_NAME}", os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.fchown(fd, uid, gid)
+                    os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+                _link(pfd, rel)
+                beneath.write_file(pfd, f"{rel}/{MANIFEST_NAME}", share_manifest(head, i).encode())
+        except beneath.WrongEntry as exc:
+            raise places.UnsafeEntry(pool_dir, exc) from None
+
+
+def _link(pfd: int, rel: str) -> None:
+    """``<rel>/mnt`` -> ``../../mnt``, replacing whatever else stands there."""
+    dfd = beneath.open_dir(pfd, rel)
+    try:
+        try:
+            if os.readlink(MOUNT_NAME, dir_fd=dfd) == LINK_TARGET:
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: not a link (removed below)
+                raise
+        left = places.remove_entry(dfd, MOUNT_NAME)
+        if left is not None:
+            raise places.RegionError(f"{rel}/{MOUNT_NAME}: {left}")
+        os.symlink(LINK_TARGET, MOUNT_NAME, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def withdraw(pool_dir: Path, shares: int) -> None:
+    """Remove every share's manifest (no engine claims a share of a pool being taken apart)."""
+    _remove(pool_dir, [f"{share_rel(i)}/{MANIFEST_NAME}" for i in range(shares)], [])
+
+
+def remove(pool_dir: Path, left: list[str]) -> None:
+    """Remove the names ``write`` made, each as a name; what is not ours stays, said in ``left``."""
+    try:
+        with places.pool_fd(pool_dir) as pfd:
+            try:
+                found = sorted(beneath.listdir(pfd, SHARES_NAME))
+            except FileNotFoundError:
+                return
+            except (beneath.WrongEntry, NotADirectoryError):
+                found = None
+    except FileNotFoundError:
+        return
+    names: list[str] = []
+    for i in found or []:
+        if i.isdigit():
+            rel = f"{SHARES_NAME}/{i}"
+            names += [f"{rel}/{n}" for n in (MANIFEST_NAME, LEASE_NAME, MOUNT_NAME)] + [rel]
+    _remove(pool_dir, [*names, SHARES_NAME], left)
+
+
+def _remove(pool_dir: Path, names: list[str], left: list[str]) -> None:
+    try:
+        with places.pool_fd(pool_dir) as pfd:
+            for rel in names:
+                try:
+                    why = places.remove_entry(pfd, rel)
+                except FileNotFoundError:
+                    continue
+                except beneath.WrongEntry as exc:
+                    why = str(exc)
+                if why is not None:
+                    left.append(why)
+    except FileNotFoundError:
+        return
+
+
+@dataclass(frozen=True)
+class ShareState:
+    """One share as the node sees it: who holds its lease (pids in the node's /proc) and the
+    owner its holder wrote (hostile text, clipped; "" when free or unreadable)."""
+
+    index: int
+    holders: tuple[int, ...]
+    owner: str = ""
+
+    @property
+    def claimed(self) -> bool:
+        return bool(self.holders)
+
+
+def states(pool_dir: Path, shares: int, proc: str = "/proc") -> list[ShareState]:
+    """Every share of the pool, claimed or free, from the kernel's flocks on their leases."""
+    from offloadpool.region.holders import file_id, lease_lockers  # holders imports lease, not us
+
+    out = []
+    for i in range(shares):
+        lease = f"{share_rel(i)}/{LEASE_NAME}"
+        pids = lease_lockers(file_id(pool_dir / lease), proc)
+        owner = ""
+        if pids:
+            try:
+                with places.pool_fd(pool_dir) as pfd:
+                    owner = _parse(beneath.read_file(pfd, lease, RECORD_LIMIT)).get("owner", "")
+            except (OSError, places.UnsafeEntry):
+                owner = ""
+        out.append(ShareState(i, tuple(sorted(pids)), owner))
+    return out
+
+
+# -- the engine's side -------------------------------------------------------------------------
+
+
+def default_owner() -> str:
+    """Who this process attaches for: ``OFFLOADPOOL_SHARE_OWNER``, else the pod's uid
+    (``OFFLOADPOOL_POD_UID``, injected by the webhook), else this process's pid namespace and
+    session (the workers one engine starts share both; two containers never share the first,
+    two engines started apart on one host never share the second)."""
+    for name in (OWNER_ENV, ENV_POD_UID):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return _clip(value)
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "pid:?"
+    return f"{ns}/sid:{os.getsid(0)}"
+
+
+def _clip(text: str) -> str:
+    """At most OWNER_LIMIT printable characters: an owner is shown in messages and status."""
+    return "".join(c if c.isprintable() else "?" for c in text[:OWNER_LIMIT])
+
+
+def _parse(data: bytes) -> dict[str, str]:
+    """A claim record's owner and pid as text; empty when it is not one."""
+    try:
+        record = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(record, dict) or not isinstance(record.get("owner"), str):
+        return {}
+    pid = record.get("pid")
+    return {"owner": _clip(record["owner"]), "pid": str(pid) if isinstance(pid, int) else "?"}
+
+
+class Claim:
+    """A held share: a shared flock on its lease, dropped by ``close()`` or by process death."""
+
+    def __init__(self, pool_dir: Path, index: int, fd: int, owner: str) -> None:
+        self.pool_dir = pool_dir
+        self.index = index
+        self.owner = owner
+        self.fd = fd
+
+    @property
+    def dir(self) -> Path:
+        return share_dir(self.pool_dir, self.index)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __repr__(self) -> str:
+        return f"<Claim share {self.index} of {self.pool_dir} for {self.owner!r}>"
+
+
+def claim(
+    pool_dir: str | os.PathLike[str],
+    shares: int,
+    *,
+    owner: str | None = None,
+    only: int | None = None,
+    timeout: float = 30.0,
+) -> Claim:
+    """Claim a share of the pool at ``pool_dir`` for ``owner`` (default ``default_owner()``):
+    the one its owner holds already, else a free one (one this owner held last first), or
+    share ``only``. Raises ShareRefused naming the holders when none can be had."""
+    pool_dir = Path(pool_dir)
+    owner = _clip(owner) if owner else default_owner()
+    wanted = range(shares) if only is None else [only]
+    pfd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        mutex = beneath.open_dir(pfd, SHARES_NAME)
+    finally:
+        os.close(pfd)
+    try:
+        _lock(mutex, pool_dir, timeout)
+        held: list[str] = []
+        free: list[tuple[int, int, str]] = []  # (index, fd held exclusively, last owner)
+        try:
+            for i in wanted:
+                fd = beneath.open_file(mutex, f"{i}/{LEASE_NAME}", os.O_RDWR)
+                record = _parse(os.pread(fd, RECORD_LIMIT, 0))
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if record.get("owner") == owner:
+                        try:
+                            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # join our own engine
+                        except BlockingIOError:
+                            pass
+                        else:
+                            return Claim(pool_dir, i, fd, owner)
+                    os.close(fd)
+                    who = f"{record['owner']!r} (pid {record['pid']})" if record else "an unnamed holder"
+                    held.append(f"share {i} by {who}")
+                    continue
+                free.append((i, fd, record.get("owner", "")))
+            if not free:
+                raise ShareRefused(
+                    f"no free share in pool {str(pool_dir)!r} for {owner!r}: "
+                    + ("; ".join(held) or "none")
+                    + f" ({shares} share{'s' if shares != 1 else ''}; a share is freed when "
+                    "every process of its engine has exited)"
+                )
+            free.sort(key=lambda f: f[2] != owner)  # the share this owner held last, first
+            i, fd, _ = free.pop(0)
+            data = json.dumps({"owner": owner, "pid": os.getpid(), "since": round(time.time(), 3)}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # others of this owner join; we still hold the mutex
+            return Claim(pool_dir, i, fd, owner)
+        finally:
+            for _, other, _ in free:
+                os.close(other)
+    finally:
+        os.close(mutex)  # drops the mutex
+
+
+def _lock(fd: int, pool_dir: Path, timeout: float) -> None:
+    """The claim mutex (an flock on the ``shares`` directory), waited for up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise ShareRefused(
+                    f"another process held the share claims of {pool_dir} for {timeout:g} s; "
+                    "a claim takes milliseconds, so something holds the flock on "
+                    f"{pool_dir / SHARES_NAME} without claiming"
+                ) from None
+            time.sleep(0.01)
