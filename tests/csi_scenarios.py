@@ -6,6 +6,7 @@ nothing a wrong mount could reach outside the scratch directory. Prints one JSON
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import sys
@@ -52,6 +53,7 @@ class World:
             root=self.root,
             kubelet_dir=self.kubelet,
             registration=f"{scratch}/reg/r.sock",  # a socket's path is at most 107 bytes
+            stage=f"{scratch}/stage",
         )
         self.pb = csi_pb2
         self.reg_pb = pluginregistration_pb2
@@ -117,7 +119,7 @@ class World:
         for line in open("/proc/self/mountinfo").read().splitlines():
             f = line.split()
             target = f[4].encode().decode("unicode_escape")
-            if target.startswith(self.kubelet) or target.startswith(f"{self.scratch}/elsewhere"):
+            if target.startswith((self.kubelet, f"{self.scratch}/elsewhere", f"{self.scratch}/stage/")):
                 mounts.append({"target": target, "options": f[5].split(",")})
         from offloadpool.region import published
 
@@ -246,6 +248,117 @@ def publish(w: World) -> dict[str, Any]:
     except LeaseHeld as exc:
         out["release"] = f"held: {exc}"
     out["after_release"] = w.snapshot()
+    return out
+
+
+def _try(act: Any) -> str:
+    try:
+        act()
+        return "OK"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno or 0, str(exc.errno))
+
+
+def engine_view(w: World) -> dict[str, Any]:
+    """What a pod gets at its target: the entries, each mount's flags, and which writes a pod
+    (root in it, as this process is) can and cannot make; an engine attaches through it."""
+    from offloadpool.pinning.attach import attach
+
+    out: dict[str, Any] = {"publish": w.publish()}
+    t = w.target()
+    out["entries"] = sorted(os.listdir(t))
+    out["mnt_entries"] = sorted(os.listdir(f"{t}/mnt"))
+    out["pool_mnt"] = sorted(os.listdir(f"{w.root}/kv/mnt"))
+    out["mounts"] = {
+        os.path.relpath(m["target"], t) if m["target"] != t else ".": sorted(
+            set(m["options"]) & {"ro", "rw", "nosuid", "nodev"}
+        )
+        for m in w.snapshot()["mounts"]
+    }
+    seg = f"{t}/mnt/{out['pool_mnt'][0]}"
+    out["attempts"] = {
+        "create in target": _try(lambda: open(f"{t}/x", "w").close()),
+        "create in mnt": _try(lambda: open(f"{t}/mnt/x", "w").close()),
+        "write manifest": _try(lambda: open(f"{t}/manifest.json", "r+").close()),
+        "replace manifest": _try(lambda: os.rename(f"{t}/lease", f"{t}/manifest.json")),
+        "write lease": _try(lambda: open(f"{t}/lease", "r+").close()),
+        "unlink lease": _try(lambda: os.unlink(f"{t}/lease")),
+        "unlink segment": _try(lambda: os.unlink(seg)),
+        "rename segment": _try(lambda: os.rename(seg, f"{t}/mnt/y")),
+        "mkdir in mnt": _try(lambda: os.mkdir(f"{t}/mnt/d")),
+        "remove mnt": _try(lambda: os.rmdir(f"{t}/mnt")),
+        "write segment": _try(lambda: os.pwrite(os.open(seg, os.O_RDWR), b"pod", 0)),
+    }
+    with open(f"{w.root}/kv/{out['pool_mnt'][0].join(['mnt/', ''])}", "rb") as fh:
+        out["pool_reads"] = fh.read(3).decode()
+    att = attach(t)
+    out["attached"] = att.size
+    att.close()
+    return out
+
+
+def _write(w: World, pool: str, pod: str, data: bytes) -> None:
+    from offloadpool.csi import publication
+
+    name = publication.engine_files(f"{w.root}/{pool}")[0]
+    fd = os.open(f"{w.target(pod)}/mnt/{name}", os.O_RDWR)
+    os.pwrite(fd, data, 0)
+    os.close(fd)
+
+
+def _read(w: World, pool: str, pod: str, n: int) -> str:
+    from offloadpool.csi import publication
+
+    name = publication.engine_files(f"{w.root}/{pool}")[0]
+    fd = os.open(f"{w.target(pod)}/mnt/{name}", os.O_RDONLY)
+    data = os.pread(fd, n, 0)
+    os.close(fd)
+    return data.hex() if data.strip(b"\0") == b"" else data.decode()
+
+
+def _pod(pool: str, pod: str) -> dict[str, Any]:
+    return {
+        "volume_id": f"csi-{pool}-{pod[9:13]}",
+        "target_path": None,
+        "context": {"pool": pool, "csi.storage.k8s.io/pod.uid": pod},
+    }
+
+
+def scrub_on_new_holder(w: World) -> dict[str, Any]:
+    """Per policy: pod A writes, A unpublished, B published: what B reads; B again (a retry)
+    after writing; A and B at once (one tenancy)."""
+    from offloadpool.region import record as records
+    from offloadpool.region.provision import provision
+    from offloadpool.region.request import PoolRequest
+
+    def pub(pool: str, pod: str) -> str:
+        over = _pod(pool, pod)
+        over["target_path"] = w.target(pod)
+        return w.publish(**over)
+
+    def unpub(pool: str, pod: str) -> str:
+        return w.unpublish(_pod(pool, pod)["volume_id"], w.target(pod))
+
+    out: dict[str, Any] = {}
+    for policy in ("Always", "OnConsumerChange", "Never"):
+        pool = f"kv-{policy.lower()}"
+        provision(PoolRequest(name=pool, capacity=4 << 20, medium="Memory", scrub=policy), w.root)
+        r: dict[str, Any] = {"a": pub(pool, POD)}
+        _write(w, pool, POD, b"secret-of-a")
+        r["unpublish_a"] = unpub(pool, POD)
+        r["b"] = pub(pool, OTHER_POD)
+        r["b_reads"] = _read(w, pool, OTHER_POD, 11)
+        _write(w, pool, OTHER_POD, b"bytes-of-b!")
+        r["b_again"] = pub(pool, OTHER_POD)  # the kubelet's retry: the same holder
+        r["b_reads_again"] = _read(w, pool, OTHER_POD, 11)
+        r["a_joins"] = pub(pool, POD)  # B still holds: one tenancy, nothing zeroed under B
+        r["a_reads"] = _read(w, pool, POD, 11)
+        rec = records.load(f"{w.root}/{pool}")
+        assert rec is not None
+        r["scrub_reason"] = rec.scrub.get("reason", "")
+        r["holder"] = (rec.consumer or {}).get("holder")
+        r["end"] = [unpub(pool, POD), unpub(pool, OTHER_POD)]
+        out[policy] = r
     return out
 
 

@@ -19,7 +19,7 @@ from types import FrameType
 
 import grpc
 
-from offloadpool.csi import publication
+from offloadpool.csi import bind, publication
 from offloadpool.csi.config import CsiConfig
 from offloadpool.csi.identity import Identity
 from offloadpool.csi.node import Node
@@ -66,6 +66,7 @@ def _listen(server: grpc.Server, path: str) -> None:
 
 def serve(config: CsiConfig, *, workers: int = 4) -> Plugin:
     """The started plugin: CSI served, then registration."""
+    bind.prepare_stage(config.stage)
     kept = publication.rebuild(config)
     csi = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
     csi_pb2_grpc.add_IdentityServicer_to_server(Identity(), csi)
