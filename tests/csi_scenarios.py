@@ -362,6 +362,150 @@ def scrub_on_new_holder(w: World) -> dict[str, Any]:
     return out
 
 
+def _spawn(w: World, stop_at: str = "") -> Any:
+    """The plugin as its own process (``python3 -m offloadpool.csi``), stopping itself at
+    ``stop_at``; the world's stubs talk to it."""
+    import subprocess
+    import time
+
+    from offloadpool.csi.faults import STOP_AT_ENV
+
+    if w.plugin is not None:
+        w.stop()
+        w.plugin = None
+    env = {**os.environ, STOP_AT_ENV: stop_at}
+    c = w.config
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offloadpool.csi", "--node-id", c.node_id, "--endpoint", c.endpoint]
+        + ["--root", c.root, "--kubelet-dir", c.kubelet_dir, "--registration-endpoint", c.registration]
+        + ["--stage", c.stage],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "serving ...": rebuilt, CSI served
+    assert line.startswith("serving"), line
+    channel = w.grpc.insecure_channel(f"unix://{c.endpoint}")
+    w.node = w.stubs.NodeStub(channel)
+    w.identity = w.stubs.IdentityStub(channel)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            w.identity.Probe(w.pb.ProbeRequest(), timeout=5)
+            break
+        except w.grpc.RpcError:
+            time.sleep(0.1)
+    proc.kept = line.rsplit(";", 1)[1].strip()  # type: ignore[attr-defined]
+    return proc
+
+
+def _kill_when_stopped(proc: Any, call: Any) -> str:
+    """Run ``call`` (an RPC) while the plugin reaches its stop; kill -9 it there; the call's
+    result (the kubelet sees the connection drop)."""
+    import signal
+    import threading
+    import time
+
+    result: list[str] = []
+    t = threading.Thread(target=lambda: result.append(call()))
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the plugin never reached its stop")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t.join(60)
+    return result[0]
+
+
+def _leftovers(w: World) -> dict[str, Any]:
+    snap = w.snapshot()
+    return {
+        "mounts": sorted(os.path.relpath(m["target"], w.scratch) for m in snap["mounts"]),
+        "records": [r["volume_id"] for r in snap["records"]],
+        "target_dir": os.path.isdir(w.target()),
+        "pool_mnt_mounts": sum(1 for line in open("/proc/self/mountinfo") if f" {w.root}/kv/mnt" in line),
+    }
+
+
+def faults(w: World) -> dict[str, Any]:
+    """kill -9 of the plugin process at each step of a publish and an unpublish; then a new
+    plugin (the DaemonSet's restart) and the kubelet's retry of the same call."""
+    from offloadpool.region import holders
+
+    out: dict[str, Any] = {}
+    for step in ("recorded", "staged", "bound"):
+        proc = _spawn(w, step)
+        r: dict[str, Any] = {"call": _kill_when_stopped(proc, w.publish), "left": _leftovers(w)}
+        proc = _spawn(w)
+        r["kept"] = proc.kept
+        r["after_restart"] = _leftovers(w)
+        r["retry"] = w.publish()
+        r["after_retry"] = _leftovers(w)
+        r["holders"] = holders.count(f"{w.root}/kv")
+        r["unpublish"] = w.unpublish()
+        r["end"] = _leftovers(w)
+        proc.kill()
+        proc.wait()
+        out[f"publish/{step}"] = r
+    proc = _spawn(w)
+    r = {"publish": w.publish()}
+    proc.kill()
+    proc.wait()
+    proc = _spawn(w, "unbound")
+    r["call"] = _kill_when_stopped(proc, w.unpublish)
+    r["left"] = _leftovers(w)
+    proc = _spawn(w)
+    r["kept"] = proc.kept
+    r["after_restart"] = _leftovers(w)
+    r["retry"] = w.unpublish()
+    r["end"] = _leftovers(w)
+    r["holders"] = holders.count(f"{w.root}/kv")
+    proc.kill()
+    proc.wait()
+    out["unpublish/unbound"] = r
+    return out
+
+
+def scrub_fault(w: World) -> dict[str, Any]:
+    """kill -9 while publish zeroes the memory for a new pod: the pool stays withheld until the
+    agent's provision finishes the scrub; then the new pod gets zeros."""
+    from offloadpool.region.provision import provision
+    from offloadpool.region.request import PoolRequest
+    from offloadpool.region.status import pool_state
+
+    req = PoolRequest(name="kv-always", capacity=4 << 20, medium="Memory", scrub="Always")
+    provision(req, w.root)
+    a, b = _pod("kv-always", POD), _pod("kv-always", OTHER_POD)
+    a["target_path"], b["target_path"] = w.target(POD), w.target(OTHER_POD)
+    proc = _spawn(w)
+    out: dict[str, Any] = {"a": w.publish(**a)}
+    _write(w, "kv-always", POD, b"secret-of-a")
+    out["unpublish_a"] = w.unpublish(a["volume_id"], w.target(POD))
+    proc.kill()
+    proc.wait()
+    proc = _spawn(w, "Scrubbing")
+    out["call"] = _kill_when_stopped(proc, lambda: w.publish(**b))
+    proc = _spawn(w)
+    out["phase"] = pool_state(w.root, "kv-always").phase
+    out["b_refused"] = w.publish(**b)
+    provision(req, w.root)  # the agent's next pass finishes the pending scrub
+    out["phase_after"] = pool_state(w.root, "kv-always").phase
+    out["b"] = w.publish(**b)
+    out["b_reads"] = _read(w, "kv-always", OTHER_POD, 11)
+    out["end"] = w.unpublish(b["volume_id"], w.target(OTHER_POD))
+    proc.kill()
+    proc.wait()
+    return out
+
+
 def namespace(w: World) -> dict[str, Any]:
     before = w.snapshot()
     result = w.publish(context={"csi.storage.k8s.io/pod.namespace": "team-c"})
@@ -417,5 +561,6 @@ def main() -> None:
     try:
         result = globals()[scenario](world)
     finally:
-        world.stop()
+        if world.plugin is not None:
+            world.stop()
     print(json.dumps(result))

@@ -176,3 +176,45 @@ def test_csi_publish_zeroes_the_memory_for_a_new_pod_under_scrub_always(tmp_path
         p = r[policy]
         assert p["b"] == "OK" and p["b_reads"] == "secret-of-a", policy
         assert p["scrub_reason"] == "" and p["end"] == ["OK", "OK"], policy
+
+
+def _tree(r):
+    return [m for m in r["mounts"] if m.startswith("kubelet/")]
+
+
+def test_csi_plugin_killed_mid_publish_or_unpublish_converges(tmp_path):
+    """kill -9 of the plugin process at each step (it stops itself there, the test kills it):
+    the next plugin's rebuild and the kubelet's retry leave exactly one whole tree and one
+    holder, or after an unpublish nothing; no mount leaked (not at the target, not in the
+    plugin's stage, not under the pool's own mount), no holder lost or invented."""
+    r = scenario(tmp_path, "faults")
+    target = f"kubelet/pods/{POD}/volumes/kubernetes.io~csi/kv-cache/mount"
+    whole = [target, f"{target}/mnt", f"{target}/mnt/r0-s000"]
+    nothing = {"mounts": [], "records": [], "target_dir": False, "pool_mnt_mounts": 1}
+    for step in ("recorded", "staged", "bound"):
+        s = r[f"publish/{step}"]
+        assert s["call"].startswith("UNAVAILABLE"), (step, s["call"])
+        assert s["left"]["records"] == ["csi-0123456789abcdef"], step  # recorded before mounting
+        if step == "bound":  # the whole tree was at the target: kept, as it holds the pool
+            assert s["kept"] == "1 published volumes" and _tree(s["after_restart"]) == whole
+        else:  # nothing at the target: the record dropped, the stage cleared at start
+            assert s["kept"] == "0 published volumes", step
+            assert s["after_restart"] == nothing, (step, s["after_restart"])
+        assert s["retry"] == "OK" and s["after_retry"]["mounts"] == whole, (step, s["after_retry"])
+        assert s["after_retry"]["records"] == ["csi-0123456789abcdef"] and s["holders"] == 1, step
+        assert s["unpublish"] == "OK" and s["end"] == nothing, (step, s["end"])
+    u = r["unpublish/unbound"]
+    assert u["publish"] == "OK" and u["call"].startswith("UNAVAILABLE")
+    assert u["left"]["mounts"] == [] and u["left"]["records"] == ["csi-0123456789abcdef"]
+    assert u["kept"] == "0 published volumes" and u["after_restart"]["records"] == []
+    assert u["retry"] == "OK" and u["end"] == nothing and u["holders"] == 0
+
+
+def test_csi_plugin_killed_while_zeroing_for_a_new_pod_leaves_the_pool_withheld(tmp_path):
+    r = scenario(tmp_path, "scrub_fault")
+    assert r["a"] == r["unpublish_a"] == "OK" and r["call"].startswith("UNAVAILABLE")
+    assert r["phase"] == "Scrubbing"
+    assert r["b_refused"].startswith("NOT_FOUND: pool kv-always is not Ready on this node (Scrubbing")
+    assert r["phase_after"] == "Ready" and r["b"] == "OK"
+    assert r["b_reads"] == "00" * 11, "pod B read what pod A left after an interrupted scrub"
+    assert r["end"] == "OK"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 STOP_AT_ENV = "OFFLOADPOOL_CSI_STOP_AT"
 RECORDED = "recorded"
@@ -28,4 +29,7 @@ UNBOUND = "unbound"
 def reached(step: str) -> None:
     """Stop here when the environment names ``step``; otherwise nothing."""
     if os.environ.get(STOP_AT_ENV) == step:
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # to this thread, so that it is this thread that stops with its process at once, and
+        # never goes on: a process-wide signal may be taken by another thread meanwhile
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        threading.Event().wait()
