@@ -506,6 +506,23 @@ def scrub_fault(w: World) -> dict[str, Any]:
     return out
 
 
+def liveness(w: World) -> dict[str, Any]:
+    """The DaemonSet's exec probe against the plugin in process, a spawned one, a killed one."""
+    import subprocess
+
+    def run() -> list[Any]:
+        argv = [sys.executable, "-m", "offloadpool.csi", "probe", "--endpoint", w.config.endpoint]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        return [done.returncode, (done.stdout + done.stderr).strip().splitlines()[-1]]
+
+    out: dict[str, Any] = {"serving": run()}
+    proc = _spawn(w, "recorded")
+    out["spawned"] = run()
+    _kill_when_stopped(proc, w.publish)  # stopped mid-publish, then killed
+    out["killed"] = run()
+    return out
+
+
 def namespace(w: World) -> dict[str, Any]:
     before = w.snapshot()
     result = w.publish(context={"csi.storage.k8s.io/pod.namespace": "team-c"})

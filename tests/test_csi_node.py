@@ -218,3 +218,10 @@ def test_csi_plugin_killed_while_zeroing_for_a_new_pod_leaves_the_pool_withheld(
     assert r["phase_after"] == "Ready" and r["b"] == "OK"
     assert r["b_reads"] == "00" * 11, "pod B read what pod A left after an interrupted scrub"
     assert r["end"] == "OK"
+
+
+def test_csi_liveness_probe_fails_once_the_plugin_is_gone(tmp_path):
+    r = scenario(tmp_path, "liveness")
+    assert r["serving"][0] == 0 and r["serving"][1].endswith("csi.sock: ready"), r["serving"]
+    assert r["spawned"][0] == 0, r["spawned"]
+    assert r["killed"][0] == 1 and "Probe on " in r["killed"][1] and "UNAVAILABLE" in r["killed"][1], r
