@@ -6,6 +6,7 @@ nothing a wrong mount could reach outside the scratch directory. Prints one JSON
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import sys
@@ -52,6 +53,7 @@ class World:
             root=self.root,
             kubelet_dir=self.kubelet,
             registration=f"{scratch}/reg/r.sock",  # a socket's path is at most 107 bytes
+            stage=f"{scratch}/stage",
         )
         self.pb = csi_pb2
         self.reg_pb = pluginregistration_pb2
@@ -117,7 +119,7 @@ class World:
         for line in open("/proc/self/mountinfo").read().splitlines():
             f = line.split()
             target = f[4].encode().decode("unicode_escape")
-            if target.startswith(self.kubelet) or target.startswith(f"{self.scratch}/elsewhere"):
+            if target.startswith((self.kubelet, f"{self.scratch}/elsewhere", f"{self.scratch}/stage/")):
                 mounts.append({"target": target, "options": f[5].split(",")})
         from offloadpool.region import published
 
@@ -249,6 +251,278 @@ def publish(w: World) -> dict[str, Any]:
     return out
 
 
+def _try(act: Any) -> str:
+    try:
+        act()
+        return "OK"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno or 0, str(exc.errno))
+
+
+def engine_view(w: World) -> dict[str, Any]:
+    """What a pod gets at its target: the entries, each mount's flags, and which writes a pod
+    (root in it, as this process is) can and cannot make; an engine attaches through it."""
+    from offloadpool.pinning.attach import attach
+
+    out: dict[str, Any] = {"publish": w.publish()}
+    t = w.target()
+    out["entries"] = sorted(os.listdir(t))
+    out["mnt_entries"] = sorted(os.listdir(f"{t}/mnt"))
+    out["pool_mnt"] = sorted(os.listdir(f"{w.root}/kv/mnt"))
+    out["mounts"] = {
+        os.path.relpath(m["target"], t) if m["target"] != t else ".": sorted(
+            set(m["options"]) & {"ro", "rw", "nosuid", "nodev"}
+        )
+        for m in w.snapshot()["mounts"]
+    }
+    seg = f"{t}/mnt/{out['pool_mnt'][0]}"
+    out["attempts"] = {
+        "create in target": _try(lambda: open(f"{t}/x", "w").close()),
+        "create in mnt": _try(lambda: open(f"{t}/mnt/x", "w").close()),
+        "write manifest": _try(lambda: open(f"{t}/manifest.json", "r+").close()),
+        "replace manifest": _try(lambda: os.rename(f"{t}/lease", f"{t}/manifest.json")),
+        "write lease": _try(lambda: open(f"{t}/lease", "r+").close()),
+        "unlink lease": _try(lambda: os.unlink(f"{t}/lease")),
+        "unlink segment": _try(lambda: os.unlink(seg)),
+        "rename segment": _try(lambda: os.rename(seg, f"{t}/mnt/y")),
+        "mkdir in mnt": _try(lambda: os.mkdir(f"{t}/mnt/d")),
+        "remove mnt": _try(lambda: os.rmdir(f"{t}/mnt")),
+        "write segment": _try(lambda: os.pwrite(os.open(seg, os.O_RDWR), b"pod", 0)),
+    }
+    with open(f"{w.root}/kv/{out['pool_mnt'][0].join(['mnt/', ''])}", "rb") as fh:
+        out["pool_reads"] = fh.read(3).decode()
+    att = attach(t)
+    out["attached"] = att.size
+    att.close()
+    return out
+
+
+def _write(w: World, pool: str, pod: str, data: bytes) -> None:
+    from offloadpool.csi import publication
+
+    name = publication.engine_files(f"{w.root}/{pool}")[0]
+    fd = os.open(f"{w.target(pod)}/mnt/{name}", os.O_RDWR)
+    os.pwrite(fd, data, 0)
+    os.close(fd)
+
+
+def _read(w: World, pool: str, pod: str, n: int) -> str:
+    from offloadpool.csi import publication
+
+    name = publication.engine_files(f"{w.root}/{pool}")[0]
+    fd = os.open(f"{w.target(pod)}/mnt/{name}", os.O_RDONLY)
+    data = os.pread(fd, n, 0)
+    os.close(fd)
+    return data.hex() if data.strip(b"\0") == b"" else data.decode()
+
+
+def _pod(pool: str, pod: str) -> dict[str, Any]:
+    return {
+        "volume_id": f"csi-{pool}-{pod[9:13]}",
+        "target_path": None,
+        "context": {"pool": pool, "csi.storage.k8s.io/pod.uid": pod},
+    }
+
+
+def scrub_on_new_holder(w: World) -> dict[str, Any]:
+    """Per policy: pod A writes, A unpublished, B published: what B reads; B again (a retry)
+    after writing; A and B at once (one tenancy)."""
+    from offloadpool.region import record as records
+    from offloadpool.region.provision import provision
+    from offloadpool.region.request import PoolRequest
+
+    def pub(pool: str, pod: str) -> str:
+        over = _pod(pool, pod)
+        over["target_path"] = w.target(pod)
+        return w.publish(**over)
+
+    def unpub(pool: str, pod: str) -> str:
+        return w.unpublish(_pod(pool, pod)["volume_id"], w.target(pod))
+
+    out: dict[str, Any] = {}
+    for policy in ("Always", "OnConsumerChange", "Never"):
+        pool = f"kv-{policy.lower()}"
+        provision(PoolRequest(name=pool, capacity=4 << 20, medium="Memory", scrub=policy), w.root)
+        r: dict[str, Any] = {"a": pub(pool, POD)}
+        _write(w, pool, POD, b"secret-of-a")
+        r["unpublish_a"] = unpub(pool, POD)
+        r["b"] = pub(pool, OTHER_POD)
+        r["b_reads"] = _read(w, pool, OTHER_POD, 11)
+        _write(w, pool, OTHER_POD, b"bytes-of-b!")
+        r["b_again"] = pub(pool, OTHER_POD)  # the kubelet's retry: the same holder
+        r["b_reads_again"] = _read(w, pool, OTHER_POD, 11)
+        r["a_joins"] = pub(pool, POD)  # B still holds: one tenancy, nothing zeroed under B
+        r["a_reads"] = _read(w, pool, POD, 11)
+        rec = records.load(f"{w.root}/{pool}")
+        assert rec is not None
+        r["scrub_reason"] = rec.scrub.get("reason", "")
+        r["holder"] = (rec.consumer or {}).get("holder")
+        r["end"] = [unpub(pool, POD), unpub(pool, OTHER_POD)]
+        out[policy] = r
+    return out
+
+
+def _spawn(w: World, stop_at: str = "") -> Any:
+    """The plugin as its own process (``python3 -m offloadpool.csi``), stopping itself at
+    ``stop_at``; the world's stubs talk to it."""
+    import subprocess
+    import time
+
+    from offloadpool.csi.faults import STOP_AT_ENV
+
+    if w.plugin is not None:
+        w.stop()
+        w.plugin = None
+    env = {**os.environ, STOP_AT_ENV: stop_at}
+    c = w.config
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offloadpool.csi", "--node-id", c.node_id, "--endpoint", c.endpoint]
+        + ["--root", c.root, "--kubelet-dir", c.kubelet_dir, "--registration-endpoint", c.registration]
+        + ["--stage", c.stage],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "serving ...": rebuilt, CSI served
+    assert line.startswith("serving"), line
+    channel = w.grpc.insecure_channel(f"unix://{c.endpoint}")
+    w.node = w.stubs.NodeStub(channel)
+    w.identity = w.stubs.IdentityStub(channel)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            w.identity.Probe(w.pb.ProbeRequest(), timeout=5)
+            break
+        except w.grpc.RpcError:
+            time.sleep(0.1)
+    proc.kept = line.rsplit(";", 1)[1].strip()  # type: ignore[attr-defined]
+    return proc
+
+
+def _kill_when_stopped(proc: Any, call: Any) -> str:
+    """Run ``call`` (an RPC) while the plugin reaches its stop; kill -9 it there; the call's
+    result (the kubelet sees the connection drop)."""
+    import signal
+    import threading
+    import time
+
+    result: list[str] = []
+    t = threading.Thread(target=lambda: result.append(call()))
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the plugin never reached its stop")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t.join(60)
+    return result[0]
+
+
+def _leftovers(w: World) -> dict[str, Any]:
+    snap = w.snapshot()
+    return {
+        "mounts": sorted(os.path.relpath(m["target"], w.scratch) for m in snap["mounts"]),
+        "records": [r["volume_id"] for r in snap["records"]],
+        "target_dir": os.path.isdir(w.target()),
+        "pool_mnt_mounts": sum(1 for line in open("/proc/self/mountinfo") if f" {w.root}/kv/mnt" in line),
+    }
+
+
+def faults(w: World) -> dict[str, Any]:
+    """kill -9 of the plugin process at each step of a publish and an unpublish; then a new
+    plugin (the DaemonSet's restart) and the kubelet's retry of the same call."""
+    from offloadpool.region import holders
+
+    out: dict[str, Any] = {}
+    for step in ("recorded", "staged", "bound"):
+        proc = _spawn(w, step)
+        r: dict[str, Any] = {"call": _kill_when_stopped(proc, w.publish), "left": _leftovers(w)}
+        proc = _spawn(w)
+        r["kept"] = proc.kept
+        r["after_restart"] = _leftovers(w)
+        r["retry"] = w.publish()
+        r["after_retry"] = _leftovers(w)
+        r["holders"] = holders.count(f"{w.root}/kv")
+        r["unpublish"] = w.unpublish()
+        r["end"] = _leftovers(w)
+        proc.kill()
+        proc.wait()
+        out[f"publish/{step}"] = r
+    proc = _spawn(w)
+    r = {"publish": w.publish()}
+    proc.kill()
+    proc.wait()
+    proc = _spawn(w, "unbound")
+    r["call"] = _kill_when_stopped(proc, w.unpublish)
+    r["left"] = _leftovers(w)
+    proc = _spawn(w)
+    r["kept"] = proc.kept
+    r["after_restart"] = _leftovers(w)
+    r["retry"] = w.unpublish()
+    r["end"] = _leftovers(w)
+    r["holders"] = holders.count(f"{w.root}/kv")
+    proc.kill()
+    proc.wait()
+    out["unpublish/unbound"] = r
+    return out
+
+
+def scrub_fault(w: World) -> dict[str, Any]:
+    """kill -9 while publish zeroes the memory for a new pod: the pool stays withheld until the
+    agent's provision finishes the scrub; then the new pod gets zeros."""
+    from offloadpool.region.provision import provision
+    from offloadpool.region.request import PoolRequest
+    from offloadpool.region.status import pool_state
+
+    req = PoolRequest(name="kv-always", capacity=4 << 20, medium="Memory", scrub="Always")
+    provision(req, w.root)
+    a, b = _pod("kv-always", POD), _pod("kv-always", OTHER_POD)
+    a["target_path"], b["target_path"] = w.target(POD), w.target(OTHER_POD)
+    proc = _spawn(w)
+    out: dict[str, Any] = {"a": w.publish(**a)}
+    _write(w, "kv-always", POD, b"secret-of-a")
+    out["unpublish_a"] = w.unpublish(a["volume_id"], w.target(POD))
+    proc.kill()
+    proc.wait()
+    proc = _spawn(w, "Scrubbing")
+    out["call"] = _kill_when_stopped(proc, lambda: w.publish(**b))
+    proc = _spawn(w)
+    out["phase"] = pool_state(w.root, "kv-always").phase
+    out["b_refused"] = w.publish(**b)
+    provision(req, w.root)  # the agent's next pass finishes the pending scrub
+    out["phase_after"] = pool_state(w.root, "kv-always").phase
+    out["b"] = w.publish(**b)
+    out["b_reads"] = _read(w, "kv-always", OTHER_POD, 11)
+    out["end"] = w.unpublish(b["volume_id"], w.target(OTHER_POD))
+    proc.kill()
+    proc.wait()
+    return out
+
+
+def liveness(w: World) -> dict[str, Any]:
+    """The DaemonSet's exec probe against the plugin in process, a spawned one, a killed one."""
+    import subprocess
+
+    def run() -> list[Any]:
+        argv = [sys.executable, "-m", "offloadpool.csi", "probe", "--endpoint", w.config.endpoint]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        return [done.returncode, (done.stdout + done.stderr).strip().splitlines()[-1]]
+
+    out: dict[str, Any] = {"serving": run()}
+    proc = _spawn(w, "recorded")
+    out["spawned"] = run()
+    _kill_when_stopped(proc, w.publish)  # stopped mid-publish, then killed
+    out["killed"] = run()
+    return out
+
+
 def namespace(w: World) -> dict[str, Any]:
     before = w.snapshot()
     result = w.publish(context={"csi.storage.k8s.io/pod.namespace": "team-c"})
@@ -304,5 +578,6 @@ def main() -> None:
     try:
         result = globals()[scenario](world)
     finally:
-        world.stop()
+        if world.plugin is not None:
+            world.stop()
     print(json.dumps(result))

@@ -68,8 +68,8 @@ def test_csi_publish_binds_a_ready_pool_nosuid_nodev_and_holds_it(tmp_path):
         for m in r["after_first"]["mounts"]
         if m["target"].endswith(f"{POD}/volumes/kubernetes.io~csi/kv-cache/mount")
     ]
-    assert {"nosuid", "nodev", "rw"} <= set(mount["options"]), mount
-    # the recursive bind carries the pool's own mount: the engine sees its manifest and files
+    assert {"nosuid", "nodev", "ro"} <= set(mount["options"]), mount
+    # the pool's own mount and its files are bound beneath: the engine sees its manifest and files
     assert r["manifest_via_target"]
     assert r["segments_via_target"] == r["segments_in_pool"] and r["segments_in_pool"]
     assert r["after_first"]["records"] == [
@@ -99,10 +99,11 @@ def test_csi_namespace_not_allowed_is_permission_denied(tmp_path):
 def test_csi_unpublish_unmounts_and_drops_the_record_idempotently(tmp_path):
     r = scenario(tmp_path, "unpublish")
     assert r["publish"] == "OK" and len(r["published"]["records"]) == 1
-    # the bind and, beneath it, the pool's own mount it carries
+    # the bind, beneath it the pool's own mount, and in that the segment file
     assert [m["target"].rsplit("/", 2)[-2:] for m in r["published"]["mounts"]] == [
         ["kv-cache", "mount"],
         ["mount", "mnt"],
+        ["mnt", "r0-s000"],
     ]
     assert r["unpublish"] == "OK"
     assert r["after"]["mounts"] == [] and r["after"]["records"] == []
@@ -120,7 +121,7 @@ def test_csi_restart_rebuilds_holders_from_records_and_the_mount_table(tmp_path)
     assert [x["volume_id"] for x in r["after"]["records"]] == ["csi-0123456789abcdef"]
     assert [m["target"] for m in r["after"]["mounts"]] == [
         m["target"] for m in r["after"]["mounts"] if f"/{POD}/" in m["target"]
-    ] and len(r["after"]["mounts"]) == 2
+    ] and len(r["after"]["mounts"]) == 3
     assert r["unpublish_a"] == "OK" and r["end"]["mounts"] == [] and r["end"]["records"] == []
 
 
@@ -135,3 +136,92 @@ def test_csi_registration_answers_the_kubelets_plugin_watcher(tmp_path):
     assert r["node_id"] == "node-a"
     assert r["status"] == [None, [True, ""], [False, "no"]]
     assert r["after_stop"] == [], "the registration socket outlived the plugin"
+
+
+def test_csi_target_holds_only_the_engines_files_read_only_but_the_segments(tmp_path):
+    """The pod's view: manifest, lease and the segments, nothing of the node's state; no name
+    can be made, replaced or removed, the manifest and lease not written (even by root in the
+    pod); the segments are written, and an engine attaches through the target."""
+    r = scenario(tmp_path, "engine_view")
+    assert r["publish"] == "OK"
+    assert r["entries"] == ["lease", "manifest.json", "mnt"]
+    assert r["mnt_entries"] == r["pool_mnt"] and r["pool_mnt"]
+    assert r["mounts"] == {
+        ".": ["nodev", "nosuid", "ro"],
+        "mnt": ["nodev", "nosuid", "ro"],
+        **{f"mnt/{name}": ["nodev", "nosuid", "rw"] for name in r["pool_mnt"]},
+    }
+    attempts = r["attempts"]
+    assert attempts.pop("write segment") == "OK" and r["pool_reads"] == "pod"
+    for what, result in attempts.items():
+        assert result in ("EROFS", "EACCES", "EPERM", "EBUSY"), (what, result)
+    assert attempts["create in mnt"] == "EROFS" and attempts["write lease"] == "EROFS"
+    assert attempts["unlink segment"] in ("EROFS", "EBUSY")
+    assert r["attached"] == 4 << 20
+
+
+def test_csi_publish_zeroes_the_memory_for_a_new_pod_under_scrub_always(tmp_path):
+    r = scenario(tmp_path, "scrub_on_new_holder")
+    zeros = "00" * 11
+    always = r["Always"]
+    assert [always[k] for k in ("a", "unpublish_a", "b")] == ["OK"] * 3
+    assert always["b_reads"] == zeros, "pod B read what pod A left in the pool"
+    assert "handed to pod " + POD.replace("1111", "9999") in always["scrub_reason"]
+    # the same pod again is the same holder; a pod joining a held pool joins its tenancy
+    assert always["b_again"] == "OK" and always["b_reads_again"] == "bytes-of-b!"
+    assert always["a_joins"] == "OK" and always["a_reads"] == "bytes-of-b!"
+    assert always["holder"] == POD and always["end"] == ["OK", "OK"]
+    # the pool's consumers are one consumer under OnConsumerChange; Never keeps the bytes
+    for policy in ("OnConsumerChange", "Never"):
+        p = r[policy]
+        assert p["b"] == "OK" and p["b_reads"] == "secret-of-a", policy
+        assert p["scrub_reason"] == "" and p["end"] == ["OK", "OK"], policy
+
+
+def _tree(r):
+    return [m for m in r["mounts"] if m.startswith("kubelet/")]
+
+
+def test_csi_plugin_killed_mid_publish_or_unpublish_converges(tmp_path):
+    """kill -9 of the plugin process at each step (it stops itself there, the test kills it):
+    the next plugin's rebuild and the kubelet's retry leave exactly one whole tree and one
+    holder, or after an unpublish nothing; no mount leaked (not at the target, not in the
+    plugin's stage, not under the pool's own mount), no holder lost or invented."""
+    r = scenario(tmp_path, "faults")
+    target = f"kubelet/pods/{POD}/volumes/kubernetes.io~csi/kv-cache/mount"
+    whole = [target, f"{target}/mnt", f"{target}/mnt/r0-s000"]
+    nothing = {"mounts": [], "records": [], "target_dir": False, "pool_mnt_mounts": 1}
+    for step in ("recorded", "staged", "bound"):
+        s = r[f"publish/{step}"]
+        assert s["call"].startswith("UNAVAILABLE"), (step, s["call"])
+        assert s["left"]["records"] == ["csi-0123456789abcdef"], step  # recorded before mounting
+        if step == "bound":  # the whole tree was at the target: kept, as it holds the pool
+            assert s["kept"] == "1 published volumes" and _tree(s["after_restart"]) == whole
+        else:  # nothing at the target: the record dropped, the stage cleared at start
+            assert s["kept"] == "0 published volumes", step
+            assert s["after_restart"] == nothing, (step, s["after_restart"])
+        assert s["retry"] == "OK" and s["after_retry"]["mounts"] == whole, (step, s["after_retry"])
+        assert s["after_retry"]["records"] == ["csi-0123456789abcdef"] and s["holders"] == 1, step
+        assert s["unpublish"] == "OK" and s["end"] == nothing, (step, s["end"])
+    u = r["unpublish/unbound"]
+    assert u["publish"] == "OK" and u["call"].startswith("UNAVAILABLE")
+    assert u["left"]["mounts"] == [] and u["left"]["records"] == ["csi-0123456789abcdef"]
+    assert u["kept"] == "0 published volumes" and u["after_restart"]["records"] == []
+    assert u["retry"] == "OK" and u["end"] == nothing and u["holders"] == 0
+
+
+def test_csi_plugin_killed_while_zeroing_for_a_new_pod_leaves_the_pool_withheld(tmp_path):
+    r = scenario(tmp_path, "scrub_fault")
+    assert r["a"] == r["unpublish_a"] == "OK" and r["call"].startswith("UNAVAILABLE")
+    assert r["phase"] == "Scrubbing"
+    assert r["b_refused"].startswith("NOT_FOUND: pool kv-always is not Ready on this node (Scrubbing")
+    assert r["phase_after"] == "Ready" and r["b"] == "OK"
+    assert r["b_reads"] == "00" * 11, "pod B read what pod A left after an interrupted scrub"
+    assert r["end"] == "OK"
+
+
+def test_csi_liveness_probe_fails_once_the_plugin_is_gone(tmp_path):
+    r = scenario(tmp_path, "liveness")
+    assert r["serving"][0] == 0 and r["serving"][1].endswith("csi.sock: ready"), r["serving"]
+    assert r["spawned"][0] == 0, r["spawned"]
+    assert r["killed"][0] == 1 and "Probe on " in r["killed"][1] and "UNAVAILABLE" in r["killed"][1], r

@@ -1,11 +1,22 @@
-"""The bind mount of a pool at a target, ``nosuid,nodev``, made and undone through descriptors.
+"""What a published volume shows at its target: the engine's files, each as writable as the
+engine needs and no more, ``nosuid,nodev``; made and undone through descriptors.
 
-What is bound is the pool directory, recursively: the engine attaches through exactly what is
-in it (``manifest.json`` to find the segments, ``lease`` to hold the pool, ``mnt/`` — the pool's
-own mount, hence the recursive bind — with the segment files and any compat names), the same
-directory a hostPath delivery gives. mount(2) takes paths; every path given to it here is a
-``/proc/self/fd`` path of a directory opened without following links, so neither the pool's
-name nor the target can be swapped for a link between the check and the mount.
+The mount tree at ``<target>``::
+
+    <target>          the pool directory, bound alone and read-only: manifest.json (read live,
+                      so a withheld or rewritten manifest shows), lease (an engine flocks it
+                      read-only), mnt
+    <target>/mnt      the pool's own mount, bound alone and read-only: no name can be made,
+                      renamed or removed in it (EROFS), nothing written to the node's disk
+    <target>/mnt/<f>  each segment file, and each of stock vLLM's names of one, bound
+                      read-write by itself: the engine opens and maps it read-write
+
+So a pod, even one running as root, can write only the memory of its pool; the pool's
+record, journal and holder records (``<root>/.state``) are never in it. The names bound are
+the record's plan (what the node made), never the pool directory's listing (what a pod may
+have written through a hostPath delivery). mount(2) takes paths; every path given to it here
+is a ``/proc/self/fd`` path of something opened without following links, so neither the
+pool's name nor the target can be swapped for a link between the check and the mount.
 """
 
 from __future__ import annotations
@@ -13,14 +24,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from offloadpool.csi.target import MOUNT_NAME, as_path
+from offloadpool.csi import faults
+from offloadpool.csi.target import MOUNT_NAME, as_path, file_id
 from offloadpool.region import beneath, places
 from offloadpool.region.errors import RegionError
+from offloadpool.region.manifest import MOUNT_NAME as MOUNT_DIR
 from offloadpool.region.mounts import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_REC, UMOUNT_NOFOLLOW
 
+MS_RDONLY = 0x1
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
+MS_PRIVATE = 1 << 18
+#: what ``state`` finds at a target
+NONE, PARTIAL, COMPLETE = "none", "partial", "complete"
 #: the target directory the plugin makes, if the kubelet has not
 TARGET_MODE = 0o750
 
@@ -35,39 +55,151 @@ def _mount(source: str | None, target: str, flags: int) -> None:
         raise RegionError(f"mount {source or ''} {target} (flags {flags:#x}) failed: {os.strerror(err)}")
 
 
-def pool_id(pool_dir: str | os.PathLike[str]) -> tuple[int, int]:
-    """(st_dev, st_ino) of the pool directory: what the target shows once bound."""
-    with places.pool_fd(pool_dir) as fd:
-        st = os.fstat(fd)
+def _opened(dirfd: int, name: str) -> int:
+    """An ``O_PATH`` descriptor of the regular file ``name`` itself in ``dirfd`` (no link)."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RegionError(f"{name} is not a regular file: not bound")
+    return fd
+
+
+def _id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
     return (st.st_dev, st.st_ino)
 
 
-def bind(pool_dir: str | os.PathLike[str], parent: int) -> None:
-    """Bind the pool directory at ``MOUNT_NAME`` in the directory ``parent``, then remount the
-    bind ``nosuid,nodev`` (a bind takes no such flags of its own). Undone on failure."""
-    beneath.mkdir(parent, MOUNT_NAME, TARGET_MODE)
-    target = beneath.open_dir(parent, MOUNT_NAME)  # a link there is refused, not mounted over
+def _read_only(fd: int) -> bool:
+    return bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
+
+
+def _remount(parent: int, name: str, flags: int) -> None:
+    """Set a bind's flags (a bind takes none of its own) on the mount now at ``name`` in
+    ``parent``, reached again through its name: the new mount, not the one under it."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     try:
-        with places.pool_fd(pool_dir) as source:
-            _mount(str(as_path(source)), str(as_path(target)), MS_BIND | MS_REC)
+        _mount(None, str(as_path(fd)), MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | flags)
+    finally:
+        os.close(fd)
+
+
+def state(pool_dir: str | os.PathLike[str], parent: int, files: list[str]) -> str:
+    """``NONE`` when the pool directory is not bound at ``MOUNT_NAME`` in ``parent``,
+    ``COMPLETE`` when the whole tree is (read-only where it should be, each file read-write),
+    ``PARTIAL`` otherwise (a plugin killed while binding)."""
+    if file_id(parent) != _pool_id(pool_dir):
+        return NONE
+    try:
+        with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+            top = beneath.open_dir(parent, MOUNT_NAME)
+            try:
+                if not _read_only(top):
+                    return PARTIAL
+                with _dir(top, MOUNT_DIR) as mnt:
+                    if _id(mnt) != _id(pool_mnt) or not _read_only(mnt):
+                        return PARTIAL
+                    for name in files:
+                        fd, want = _opened(mnt, name), _opened(pool_mnt, name)
+                        try:
+                            if _id(fd) != _id(want) or _read_only(fd):
+                                return PARTIAL
+                        finally:
+                            os.close(fd)
+                            os.close(want)
+            finally:
+                os.close(top)
+    except (OSError, RegionError, beneath.WrongEntry):
+        return PARTIAL
+    return COMPLETE
+
+
+def _pool_id(pool_dir: str | os.PathLike[str]) -> tuple[int, int]:
+    with places.pool_fd(pool_dir) as fd:
+        return _id(fd)
+
+
+@contextmanager
+def _dir(dirfd: int, name: str) -> Iterator[int]:
+    fd = beneath.open_dir(dirfd, name)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def prepare_stage(stage: str) -> None:
+    """Make ``stage`` a fresh private tmpfs (what a plugin killed before left there detached,
+    with the pool mounts it held): a tree is built there, out of every peer group, before it is
+    bound at a target. At the plugin's start."""
+    os.makedirs(stage, mode=0o700, exist_ok=True)
+    path = os.fsencode(stage)
+    while _libc.umount2(path, MNT_DETACH | UMOUNT_NOFOLLOW) == 0:
+        pass
+    if _libc.mount(b"offloadpool-csi-stage", path, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0700") != 0:
+        err = ctypes.get_errno()
+        raise RegionError(f"mounting the plugin's staging tmpfs at {stage} failed: {os.strerror(err)}")
+    _mount(None, stage, MS_PRIVATE)
+
+
+def _bind_private(source: int, parent: int, name: str, flags: int) -> None:
+    """Bind ``source`` at ``name`` in ``parent``, take the new mount out of the source's peer
+    group (a pool's mount is shared: what is mounted beneath a peer would appear in the pool's
+    own mount), then set its flags (a bind takes none of its own)."""
+    target = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    try:
+        _mount(str(as_path(source)), str(as_path(target)), MS_BIND)
     finally:
         os.close(target)
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     try:
-        mounted = beneath.open_dir(parent, MOUNT_NAME)  # now the bind's root
+        _mount(None, str(as_path(fd)), MS_PRIVATE)
+    finally:
+        os.close(fd)
+    _remount(parent, name, flags)
+
+
+def bind(pool_dir: str | os.PathLike[str], parent: int, files: list[str], stage: str, name: str) -> None:
+    """Make the tree the module docstring shows at ``MOUNT_NAME`` in the directory ``parent``,
+    ``files`` the names in the pool's mount to bind read-write. Built first at ``name`` in the
+    private ``stage``, then bound whole (``MS_REC``) at the target in one mount(2), so the
+    target never holds half a tree and, the kubelet's directory being shared with the host,
+    the host gets the whole tree at once; the staged tree is then detached. Undone on failure."""
+    stage_fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        beneath.mkdir(stage_fd, name, 0o700)
         try:
-            _mount(None, str(as_path(mounted)), MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV)
+            with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+                _bind_private(pool, stage_fd, name, MS_RDONLY)
+                faults.reached(faults.STAGED)
+                with _dir(stage_fd, name) as top:
+                    _bind_private(pool_mnt, top, MOUNT_DIR, MS_RDONLY)
+                    with _dir(top, MOUNT_DIR) as mnt:
+                        for file in files:
+                            source = _opened(pool_mnt, file)
+                            try:
+                                os.close(_opened(mnt, file))  # a regular file there too
+                                _bind_private(source, mnt, file, 0)
+                            finally:
+                                os.close(source)
+            beneath.mkdir(parent, MOUNT_NAME, TARGET_MODE)
+            with _dir(stage_fd, name) as tree, _dir(parent, MOUNT_NAME) as target:
+                _mount(str(as_path(tree)), str(as_path(target)), MS_BIND | MS_REC)
+            faults.reached(faults.BOUND)
+        except BaseException:
+            unbind(parent)
+            raise
         finally:
-            os.close(mounted)
-    except BaseException:
-        unbind(parent)
-        raise
+            _libc.umount2(os.fsencode(as_path(stage_fd, name)), MNT_DETACH | UMOUNT_NOFOLLOW)
+            beneath.rmdir(stage_fd, name)
+    finally:
+        os.close(stage_fd)
 
 
 def unbind(parent: int) -> bool:
     """Detach the bind at ``MOUNT_NAME`` in ``parent`` with everything under it; False when
-    nothing is mounted there. Detached (``MNT_DETACH``), because the bind carries the pool's
-    own ``mnt`` mount beneath it and a plain unmount of the top refuses while it has a child;
-    the last component is never followed (``UMOUNT_NOFOLLOW``)."""
+    nothing is mounted there. Detached (``MNT_DETACH``): the tree's binds go with its top (a
+    plain unmount of the top refuses while it has a child); the last component is never
+    followed (``UMOUNT_NOFOLLOW``)."""
     path = os.fsencode(as_path(parent, MOUNT_NAME))
     if _libc.umount2(path, MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
         err = ctypes.get_errno()

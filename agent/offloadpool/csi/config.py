@@ -31,6 +31,10 @@ class CsiConfig:
     kubelet_dir: str = KUBELET_DIR
     """The kubelet's directory (its ``--root-dir``): every target path must be a CSI volume's
     ``mount`` below it, and its ``plugins_registry`` is where the kubelet looks for plugins."""
+    stage: str = "/run/offloadpool-csi/stage"
+    """A directory of the plugin's own (not shared with the host: in its container's file
+    system) where it mounts a private tmpfs at start and builds each volume's tree before
+    binding it at the target (``csi.bind``)."""
     registration: str = ""
     """The unix socket the plugin serves the kubelet's plugin registration on, where the
     kubelet's plugin watcher finds it and is told ``endpoint`` (served only once ``endpoint``
@@ -70,6 +74,9 @@ class CsiConfig:
             help=f"the kubelet's directory (default {cls.kubelet_dir})",
         )
         p.add_argument(
+            "--stage", default=cls.stage, help=f"the private staging directory (default {cls.stage})"
+        )
+        p.add_argument(
             "--registration-endpoint",
             default=cls.registration,
             help="the plugin-registration socket served"
@@ -82,4 +89,5 @@ class CsiConfig:
             root=a.root,
             kubelet_dir=a.kubelet_dir,
             registration=a.registration_endpoint,
+            stage=a.stage,
         )

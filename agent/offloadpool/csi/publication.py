@@ -1,9 +1,11 @@
 """Publish and unpublish: the access check, the hold (``region.published``) and the bind mount.
 
 Order, so that a plugin killed at any point leaves nothing the next call cannot settle:
-publish writes the holder's record before it mounts (a record without its mount is dropped by
-``rebuild`` or redone by the kubelet's retry; a mount is never without its record), and
-unpublish unmounts before it drops the record. Both run under the pool's lock
+publish zeroes the memory for a new holder when the pool's scrub policy says so
+(``scrub.before_new_holder``: a kill there leaves the scrub pending, the pool not Ready), then
+writes the holder's record, then mounts (a record without its whole tree is unmounted and
+dropped by ``rebuild``, or its tree redone by the kubelet's retry; a mount is never without
+its record); unpublish unmounts before it drops the record. Both run under the pool's lock
 (``places.lock``), which a release or a reshape also takes: a pool cannot be released between
 the publish's check that it is Ready and its record.
 """
@@ -15,14 +17,16 @@ import threading
 
 import grpc
 
-from offloadpool.csi import bind
+from offloadpool.csi import bind, faults
 from offloadpool.csi import target as targets
 from offloadpool.csi.config import CsiConfig
 from offloadpool.csi.refusal import Refused
 from offloadpool.csi.volume import Publish, Unpublish
-from offloadpool.region import beneath, places, published
+from offloadpool.region import beneath, places, published, scrub, vllm_compat
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
+from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.planner import plan as make_plan
 from offloadpool.region.status import pool_state
 from offloadpool.region.vocabulary import READY
 
@@ -48,6 +52,21 @@ def allowed_namespaces(pool_dir: os.PathLike[str] | str) -> frozenset[str] | Non
     return None if names is None else frozenset(str(names).split(","))
 
 
+def engine_files(pool_dir: os.PathLike[str] | str) -> list[str]:
+    """The names in the pool's mount an engine opens: each segment of the recorded plan, and
+    stock vLLM's name of each for a compat pool (the node's record, not the directory's
+    listing, says which)."""
+    rec = records.load(pool_dir)
+    if rec is None:
+        raise RegionError(f"{pool_dir} has no provisioning record")
+    req = rec.pool_request()
+    segments = make_plan(req).segments
+    names = [seg.file.removeprefix(f"{MOUNT_NAME}/") for seg in segments]
+    if req.compat_engine_id:
+        names += vllm_compat.file_names(req.compat_engine_id, len(segments))
+    return names
+
+
 def _record_of(req: Publish) -> published.Published:
     return published.Published(req.volume_id, req.pod_uid, req.pod_namespace, req.target.path)
 
@@ -69,11 +88,17 @@ def publish(config: CsiConfig, req: Publish) -> None:
         _no_conflict(config, req.pool, want)
         try:
             with targets.parent_fd(req.target) as parent:
+                files = engine_files(pool_dir)
+                scrub.before_new_holder(pool_dir, req.pod_uid, say=faults.reached)
                 published.save(pool_dir, want)
-                if targets.file_id(parent) == bind.pool_id(pool_dir):
+                faults.reached(faults.RECORDED)
+                found = bind.state(pool_dir, parent, files)
+                if found == bind.COMPLETE:
                     return  # bound already: the kubelet's retry
+                if found == bind.PARTIAL:
+                    bind.unbind(parent)  # a plugin killed while binding: made again whole
                 try:
-                    bind.bind(pool_dir, parent)
+                    bind.bind(pool_dir, parent, files, config.stage, req.volume_id)
                 except BaseException:
                     published.drop(pool_dir, want.volume_id)
                     raise
@@ -127,12 +152,14 @@ def unpublish(config: CsiConfig, req: Unpublish) -> None:
     with _serial:
         found = published.find(config.root, req.volume_id)
         if found is None or found[1].target_path != req.target.path:
+            _remove_empty_target(req)
             return
         pool_dir = places.pool_dir(config.root, found[0])
         with places.lock(pool_dir):
             try:
                 with targets.parent_fd(req.target) as parent:
                     bind.unbind(parent)
+                    faults.reached(faults.UNBOUND)
                     bind.remove_target(parent)
             except FileNotFoundError:
                 pass  # the kubelet removed the pod's directory: nothing is mounted there
@@ -143,10 +170,21 @@ def unpublish(config: CsiConfig, req: Unpublish) -> None:
             published.drop(pool_dir, req.volume_id)
 
 
+def _remove_empty_target(req: Unpublish) -> None:
+    """The target directory a plugin killed mid-unpublish left (empty, nothing mounted)."""
+    try:
+        with targets.parent_fd(req.target) as parent:
+            bind.remove_target(parent)
+    except (OSError, beneath.WrongEntry):
+        pass
+
+
 def rebuild(config: CsiConfig) -> list[published.Published]:
-    """At start: keep the records whose bind is still mounted at their target, drop the rest
-    (a plugin killed between its record and its mount, or a mount the node lost at a reboot).
-    The published volumes that hold their pools now."""
+    """At start: keep the records whose whole tree is still mounted at their target; unmount
+    a tree a plugin killed while binding left half made, and drop its record and the records
+    with no mount (a plugin killed between its record and its mount, a mount the node lost at
+    a reboot): the kubelet's retry publishes them again. The published volumes that hold
+    their pools now."""
     kept = []
     with _serial:
         for pool, pub in _all(config):
@@ -162,7 +200,11 @@ def rebuild(config: CsiConfig) -> list[published.Published]:
 def _bound(config: CsiConfig, pool_dir: os.PathLike[str] | str, pub: published.Published) -> bool:
     try:
         target = targets.parse(config.kubelet_dir, pub.target_path)
+        files = engine_files(pool_dir)
         with targets.parent_fd(target) as parent:
-            return targets.file_id(parent) == bind.pool_id(pool_dir)
-    except (ValueError, OSError, places.UnsafeEntry):
+            found = bind.state(pool_dir, parent, files)
+            if found == bind.PARTIAL:
+                bind.unbind(parent)
+            return found == bind.COMPLETE
+    except (ValueError, OSError, RegionError, beneath.WrongEntry):
         return False

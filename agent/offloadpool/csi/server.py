@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from types import FrameType
 
 import grpc
 
-from offloadpool.csi import publication
+from offloadpool.csi import bind, probe, publication
 from offloadpool.csi.config import CsiConfig
 from offloadpool.csi.identity import Identity
 from offloadpool.csi.node import Node
@@ -66,6 +67,7 @@ def _listen(server: grpc.Server, path: str) -> None:
 
 def serve(config: CsiConfig, *, workers: int = 4) -> Plugin:
     """The started plugin: CSI served, then registration."""
+    bind.prepare_stage(config.stage)
     kept = publication.rebuild(config)
     csi = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
     csi_pb2_grpc.add_IdentityServicer_to_server(Identity(), csi)
@@ -81,7 +83,11 @@ def serve(config: CsiConfig, *, workers: int = 4) -> Plugin:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = CsiConfig.from_args(argv)
+    """The plugin; ``probe`` first: the liveness probe (``csi.probe``) with the same flags."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["probe"]:
+        return probe.main(args[1:])
+    config = CsiConfig.from_args(args)
     plugin = serve(config)
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -84,10 +84,10 @@ def _take_lease(pool_dir: Path, timeout: float | None) -> Lease:
     while True:
         try:
             return Lease.shared(pool_dir, blocking=deadline is None)
-        except OSError as exc:  # EACCES/EROFS: the pod cannot open the lease read-write
+        except OSError as exc:  # ENOENT/EACCES: no lease, or the pod may not read it
             raise AttachError(
                 f"cannot take the pool lease {pool_dir / LEASE_NAME}: {exc.strerror}; the pod "
-                f"must mount the pool directory read-write and match the pool's uid/gid/mode "
+                f"must mount the pool directory and match the pool's uid/gid/mode "
                 f"(uid {os.getuid()}, gid {os.getgid()})"
             ) from None
         except LeaseHeld:

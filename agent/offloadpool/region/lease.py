@@ -47,10 +47,13 @@ class Lease:
     def _take(cls, pool_dir: str | os.PathLike[str], op: int, blocking: bool) -> Lease:
         path = lease_path(pool_dir)
         # the pool directory may be written by pods: the lease is opened only if it is a plain,
-        # singly linked file (beneath.WrongEntry otherwise), never through a link
+        # singly linked file (beneath.WrongEntry otherwise), never through a link. An engine
+        # opens it read-only (an flock needs no write access): a csi volume gives it read-only,
+        # and the node made it; the node side makes it when missing.
+        flags = os.O_RDWR | os.O_CREAT if op == fcntl.LOCK_EX else os.O_RDONLY
         dir_fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fd = beneath.open_file(dir_fd, LEASE_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = beneath.open_file(dir_fd, LEASE_NAME, flags, 0o666)
         finally:
             os.close(dir_fd)
         try:

@@ -14,6 +14,11 @@ the record and the request):
 * policy ``Always``: the region is handed out again after its holders left (every provision
   that reuses it with nothing attached; the agent provisions again when its count of attached
   engines drops to 0). With holders attached the tenancy goes on and nothing is zeroed.
+  A pool handed to pods through ``csi`` volumes is handed out at each publish: the CSI plugin
+  asks ``before_new_holder`` whether the pod is another than the one the memory was last
+  handed to (``HOLDER_KEY`` in the record's consumer, cleared when the memory is zeroed), and
+  under ``Always`` zeroes it then, if nothing holds the pool: the agent's next pass may come
+  after the next pod's publish.
 
 How: never under a holder (``holders.exclusive_unused``). The record says "scrub pending"
 *before* anything else happens, then the manifest (what engines attach by) is removed and the
@@ -53,7 +58,9 @@ from offloadpool.region.holders import PoolInUse, exclusive_unused
 from offloadpool.region.journal import Unit, units
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME
+from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import Plan
+from offloadpool.region.planner import plan as make_plan
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import NUMA_NONE, READY, SCRUB_ALWAYS, SCRUB_NEVER, SCRUBBING
 
@@ -66,6 +73,9 @@ METHOD_FOR = {"tmpfs": "memset", "hugetlbfs": "memset"}
 #: What identifies a consumer: who may open the files (uid, gid, mode), who gets the mount
 #: (namespaces), and which OffloadPool the memory belongs to (its uid).
 IDENTITY_FIELDS = ("uid", "gid", "mode", "namespaces", "pool_uid")
+#: The key of ``Record.consumer`` naming the pod the memory was last handed to through a
+#: ``csi`` volume (its uid) since it was last zero; absent: to no pod since then.
+HOLDER_KEY = "holder"
 
 
 @dataclass(frozen=True)
@@ -309,6 +319,8 @@ def _zero_withheld(
         stats = zero(pool_dir, plan, workers=req.workers, progress=progress, numa_policy=req.numa)
     except OSError as exc:
         raise RegionError(f"scrubbing pool {req.name} failed ({due.reason}): {exc}") from exc
+    if rec.consumer is not None:
+        rec.consumer.pop(HOLDER_KEY, None)  # zero memory: no pod's bytes in it any more
     rec.scrub = {
         "reason": due.reason,
         "seconds": stats.seconds,
@@ -385,3 +397,60 @@ def before_hand_out(
         _zero_withheld(pool_dir, plan, req, rec, due, progress, say)
     rec.scrub_pending = ""
     _handed_to(rec, req)
+
+
+def holder_due(rec: records.Record, req: PoolRequest, holder: str) -> Due | None:
+    """Whether handing the memory to the pod ``holder`` (its uid) needs it zeroed first.
+
+    ``Always`` only, and only when another pod had it since it was last zero: the same pod
+    published again (the kubelet's retry, a kubelet restart) is the same holder.
+    ``OnConsumerChange`` zeroes when the pool's consumers change (``scrub_needed``, at the
+    agent's provision): the pods of the namespaces a pool names are its one consumer, as
+    engines sharing a hostPath are. ``Never`` keeps the bytes."""
+    if req.scrub != SCRUB_ALWAYS:
+        return None
+    last = (rec.consumer or {}).get(HOLDER_KEY)
+    if last is None or last == holder:
+        return None
+    return Due(f"scrub Always: the pool is handed to pod {holder}, pod {last} had it before", owed=False)
+
+
+def before_new_holder(
+    pool_dir: Path, holder: str, say: PhaseCallback = lambda phase: None
+) -> ScrubStats | None:
+    """Publish's hook, before the pod ``holder`` gets the pool (the caller holds the pool's
+    lock and has checked it Ready): zero the memory when ``holder_due`` says so and nothing
+    holds the pool (with holders the tenancy goes on, as ``Always`` says), then note the pod
+    as the memory's holder. The figures of a scrub done, else None.
+
+    The same withholding as the agent's scrub, so a kill in the middle leaves the scrub
+    pending (the pool not Ready, no manifest, root-only files) for the agent's next provision
+    to finish; the manifest read before is written back once every byte is zero."""
+    rec = records.load(pool_dir)
+    if rec is None:
+        raise RegionError(f"{pool_dir} has no provisioning record")
+    req = rec.pool_request()
+    due = holder_due(rec, req, holder)
+    done = None
+    if due is not None:
+        try:
+            lease = exclusive_unused(pool_dir)
+        except LeaseHeld:
+            lease = None  # another holder: one tenancy, nothing is zeroed under it
+        if lease is not None:
+            try:
+                plan = make_plan(req)
+                manifest = load_manifest(pool_dir)
+                _zero_withheld(pool_dir, plan, req, rec, due, None, say)
+                layout_files.own_segments(pool_dir, plan, req)
+                manifest.write(pool_dir)  # before pending is cleared: a kill between redoes it
+                rec.scrub_pending = ""
+                done = ScrubStats(
+                    plan.total_bytes, rec.scrub["seconds"], rec.scrub["workers"], rec.scrub["method"]
+                )
+            finally:
+                lease.close()
+    if (rec.consumer or {}).get(HOLDER_KEY) != holder or done is not None:
+        rec.consumer = {**(rec.consumer or {}), HOLDER_KEY: holder}
+        records.save(pool_dir, rec)
+    return done
