@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from offloadpool.api.pods import CSI_POOL_ATTRIBUTE
 from offloadpool.csi import target as targets
 from offloadpool.csi.refusal import invalid
 from offloadpool.region.names import pool_name_error
 from offloadpool.region.published import volume_id_error
 
 #: the volume attribute naming the pool (``volumeAttributes: {pool: kv}``)
-POOL_ATTRIBUTE = "pool"
+POOL_ATTRIBUTE = CSI_POOL_ATTRIBUTE
 #: what the kubelet adds to the context of an inline ephemeral volume (``podInfoOnMount``)
 EPHEMERAL = "csi.storage.k8s.io/ephemeral"
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
