@@ -169,6 +169,7 @@ INVALID_POOLS: list[InvalidPool] = [
     ),
     InvalidPool("nodeselector-value-not-string", _s(nodeSelector={"gpu": 1}), "spec.nodeSelector.gpu"),
     InvalidPool("reclaim-policy-unknown", _s(reclaimPolicy="Keep"), "spec.reclaimPolicy"),
+    InvalidPool("delivery-unknown", _s(consumers={"delivery": "Csi"}), "spec.consumers.delivery"),
     InvalidPool(
         "engineid-path-traversal",
         _s(segments={"maxFiles": 1}, compat={"vllm": {"engineId": "../etc/passwd"}}),

@@ -86,6 +86,7 @@ class World:
             "csi.storage.k8s.io/ephemeral": "true",
             "csi.storage.k8s.io/pod.namespace": "team-a",
             "csi.storage.k8s.io/pod.uid": POD,
+            "csi.storage.k8s.io/pod.name": "engine-0",
         }
         ctx.update(over.pop("context", {}))
         for key in over.pop("drop_context", ()):
@@ -211,6 +212,7 @@ def refusals(w: World) -> dict[str, Any]:
         "no namespace": {"drop_context": ["csi.storage.k8s.io/pod.namespace"]},
         "bad namespace": {"context": {"csi.storage.k8s.io/pod.namespace": "../team-a"}},
         "no pod uid": {"drop_context": ["csi.storage.k8s.io/pod.uid"]},
+        "bad pod name": {"context": {"csi.storage.k8s.io/pod.name": "engine;\nreleased"}},
         "outside pods": {"target_path": f"{w.scratch}/elsewhere/mount"},
         "dotdot target": {
             "target_path": f"{w.kubelet}/pods/{POD}/volumes/kubernetes.io~csi/../../../../../elsewhere/mount"

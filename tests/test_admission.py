@@ -6,6 +6,7 @@ The same functions answer the real API server in tests/test_webhook.py."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -19,7 +20,9 @@ from offloadpool.api.pods import (
     pod_pool_dir,
     pool_volume_name,
 )
-from offloadpool.operator import admission
+from offloadpool.csi.config import DRIVER_NAME
+from offloadpool.csi.volume import POOL_ATTRIBUTE
+from offloadpool.operator import admission, hostguard
 from offloadpool.operator.admission import InjectionSettings, Refused
 
 SETTINGS = InjectionSettings(
@@ -353,3 +356,123 @@ def test_an_init_container_under_the_sidecars_name_that_is_not_the_sidecar_is_re
     own = pod(initContainers=[{"name": LEASE_SIDECAR_NAME, "image": "busybox", "restartPolicy": "Always"}])
     with pytest.raises(Refused, match="reserved for the lease sidecar"):
         admission.mutate(own, pool(), SETTINGS)
+
+
+# -- spec.consumers.delivery: CSI ------------------------------------------------------------
+def csi_pool(name: str = "kv", **spec: Any) -> dict[str, Any]:
+    consumers = {"delivery": "CSI", **spec.pop("consumers", {})}
+    return pool(name, consumers=consumers, **spec)
+
+
+CSI_VOLUME = {
+    "name": "offloadpool-kv",
+    "csi": {"driver": "offloadpool.io", "volumeAttributes": {"pool": "kv"}},
+}
+
+
+def test_csi_delivery_gives_an_inline_csi_volume_env_affinity_resource_and_no_sidecar() -> None:
+    """What the node plugin expects (its driver name, the pool in ``volumeAttributes``), the
+    same path and environment as HostPath, and nothing that needs a privilege: no hostPath, no
+    propagation, no sidecar (the published volume holds the pool); the pod's resource goes to
+    its first container."""
+    new = admission.mutate(pod(containers=2), csi_pool(), SETTINGS)
+    spec = new["spec"]
+    assert spec["volumes"] == [CSI_VOLUME]
+    assert not spec.get("initContainers")
+    for c in spec["containers"]:
+        assert c["volumeMounts"] == [{"name": "offloadpool-kv", "mountPath": "/offloadpool/kv"}]
+        assert env_of(c)[ENV_POOL_DIR] == "/offloadpool/kv"
+    resource = extended_resource_name("kv")
+    first, second = spec["containers"]
+    assert first["resources"] == {"requests": {resource: "1"}, "limits": {resource: "1"}}
+    assert "resources" not in second
+    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchExpressions"] == [
+        {"key": pool_label_key("kv"), "operator": "In", "values": ["ready"]}
+    ]
+    assert "hostPath" not in json.dumps(new) and "securityContext" not in json.dumps(new)
+
+
+def test_csi_volume_matches_what_the_node_plugin_reads() -> None:
+    """The driver and attribute the mutation writes are the plugin's own names."""
+    (volume,) = admission.volumes(csi_pool(), SETTINGS)
+    assert volume["csi"]["driver"] == DRIVER_NAME
+    assert volume["csi"]["volumeAttributes"] == {POOL_ATTRIBUTE: "kv"}
+
+
+def test_csi_delivery_mutating_its_own_output_changes_nothing() -> None:
+    once = admission.mutate(pod(containers=2), csi_pool(), SETTINGS)
+    assert admission.mutate(once, csi_pool(), SETTINGS) == once
+    assert admission.not_mutated(once, csi_pool(), SETTINGS) == []
+    assert admission.not_mutated(pod(), csi_pool(), SETTINGS) != []
+
+
+def test_csi_delivery_a_container_that_asks_for_the_pool_keeps_it_and_none_is_added() -> None:
+    resource = extended_resource_name("kv")
+    asking = pod(containers=2)
+    asking["spec"]["containers"][1]["resources"] = {"limits": {resource: "1"}}
+    new = admission.mutate(asking, csi_pool(), SETTINGS)
+    assert "resources" not in new["spec"]["containers"][0]
+    assert new["spec"]["containers"][1]["resources"] == {"limits": {resource: "1"}}
+
+
+def test_csi_delivery_of_a_compat_pool_mounts_vllms_files_from_the_volume() -> None:
+    p = csi_pool(
+        medium="MemoryTHP", segments={"maxFiles": 1}, compat={"vllm": {"engineId": "e1", "numSegments": 1}}
+    )
+    new = admission.mutate(pod(), p, SETTINGS)
+    assert new["spec"]["volumes"] == [CSI_VOLUME]
+    assert new["spec"]["containers"][0]["volumeMounts"] == [
+        {"name": "offloadpool-kv", "mountPath": "/offloadpool/kv"},
+        {
+            "name": "offloadpool-kv",
+            "mountPath": "/dev/shm/vllm_offload_e1.mmap",
+            "subPath": "mnt/vllm_offload_e1.mmap",
+        },
+    ]
+    assert admission.mutate(new, p, SETTINGS) == new
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        {"name": "offloadpool-kv", "hostPath": {"path": "/var/lib/offloadpool/kv", "type": "Directory"}},
+        {
+            "name": "offloadpool-kv",
+            "csi": {"driver": "offloadpool.io", "volumeAttributes": {"pool": "other"}},
+        },
+        {"name": "offloadpool-kv", "emptyDir": {}},
+    ],
+)
+def test_csi_delivery_a_volume_under_the_pools_name_that_is_not_ours_is_refused(own: dict[str, Any]) -> None:
+    with pytest.raises(Refused, match="volume 'offloadpool-kv' is reserved for the pool's directory"):
+        admission.mutate(pod(volumes=[own]), csi_pool(), SETTINGS)
+
+
+@pytest.mark.parametrize(
+    "mount",
+    [
+        {"mountPath": "/offloadpool/kv", "readOnly": True},
+        {"mountPath": "/elsewhere"},
+        {"mountPath": "/offloadpool/kv", "subPath": "mnt"},
+    ],
+)
+def test_csi_delivery_a_mount_of_the_pools_volume_other_than_the_webhooks_is_refused(
+    mount: dict[str, Any],
+) -> None:
+    changed = admission.mutate(pod(), csi_pool(), SETTINGS)
+    target = changed["spec"]["containers"][0]
+    target["volumeMounts"] = [{"name": "offloadpool-kv", **mount}]
+    with pytest.raises(Refused, match="mounts volume 'offloadpool-kv' differently from the webhook"):
+        admission.not_mutated(changed, csi_pool(), SETTINGS)
+
+
+def test_csi_delivery_the_guard_still_refuses_a_hand_written_hostpath_of_the_pool() -> None:
+    """A CSI pool's own volumes are no hostPath: a pod labelled for it that brings the pool
+    directory as a hostPath under another name is refused by the guard."""
+    p = csi_pool()
+    own = {"name": "mine", "hostPath": {"path": "/var/lib/offloadpool/kv"}}
+    mutated = admission.mutate(pod(volumes=[own]), p, SETTINGS)
+    why = hostguard.refusals(mutated, SETTINGS.host_root, "kv", admission.volumes(p, SETTINGS))
+    assert why and "volume 'mine'" in why[0]
+    assert hostguard.refusals(admission.mutate(pod(), p, SETTINGS), SETTINGS.host_root, "kv", []) == []

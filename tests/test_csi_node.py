@@ -58,6 +58,7 @@ def test_csi_publish_refuses_each_bad_field_before_touching_anything(tmp_path):
     assert "not under" in results["outside pods"]
     assert "not in the directory of pod" in results["other pod's dir"]
     assert "must be a DNS-1123 label" in results["pool .."]
+    assert "is not a pod name" in results["bad pod name"], results["bad pod name"]
 
 
 def test_csi_publish_binds_a_ready_pool_nosuid_nodev_and_holds_it(tmp_path):
@@ -78,14 +79,14 @@ def test_csi_publish_binds_a_ready_pool_nosuid_nodev_and_holds_it(tmp_path):
             "pod_uid": POD,
             "pod_namespace": "team-a",
             "target_path": mount["target"],
+            "pod_name": "engine-0",
         }
     ]
     assert r["again"] == "OK" and r["after_again"] == r["after_first"], "a repeated publish changed something"
     assert r["other_volume_same_target"].startswith("ALREADY_EXISTS"), r["other_volume_same_target"]
     assert r["count"] >= 1
-    assert (
-        r["release"].startswith("held: ") and "csi volume csi-0123456789abcdef of pod team-a/" in r["release"]
-    )
+    assert r["release"].startswith("held: ")
+    assert f"csi volume csi-0123456789abcdef of pod team-a/engine-0 (uid {POD})" in r["release"], r["release"]
     assert r["after_release"] == r["after_first"]
 
 

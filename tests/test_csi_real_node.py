@@ -6,7 +6,9 @@ for a pod's inline ``csi`` volume with the pod's own information, and the bind r
 pod's container through the kubelet's directory and the runtime. Only the real kubelet and
 containerd can say these hold. One release for the module (tests run in order): the plugin
 registers -> a pool's allowed namespace gets it, another does not -> the pod's deletion
-drops the holder and the mount.
+drops the holder and the mount -> a pod in a namespace enforcing Pod Security ``restricted``
+gets a CSI pool through the webhook, writes, and holds the pool against every release until
+it is deleted.
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ from fixtures.chart_node import (
     node_values,
     remove_release,
 )
+from fixtures.host import cli
 from fixtures.node import TOLERATION, RealNode
+from offloadpool.api.pods import ENV_POOL_DIR
 from offloadpool.csi.config import DRIVER_NAME, CsiConfig
+from offloadpool.region import manifest as manifests
 from offloadpool.region import published
 
 pytestmark = pytest.mark.node
 
 RELEASE = "csi"
+ENFORCE = "pod-security.kubernetes.io/enforce"
 PLUGIN_PODS = "app.kubernetes.io/name=offloadpool-csi"
 
 
@@ -49,6 +55,9 @@ class CsiE2E(ReleaseOnNode):
     other_ns: str
     pool: str
     config: CsiConfig
+    image: str = ""
+    restricted_ns: str = ""
+    restricted_pool: str = ""
     seen: dict[str, Any] = field(default_factory=dict)
 
     def diagnostics(self) -> str:
@@ -58,6 +67,7 @@ class CsiE2E(ReleaseOnNode):
                 cp.kubectl("get", "pods,daemonsets,events", "-n", self.ns, "-o", "wide", check=False).stdout,
                 cp.kubectl("get", "pods,events", "-n", self.allowed_ns, check=False).stdout,
                 cp.kubectl("get", "pods,events", "-n", self.other_ns, check=False).stdout,
+                cp.kubectl("get", "pods,events", "-n", self.restricted_ns, check=False).stdout,
                 cp.kubectl("get", "csinodes,offloadpools,offloadpoolnodes", "-o", "yaml", check=False).stdout,
                 cp.kubectl("logs", "-n", self.ns, "-l", PLUGIN_PODS, "--tail=40", check=False).stdout,
                 self.node.logs(3000),
@@ -73,9 +83,9 @@ class CsiE2E(ReleaseOnNode):
 
 @pytest.fixture(scope="module")
 def csi_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -> Iterator[CsiE2E]:
-    """helm install with the CSI plugin on (and the webhook off: nothing here needs it) on the
-    test node's kubelet directory; afterwards the pool, the release, the CSIDriver and the
-    namespaces are gone, whatever happened."""
+    """helm install with the CSI plugin and the webhook on, on the test node's kubelet
+    directory; afterwards the pools, the release, the CSIDriver and the namespaces are gone,
+    whatever happened."""
     image = import_offloadpool_image(real_node)
     suffix = uuid.uuid4().hex[:6]
     kubelet_dir = str(real_node.workdir / "kubelet")
@@ -87,11 +97,15 @@ def csi_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
         other_ns=f"csi-other-{suffix}",
         pool=f"csi-tmpfs-{suffix}",
         config=CsiConfig(node_id=real_node.name, kubelet_dir=kubelet_dir),
+        image=image,
+        restricted_ns=f"csi-restricted-{suffix}",
+        restricted_pool=f"csi-rs-{suffix}",
     )
     cp = real_node.control_plane
     try:
-        for ns in (e2e.allowed_ns, e2e.other_ns):
+        for ns in (e2e.allowed_ns, e2e.other_ns, e2e.restricted_ns):
             cp.kubectl("create", "namespace", ns)
+        cp.kubectl("label", "namespace", e2e.restricted_ns, f"{ENFORCE}=restricted")
         cp.helm(
             "install",
             RELEASE,
@@ -102,8 +116,6 @@ def csi_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
             "--take-ownership",
             *node_values(image),
             "--set",
-            "webhook.enabled=false",
-            "--set",
             "csi.enabled=true",
             "--set",
             f"csi.kubeletDir={kubelet_dir}",
@@ -113,7 +125,8 @@ def csi_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
         )
         yield e2e
     finally:
-        remove_release(cp, RELEASE, e2e.ns, [e2e.pool], real_node.name, [e2e.allowed_ns, e2e.other_ns])
+        consumers = [e2e.allowed_ns, e2e.other_ns, e2e.restricted_ns]
+        remove_release(cp, RELEASE, e2e.ns, [e2e.pool, e2e.restricted_pool], real_node.name, consumers)
         cp.kubectl("delete", "csidriver", DRIVER_NAME, "--ignore-not-found", check=False)
 
 
@@ -245,3 +258,189 @@ def test_csi_deleting_the_pod_drops_its_holder_and_mount(csi_e2e: CsiE2E) -> Non
     e2e.wait("the holder record gone", lambda: not e2e.holders(), 120)
     e2e.wait("the bind gone", lambda: seen["target"] not in host_mounts(), 60)
     assert (e2e.root / e2e.pool / "manifest.json").exists()
+
+
+# -- a restricted namespace, through the webhook ----------------------------------------------
+RESTRICTED_POOL_BYTES = 16 << 20
+#: what the engine in a restricted pod does: attach through the webhook's environment, write
+#: a token at both ends, detach (the published volume alone holds the pool from here), wait
+RESTRICTED_ENGINE = """
+import os, sys, time
+from offloadpool.pinning import attach
+token = sys.argv[1].encode()
+with attach(os.environ["ENV_POOL_DIR"], rank=0) as region:
+    view = region.memoryview()
+    view[: len(token)] = token
+    view[region.size - len(token) :] = token
+    view.release()
+    print(f"wrote {token.decode()} at both ends of {region.size} bytes as uid {os.getuid()}", flush=True)
+print("DETACHED", flush=True)
+time.sleep(3600)
+""".replace("ENV_POOL_DIR", ENV_POOL_DIR)
+#: what a container needs of itself to pass ``restricted``; the webhook adds nothing to it
+RESTRICTED_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _restricted_engine(e2e: CsiE2E, token: str) -> dict:
+    """The pod as a user writes it: the pool label and nothing else of offloadpool's."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "engine-0", "labels": {"offloadpool.io/pool": e2e.restricted_pool}},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "tolerations": [TOLERATION],
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": e2e.image,
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", RESTRICTED_ENGINE, token],
+                    "resources": {"limits": {"memory": "64Mi", "cpu": "100m"}},
+                    "securityContext": RESTRICTED_SECURITY,
+                }
+            ],
+        },
+    }
+
+
+def _host_bytes(pool_dir: Path, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of region 0, read on the host from its segment files."""
+    for seg in manifests.load(pool_dir).regions[0].segments:
+        if seg.offset <= offset and offset + length <= seg.offset + seg.bytes:
+            with open(pool_dir / seg.file, "rb") as fh:
+                fh.seek(offset - seg.offset)
+                return fh.read(length)
+    raise AssertionError(f"no segment of {pool_dir} holds bytes {offset}..{offset + length}")
+
+
+def test_csi_restricted_namespace_pod_gets_its_pool_through_the_webhook_and_writes(csi_e2e: CsiE2E) -> None:
+    """A CSI pool for a namespace enforcing ``restricted``: a pod carrying only the pool label
+    is admitted (the API server's Pod Security judged the webhook's mutation), stored with the
+    inline csi volume and no sidecar, runs as uid 1000 with no capability, attaches through
+    ``OFFLOADPOOL_POOL_DIR`` and writes; the host reads its bytes from the pool's files, and the
+    plugin's record names the pod."""
+    e2e, cp = csi_e2e, csi_e2e.cp
+    assert e2e.seen.get("registered"), "the plugin did not register (see the first test)"
+    pool, ns = e2e.restricted_pool, e2e.restricted_ns
+    body = {
+        "apiVersion": "offloadpool.io/v1alpha1",
+        "kind": "OffloadPool",
+        "metadata": {"name": pool},
+        "spec": {
+            "capacity": "16Mi",
+            "medium": "Memory",
+            "tolerations": [TOLERATION],
+            "consumers": {"namespaces": [ns], "uid": 1000, "gid": 1000, "delivery": "CSI"},
+        },
+    }
+    cp.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+    def pool_ready() -> dict | None:
+        status = (e2e.get("offloadpoolnodes", f"{pool}.{e2e.node.name}") or {}).get("status") or {}
+        return status if status.get("phase") == "Ready" else None
+
+    e2e.wait(f"OffloadPoolNode {pool}.{e2e.node.name} Ready", pool_ready, 180)
+    token = f"restricted-{uuid.uuid4().hex[:8]}"
+    manifest = json.dumps(_restricted_engine(e2e, token))
+
+    def admitted() -> str | None:
+        out = cp.kubectl("apply", "-n", ns, "-f", "-", input=manifest, check=False)
+        # until the operator serves and has written its caBundle, the call itself fails
+        if "failed calling webhook" in out.stderr:
+            return None
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    e2e.wait("the restricted pod admitted through the webhook", admitted, 180)
+    stored = e2e.pod(ns, "engine-0")
+    assert stored is not None
+    spec = stored["spec"]
+    assert spec["volumes"] == [
+        {"name": f"offloadpool-{pool}", "csi": {"driver": DRIVER_NAME, "volumeAttributes": {"pool": pool}}}
+    ], spec["volumes"]
+    assert not spec.get("initContainers"), "a CSI pod has no lease sidecar"
+    (engine,) = spec["containers"]
+    assert engine["securityContext"] == RESTRICTED_SECURITY, "the webhook changed the container's privileges"
+    assert {"name": f"offloadpool-{pool}", "mountPath": f"/offloadpool/{pool}"} in engine["volumeMounts"]
+
+    def wrote() -> str | None:
+        out = cp.kubectl("logs", "engine-0", "-n", ns, check=False)
+        return out.stdout if out.returncode == 0 and "DETACHED" in out.stdout else None
+
+    log = e2e.wait("the restricted engine wrote and detached", wrote, 180)
+    assert f"wrote {token} at both ends of {RESTRICTED_POOL_BYTES} bytes as uid 1000" in log, log
+    pool_dir = e2e.root / pool
+    raw = token.encode()
+    assert _host_bytes(pool_dir, 0, len(raw)) == raw
+    assert _host_bytes(pool_dir, RESTRICTED_POOL_BYTES - len(raw), len(raw)) == raw
+    pod = e2e.pod(ns, "engine-0")
+    assert pod is not None and pod["status"]["phase"] == "Running", pod and pod["status"]
+    uid = pod["metadata"]["uid"]
+    (holder,) = published.load_all(pool_dir)
+    assert (holder.pod_uid, holder.pod_namespace, holder.pod_name) == (uid, ns, "engine-0"), holder
+    assert holder.target_path in host_mounts()
+    named = f"pod {ns}/engine-0 (uid {uid})"
+    e2e.seen["restricted"] = {"uid": uid, "target": holder.target_path, "pod": named}
+
+
+def test_csi_restricted_pod_holds_its_pool_against_release_reshape_and_deletion(csi_e2e: CsiE2E) -> None:
+    """While the pod runs (its engine detached: the published volume alone holds the pool),
+    ``offloadpool release`` on the host, a reshaping spec change and the pool's deletion (the
+    agent's release and the pool's own wait) are refused or wait, each naming the pod; its
+    deletion unpublishes, the deletion completes, and nothing of the pool is left."""
+    e2e, cp = csi_e2e, csi_e2e.cp
+    seen = e2e.seen.get("restricted")
+    assert seen, "no restricted pod attached (see the test before)"
+    pool, ns, named = e2e.restricted_pool, e2e.restricted_ns, seen["pod"]
+    pool_dir = e2e.root / pool
+    node_object = f"{pool}.{e2e.node.name}"
+
+    out = cli("release", pool, "--root", str(e2e.root), check=False)
+    said = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 3 and named in said, said
+    assert (pool_dir / "manifest.json").exists() and "freed" not in out.stdout
+
+    cp.kubectl("patch", "offloadpool", pool, "--type=merge", "-p", '{"spec":{"capacity":"32Mi"}}')
+
+    def reshape_waits() -> dict | None:
+        status = (e2e.get("offloadpoolnodes", node_object) or {}).get("status") or {}
+        return status if status.get("reason") == "LeaseHeld" and status.get("pendingGeneration") else None
+
+    status = e2e.wait("the reshape waiting for the pod", reshape_waits, 120)
+    assert named in status["message"] and status["phase"] == "Ready", status
+    assert manifests.load(pool_dir).total_bytes == RESTRICTED_POOL_BYTES, "reshaped under the pod"
+
+    cp.kubectl("delete", "offloadpool", pool, "--wait=false")
+
+    def release_waits() -> dict | None:
+        status = (e2e.get("offloadpoolnodes", node_object) or {}).get("status") or {}
+        return status if status.get("phase") == "Draining" and status.get("reason") == "LeaseHeld" else None
+
+    status = e2e.wait("the agent's release waiting for the pod", release_waits, 120)
+    assert named in status["message"], status
+
+    def deletion_waits() -> dict | None:
+        conditions = ((e2e.get("offloadpool", pool) or {}).get("status") or {}).get("conditions") or []
+        waiting = [c for c in conditions if c.get("reason") == "WaitingForRelease"]
+        return waiting[0] if waiting and named in waiting[0]["message"] else None
+
+    e2e.wait("the pool's deletion waiting, naming the pod", deletion_waits, 120)
+    assert (pool_dir / "manifest.json").exists() and published.load_all(pool_dir)
+
+    cp.kubectl("delete", "pod", "engine-0", "-n", ns, "--grace-period=1", "--timeout=90s")
+    e2e.wait("the pool deleted", lambda: e2e.get("offloadpool", pool) is None, 180)
+    e2e.wait("the bind gone", lambda: seen["target"] not in host_mounts(), 60)
+    assert not pool_dir.exists(), list(pool_dir.iterdir())
+    assert not (e2e.root / ".state" / pool).exists()
+    assert not [m for m in host_mounts() if m.startswith(f"{pool_dir}/") or m == str(pool_dir)]
+    assert not [m for m in host_mounts() if seen["uid"] in m], "a mount of the pod is left"

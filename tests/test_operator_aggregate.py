@@ -127,6 +127,20 @@ def test_deleting_waits_for_unreleased_existing_nodes():
     assert agg.status["failingNodes"][0]["node"] == "b"
 
 
+def test_deleting_names_what_holds_the_memory_in_the_nodes_words():
+    """The node's message (a process, a CSI volume's pod) goes into the pool's wait, so the
+    pool's deletion names the pod that holds it."""
+    said = "release waits: pool held by 1 attached engine: csi volume csi-1 of pod team-a/engine-0 (uid u)"
+    b = PoolNodeReport(node="b", phase="Draining", reason="LeaseHeld", engines_attached=1, message=said)
+    views = {"b": b}
+    agg = aggregate(generation=1, selected=["b"], views=views, now=NOW, deleting=True, existing_nodes=["b"])
+    for ctype in ("Ready", "Progressing"):
+        message = conds(agg.status)[ctype]["message"]
+        assert "b (Draining: LeaseHeld, 1 engine(s) attached; release waits" in message, message
+        assert "of pod team-a/engine-0" in message and len(message) <= 1024, message
+    assert "of pod team-a/engine-0" in agg.status["failingNodes"][0]["message"]
+
+
 def test_events_on_transitions_only():
     views = {"a": ready("a"), "b": PoolNodeReport(node="b", phase="Populating")}
     s1 = aggregate(generation=1, selected=views, views=views, now=NOW).status

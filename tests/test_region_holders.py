@@ -9,6 +9,7 @@ host's unmount would not fail with EBUSY — only the /proc scan can see it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.host import cli, private_mounts_python
-from offloadpool.region import mounts
+from offloadpool.region import holders, mounts, places, published
 from offloadpool.region.holders import PoolInUse, find_holders
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.manifest import MANIFEST_NAME
@@ -225,3 +226,23 @@ def test_force_release_names_the_lockless_holder_it_breaks(region_root, processe
     assert "keep mapping memory that no pool accounts for" in result.warnings[0]
     assert not pool_dir.exists() and mounts.mounts_under(region_root) == []
     stop(engine)
+
+
+def test_csi_published_records_name_the_pod_and_older_records_still_count(tmp_path: Path) -> None:
+    """A published volume names its pod by namespace, name and uid in every wait message; a
+    record written without the pod's name (before it was kept) is still that holder, and one
+    with an unknown field is a holder that cannot be read, never nothing."""
+    pool_dir = places.pool_dir(tmp_path, "kv")
+    uid = "0f8e1c2a-1111-4222-8333-444455556666"
+    published.save(pool_dir, published.Published("csi-new", uid, "team-a", "/t/new", "engine-0"))
+    state = tmp_path / places.STATE_DIR_NAME / "kv" / published.DIR_NAME
+    old = {"volume_id": "csi-old", "pod_uid": uid, "pod_namespace": "team-b", "target_path": "/t/old"}
+    (state / "csi-old.json").write_text(json.dumps(old))
+    (state / "csi-odd.json").write_text(json.dumps({**old, "volume_id": "csi-odd", "extra": "x"}))
+    found = {p.volume_id: p for p in holders.csi_holders(pool_dir)}
+    assert found["csi-new"].describe() == f"csi volume csi-new of pod team-a/engine-0 (uid {uid})"
+    assert found["csi-old"] == published.Published("csi-old", uid, "team-b", "/t/old")
+    assert found["csi-old"].describe() == f"csi volume csi-old of pod team-b/{uid}"
+    assert found["csi-odd"].pod_uid == published.UNREADABLE
+    said = str(holders.PoolInUse(pool_dir, [], list(found.values())))
+    assert "held by 3 attached engines" in said and "team-a/engine-0" in said, said

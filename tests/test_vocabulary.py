@@ -36,6 +36,7 @@ ENGINE = sorted(
         *vocabulary.NUMA_POLICIES,
         *vocabulary.SCRUB_POLICIES,
         *vocabulary.RECLAIM_POLICIES,
+        *vocabulary.DELIVERIES,
         *vocabulary.NODE_PHASES,
         *vocabulary.STATE_PHASES,
     }

@@ -1,4 +1,4 @@
-"""Media, layouts, policies, node phases and page sizes, as the API models type them.
+"""Media, layouts, policies, deliveries, node phases and page sizes, as the API models type them.
 
 Every name is the engine's (``offloadpool.region.vocabulary``) and every page size too
 (``offloadpool.region.media``): the page size is the granule a pool's memory comes in on a
@@ -19,6 +19,7 @@ LayoutType = words.LayoutName
 NumaPolicy = words.NumaPolicyName
 ReclaimPolicy = words.ReclaimPolicyName
 ScrubPolicy = words.ScrubPolicyName
+Delivery = words.DeliveryName
 NodePhase = words.NodePhaseName
 
 MEDIA: tuple[str, ...] = words.MEDIA
@@ -27,6 +28,7 @@ NUMA_POLICIES: tuple[str, ...] = words.NUMA_POLICIES
 RECLAIM_POLICIES: tuple[str, ...] = words.RECLAIM_POLICIES
 NODE_PHASES: tuple[str, ...] = words.NODE_PHASES
 SCRUB_POLICIES: tuple[str, ...] = words.SCRUB_POLICIES
+DELIVERIES: tuple[str, ...] = words.DELIVERIES
 
 PAGE_SIZES: dict[str, int] = {name: spec.page_size for name, spec in engine_media.MEDIA.items()}
 

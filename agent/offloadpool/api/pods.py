@@ -41,6 +41,12 @@ ENV_SLOT_BYTES = "OFFLOADPOOL_SLOT_BYTES"
 ENV_CAPACITY_BYTES = "OFFLOADPOOL_CAPACITY_BYTES"
 ENV_VLLM_ENGINE_ID = "OFFLOADPOOL_VLLM_ENGINE_ID"
 
+#: The CSI node plugin's driver name: the CSIDriver object, the plugin's registration and every
+#: pod's inline ``csi`` volume say it (``spec.consumers.delivery: CSI``).
+CSI_DRIVER = GROUP
+#: The ``volumeAttributes`` key of an inline ``csi`` volume naming the pool (``{pool: kv}``).
+CSI_POOL_ATTRIBUTE = "pool"
+
 #: The native sidecar (an init container with ``restartPolicy: Always``) holding the lease.
 LEASE_SIDECAR_NAME = "offloadpool-lease"
 #: The sidecar writes this file once it holds the lease; its startup probe waits for it, so the
@@ -66,7 +72,7 @@ def pod_pool_dir(pool: str) -> str:
 
 
 def pool_volume_name(pool: str) -> str:
-    """``offloadpool-<pool>``: the hostPath volume of the pool directory (≤ 52 characters)."""
+    """``offloadpool-<pool>``: the volume of the pool directory, hostPath or csi (≤ 52 characters)."""
     return f"offloadpool-{pool}"
 
 

@@ -31,10 +31,25 @@ from offloadpool.region.request import (
 from offloadpool.region.request import (
     DEFAULT_MODE as DEFAULT_MODE_BITS,
 )
-from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK, RECLAIM_DELETE, REPLICATED
+from offloadpool.region.vocabulary import (
+    DELIVERY_HOST_PATH,
+    INTERLEAVED,
+    PER_RANK,
+    RECLAIM_DELETE,
+    REPLICATED,
+)
 
 from .base import Quantity, SpecModel
-from .media import LayoutType, Medium, NumaPolicy, ReclaimPolicy, ScrubPolicy, is_hugetlbfs, page_size
+from .media import (
+    Delivery,
+    LayoutType,
+    Medium,
+    NumaPolicy,
+    ReclaimPolicy,
+    ScrubPolicy,
+    is_hugetlbfs,
+    page_size,
+)
 from .quantity import format_quantity, parse_quantity
 
 # The defaults the node engine also applies are the engine's own constants (imported, never
@@ -46,6 +61,7 @@ DEFAULT_UID = 0
 DEFAULT_GID = 0
 DEFAULT_MODE = f"{DEFAULT_MODE_BITS:04o}"
 DEFAULT_RECLAIM: ReclaimPolicy = RECLAIM_DELETE
+DEFAULT_DELIVERY: Delivery = DELIVERY_HOST_PATH
 MAX_RANKS = 256
 MAX_PREFAULT_WORKERS = 256
 MAX_ID = 2**31 - 1
@@ -123,11 +139,21 @@ class ConsumersSpec(SpecModel):
     #: by the CRD: a stored default would appear in every existing pool at an upgrade, and the
     #: agents of the release before refuse a field they do not know.
     scrub: ScrubPolicy | None = None
+    #: How the admission webhook gives a labelled pod the pool: HostPath (a hostPath volume and a
+    #: lease sidecar) or CSI (an inline ``csi`` volume of the node plugin, no sidecar: the
+    #: publication holds the pool). None (unset) means ``DEFAULT_DELIVERY``, not stored by the
+    #: CRD, for the reason ``scrub`` is not.
+    delivery: Delivery | None = None
 
     @property
     def scrub_policy(self) -> str:
         """The policy in force: ``scrub``, or the default when unset."""
         return self.scrub or DEFAULT_SCRUB
+
+    @property
+    def delivery_mode(self) -> Delivery:
+        """The delivery in force: ``delivery``, or the default when unset."""
+        return self.delivery or DEFAULT_DELIVERY
 
     @field_validator("namespaces")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 
 import grpc
 
@@ -68,7 +69,7 @@ def engine_files(pool_dir: os.PathLike[str] | str) -> list[str]:
 
 
 def _record_of(req: Publish) -> published.Published:
-    return published.Published(req.volume_id, req.pod_uid, req.pod_namespace, req.target.path)
+    return published.Published(req.volume_id, req.pod_uid, req.pod_namespace, req.target.path, req.pod_name)
 
 
 def publish(config: CsiConfig, req: Publish) -> None:
@@ -116,7 +117,8 @@ def publish(config: CsiConfig, req: Publish) -> None:
 def _no_conflict(config: CsiConfig, pool: str, want: published.Published) -> None:
     """AlreadyExists when the volume is published otherwise, or the target holds another."""
     found = published.find(config.root, want.volume_id)
-    if found is not None and found != (pool, want):
+    # a record written without the pod's name (an older plugin) is the same publication
+    if found is not None and (found[0], replace(found[1], pod_name=want.pod_name)) != (pool, want):
         raise Refused(
             grpc.StatusCode.ALREADY_EXISTS,
             f"volume {want.volume_id} is published from pool {found[0]} at {found[1].target_path} "

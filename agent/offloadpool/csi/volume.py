@@ -8,20 +8,25 @@ written by whoever wrote the pod (past the webhook, too), so it is hostile input
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from offloadpool.api.pods import CSI_POOL_ATTRIBUTE
 from offloadpool.csi import target as targets
 from offloadpool.csi.refusal import invalid
 from offloadpool.region.names import pool_name_error
 from offloadpool.region.published import volume_id_error
 
 #: the volume attribute naming the pool (``volumeAttributes: {pool: kv}``)
-POOL_ATTRIBUTE = "pool"
+POOL_ATTRIBUTE = CSI_POOL_ATTRIBUTE
 #: what the kubelet adds to the context of an inline ephemeral volume (``podInfoOnMount``)
 EPHEMERAL = "csi.storage.k8s.io/ephemeral"
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
 POD_UID = "csi.storage.k8s.io/pod.uid"
+POD_NAME = "csi.storage.k8s.io/pod.name"
+#: a pod's name: a DNS subdomain (it is printed in every message naming the holder)
+POD_NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class Publish:
     pod_namespace: str
     pod_uid: str
     target: targets.Target
+    pod_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,14 @@ def publish_request(req: Any, kubelet_dir: str) -> Publish:
     pod_uid = ctx.get(POD_UID, "")
     if not targets.POD_UID_PATTERN.fullmatch(pod_uid):
         raise invalid(f"volume_context[{POD_UID!r}] {pod_uid!r} is not a pod uid")
+    pod_name = ctx.get(POD_NAME, "")
+    if pod_name and not POD_NAME_PATTERN.fullmatch(pod_name):
+        raise invalid(f"volume_context[{POD_NAME!r}] {pod_name!r} is not a pod name")
     target = _target(kubelet_dir, req.target_path)
     if target.pod_uid != pod_uid:
         raise invalid(f"target_path {req.target_path!r} is not in the directory of pod {pod_uid}")
     assert isinstance(pool, str)
-    return Publish(volume_id, pool, namespace, pod_uid, target)
+    return Publish(volume_id, pool, namespace, pod_uid, target, pod_name)
 
 
 def unpublish_request(req: Any, kubelet_dir: str) -> Unpublish:

@@ -37,8 +37,16 @@ class Published:
     pod_uid: str
     pod_namespace: str
     target_path: str
+    #: the pod's name as the kubelet gave it (``podInfoOnMount``); "" in a record written
+    #: without it, which still parses
+    pod_name: str = ""
 
     def describe(self) -> str:
+        """``csi volume csi-1a2b of pod team-a/engine-0 (uid 5f0c…)``: the pod by name, as
+        ``kubectl`` shows it, and by uid, which the name may be reused after."""
+        if self.pod_name:
+            pod = f"{self.pod_namespace}/{self.pod_name} (uid {self.pod_uid})"
+            return f"csi volume {self.volume_id} of pod {pod}"
         return f"csi volume {self.volume_id} of pod {self.pod_namespace}/{self.pod_uid}"
 
 
@@ -57,9 +65,10 @@ def _parse(data: bytes) -> Published | None:
     except (ValueError, UnicodeDecodeError):
         return None
     names = [f.name for f in fields(Published)]
-    if not isinstance(doc, dict) or sorted(doc) != sorted(names):
+    required = [n for n in names if n != "pod_name"]
+    if not isinstance(doc, dict) or sorted(doc) not in (sorted(names), sorted(required)):
         return None
-    if not all(isinstance(doc[n], str) for n in names) or volume_id_error(doc["volume_id"]):
+    if not all(isinstance(v, str) for v in doc.values()) or volume_id_error(doc["volume_id"]):
         return None
     return Published(**doc)
 

@@ -59,6 +59,16 @@ RECLAIM_RETAIN: Final = "Retain"
 ReclaimPolicyName = Literal["Delete", "Retain"]
 RECLAIM_POLICIES: Final[tuple[str, ...]] = get_args(ReclaimPolicyName)
 
+# -- delivery: how a pod is given its pool (what the admission webhook injects) ------------------
+#: a hostPath volume of the pool directory and a lease sidecar (the pod's namespace must allow
+#: hostPath volumes: Pod Security ``privileged``)
+DELIVERY_HOST_PATH: Final = "HostPath"
+#: an inline ``csi`` volume the node plugin publishes, the publication being the hold (allowed
+#: under Pod Security ``restricted``)
+DELIVERY_CSI: Final = "CSI"
+DeliveryName = Literal["HostPath", "CSI"]
+DELIVERIES: Final[tuple[str, ...]] = get_args(DeliveryName)
+
 # -- what a consumer's containers are told ----------------------------------------------------
 #: the environment variable naming the pool directory in a labelled pod's containers: the
 #: admission webhook sets it (``api.pods``), the engine side reads it (``vllm.geometry``)

@@ -20,6 +20,23 @@ A labelled pod gets:
   its ready file so the pod's containers start only once the lease is held; it carries the
   pod's 1 ``offloadpool.io/<pool>`` (request = limit), unless a container already asks for it.
 
+A pool whose ``spec.consumers.delivery`` is CSI gives instead, with the same environment and
+affinity:
+
+- the pool directory as an inline ``csi`` volume of the node plugin (driver ``offloadpool.io``,
+  ``volumeAttributes: {pool: <pool>}``) under the same name, mounted at the same path, and a
+  compat pool's region files as ``subPath`` mounts of that volume (``mnt/<file>``); no hostPath,
+  no propagation: the plugin's publication holds the pool, so nothing reshapes it under the pod;
+- no sidecar: the published volume is the pod's hold (``region.published``), from the kubelet's
+  publish to its unpublish; the pod's 1 ``offloadpool.io/<pool>`` goes to its first container
+  (request = limit), unless a container already asks for it.
+
+Nothing of that needs a privilege, a capability or a host namespace, so the mutated pod is
+admissible under Pod Security ``restricted`` whenever the user's own containers are. The
+webhook does not refuse a ``csi`` volume of the driver that a pod writes itself: the node
+plugin checks the pod's namespace against ``spec.consumers.namespaces`` at publish
+(docs/webhook.md).
+
 Idempotent by construction: everything is keyed by name and added only when absent (a volume,
 a mount, the sidecar, an affinity expression) or set only when different (an env value).
 Nothing present is rewritten, because the API server defaults fields of what the webhook added
@@ -38,7 +55,7 @@ sidecar exactly the sidecar (less the fields the API server defaults); anything 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +72,8 @@ from offloadpool.api.constants import (
 from offloadpool.api.pods import (
     ADMISSION_DISABLED,
     ADMISSION_NAMESPACE_LABEL,
+    CSI_DRIVER,
+    CSI_POOL_ATTRIBUTE,
     ENV_CAPACITY_BYTES,
     ENV_LAYOUT,
     ENV_MEDIUM,
@@ -74,6 +93,7 @@ from offloadpool.api.pods import (
     pool_volume_name,
 )
 from offloadpool.api.spec import OffloadPoolSpec
+from offloadpool.region.vocabulary import DELIVERY_CSI
 
 Pod = dict[str, Any]
 Pool = Mapping[str, Any]
@@ -174,9 +194,22 @@ def pool_env(pool: Pool) -> list[dict[str, Any]]:
     return out
 
 
+def csi_delivery(pool: Pool) -> bool:
+    """Whether the pool is given to pods by the CSI node plugin (``spec.consumers.delivery``)."""
+    return _spec(pool).consumers.delivery_mode == DELIVERY_CSI
+
+
 def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
-    """The hostPath volumes: the pool directory, and a compat pool's region file(s)."""
+    """The pool's volumes: for HostPath the pool directory and a compat pool's region file(s) as
+    hostPath volumes; for CSI one inline ``csi`` volume of the pool directory."""
     name = pool["metadata"]["name"]
+    if csi_delivery(pool):
+        return [
+            {
+                "name": pool_volume_name(name),
+                "csi": {"driver": CSI_DRIVER, "volumeAttributes": {CSI_POOL_ATTRIBUTE: name}},
+            }
+        ]
     root = settings.host_root.rstrip("/")
     out = [{"name": pool_volume_name(name), "hostPath": {"path": f"{root}/{name}", "type": "Directory"}}]
     for i, (host_rel, _) in enumerate(_compat(pool)):
@@ -190,8 +223,14 @@ def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
 
 
 def mounts(pool: Pool) -> list[dict[str, Any]]:
-    """The mounts every container gets (all following the host: HostToContainer)."""
+    """The mounts every container gets: for HostPath all following the host (HostToContainer);
+    for CSI the published volume, and a compat pool's files as ``subPath`` mounts of it."""
     name = pool["metadata"]["name"]
+    if csi_delivery(pool):
+        volume = pool_volume_name(name)
+        out = [{"name": volume, "mountPath": pod_pool_dir(name)}]
+        out += [{"name": volume, "mountPath": in_pod, "subPath": rel} for rel, in_pod in _compat(pool)]
+        return out
     out = [
         {
             "name": pool_volume_name(name),
@@ -265,8 +304,12 @@ def mutate(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings) -> P
 
     _require_ready_node(spec, pool_label_key(name))
 
-    inits = spec.setdefault("initContainers", [])
     resource = extended_resource_name(name)
+    if csi_delivery(pool):
+        _ask_in_first_container(spec, resource)
+        return new
+
+    inits = spec.setdefault("initContainers", [])
     others = [c for c in (spec.get("containers") or []) + inits if c.get("name") != LEASE_SIDECAR_NAME]
     asked = any(resource in ((c.get("resources") or {}).get("limits") or {}) for c in others)
     expected = sidecar(pool, settings, with_resource=not asked)
@@ -294,6 +337,21 @@ def not_mutated(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings)
 # -- helpers -----------------------------------------------------------------------------------
 def _spec(pool: Pool) -> OffloadPoolSpec:
     return OffloadPoolSpec.model_validate(pool.get("spec") or {})
+
+
+def _ask_in_first_container(spec: dict[str, Any], resource: str) -> None:
+    """The pod's 1 ``resource`` (request = limit) in its first container, unless a container or
+    init container already asks for it: a CSI pod has no sidecar to carry it."""
+    kinds = ("containers", "initContainers")
+    everyone = [c for kind in kinds for c in spec.get(kind) or []]
+    if any(resource in ((c.get("resources") or {}).get("limits") or {}) for c in everyone):
+        return
+    containers = spec.get("containers") or []
+    if not containers:
+        return  # the API server refuses a pod without containers anyway
+    resources = containers[0].setdefault("resources", {})
+    for part in ("requests", "limits"):
+        resources.setdefault(part, {})[resource] = "1"
 
 
 def _compat(pool: Pool) -> list[tuple[str, str]]:
@@ -365,27 +423,31 @@ def _describe(volume: Mapping[str, Any]) -> str:
     host = volume.get("hostPath")
     if isinstance(host, Mapping):
         return f"hostPath {host.get('path')!r}, type {host.get('type')!r}"
+    csi = volume.get("csi")
+    if isinstance(csi, Mapping):
+        return f"csi driver {csi.get('driver')!r}, volumeAttributes {csi.get('volumeAttributes')!r}"
     return ", ".join(kinds) or "no source"
 
 
-def _check_mounts(container: Mapping[str, Any], wanted: Iterable[dict[str, Any]]) -> None:
-    """Every mount of a reserved volume is exactly the mutation's (path, propagation, readOnly,
-    no subPath)."""
-    for mount in wanted:
-        for m in container.get("volumeMounts") or []:
-            if m.get("name") == mount["name"] and m != mount:
-                raise Refused(
-                    f"container {container.get('name')!r} mounts volume {mount['name']!r} "
-                    f"differently from the webhook ({m}); remove that mount and let the "
-                    f"{POD_POOL_LABEL} label provide it"
-                )
+def _check_mounts(container: Mapping[str, Any], wanted: Sequence[dict[str, Any]]) -> None:
+    """Every mount of a reserved volume is exactly one of the mutation's (path, propagation,
+    readOnly, subPath: a CSI volume is mounted once whole and once per compat file)."""
+    reserved = {mount["name"]: mount for mount in wanted}
+    for m in container.get("volumeMounts") or []:
+        mount = reserved.get(m.get("name"))
+        if mount is not None and m not in wanted:
+            raise Refused(
+                f"container {container.get('name')!r} mounts volume {mount['name']!r} "
+                f"differently from the webhook ({m}); remove that mount and let the "
+                f"{POD_POOL_LABEL} label provide it"
+            )
 
 
-def _add_mounts(container: dict[str, Any], wanted: Iterable[dict[str, Any]]) -> None:
+def _add_mounts(container: dict[str, Any], wanted: Sequence[dict[str, Any]]) -> None:
     _check_mounts(container, wanted)
     present = container.setdefault("volumeMounts", [])
     for mount in wanted:
-        if any(m.get("name") == mount["name"] for m in present):
+        if mount in present:
             continue
         clash = [m for m in present if m.get("mountPath") == mount["mountPath"]]
         if clash:

@@ -269,7 +269,9 @@ def _release_message(view: PoolNodeReport) -> str:
     phase = view.phase or "no status"
     detail = f": {view.reason}" if view.reason else ""
     engines = f", {view.engines_attached} engine(s) attached" if view.engines_attached else ""
-    return clip_message(f"{phase}{detail}{engines}")
+    # the node's own words name what holds the memory (a process, a CSI volume's pod)
+    said = f"; {view.message}" if view.message and view.reason else ""
+    return clip_message(f"{phase}{detail}{engines}{said}")
 
 
 def _phase(tally: _Tally, deleting: bool) -> str:
@@ -305,6 +307,7 @@ class _Conditions:
             message = f"deletion waits for {len(unreleased)} node(s) to release the memory: {waiting}" + (
                 f" and {more} more" if more > 0 else ""
             )
+            message = clip_message(message)
             return [
                 cond(READY, False, DELETING, message),
                 cond(PROGRESSING, True, WAITING_FOR_RELEASE, message),
