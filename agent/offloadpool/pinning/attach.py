@@ -34,6 +34,7 @@ from offloadpool.pinning.backends.base import PinBackend
 from offloadpool.pinning.errors import AttachError, PinError
 from offloadpool.pinning.pin import PinRange, PinStats, register_plan, unregister_all
 from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, plan_pin_ranges, split_at
+from offloadpool.region import numa_check
 from offloadpool.region.lease import Lease, LeaseHeld
 from offloadpool.region.manifest import LEASE_NAME, Manifest, Region, load
 from offloadpool.region.media import is_hugetlbfs
@@ -447,13 +448,22 @@ class Attachment:
 
 
 def attach(
-    pool_dir: str | os.PathLike[str], rank: int = 0, *, lease_timeout: float | None = DEFAULT_LEASE_TIMEOUT
+    pool_dir: str | os.PathLike[str],
+    rank: int = 0,
+    *,
+    lease_timeout: float | None = DEFAULT_LEASE_TIMEOUT,
+    gpu_numa_node: int | None = None,
 ) -> Attachment:
     """Map this rank's region of the pool at ``pool_dir`` and hold the pool's shared lease.
 
     Replicated: the one region. PerRank: region ``rank``. Interleaved: the one region, in
     which this rank's data is its slot of every row (see ``Attachment.row_geometry``).
     Raises ``ManifestError``/``AttachError`` (a subclass) before anything is mapped.
+
+    Once mapped, where the region's pages are is checked against the node's recorded
+    placement and ``gpu_numa_node`` (the NUMA node of this rank's GPU, e.g.
+    ``region.gpus.gpu_numa_node(bus_id)``; None: the nodes of the CPUs this process may run
+    on): a mismatch is logged as a warning, never refused (``region.numa_check``).
     """
     pool_dir = Path(pool_dir)
     _check_request(load(pool_dir), pool_dir, rank)  # clear errors before creating anything
@@ -472,4 +482,5 @@ def attach(
         )
         state = _State(base, region.bytes, fds, lease)
         undo.pop_all()
+    numa_check.check(manifest, region, base, gpu_node=gpu_numa_node)
     return Attachment(pool_dir, rank, manifest, region, state)
