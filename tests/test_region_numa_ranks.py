@@ -142,6 +142,8 @@ def test_gpus_are_the_nvidia_display_functions_in_bus_order(tmp_path):
         ("0001:0a:00.0", None),
     ]
     assert gpus.gpu_numa_node("0000:CB:00.0", tmp_path) == 1  # as CUDA spells it
+    assert gpus.gpu_numa_node(gpus.pci_address(0, 0xCB, 0), tmp_path) == 1  # torch's numbers
+    assert gpus.pci_address(1, 0x0A, 0) == "0001:0a:00.0"
     assert gpus.gpu_numa_node("00000000:db:00.0", tmp_path) == 1  # nvidia-smi's 8-digit domain
     assert gpus.gpu_numa_node("0000:1b:00.1", tmp_path) is None  # not a GPU
     assert gpus.node_gpus(tmp_path / "absent") == []
@@ -327,3 +329,6 @@ def test_a_process_on_other_cpus_than_its_placed_region_is_warned():
     assert numa_check.mismatches("r", [1], on_one, cpus_on={0, 1}) == []  # may run by it
     assert numa_check.mismatches("r", [], on_one, cpus_on={0}) == []  # no placement was promised
     assert numa_check.mismatches("r", [1], on_one, gpu_node=1, cpus_on={0}) == []  # its GPU is by it
+    spread = Counter({0: 32, 1: 32})
+    assert numa_check.mismatches("r", [0, 1], spread, gpu_node=1) == []  # Interleave: spread on purpose
+    assert len(numa_check.mismatches("r", [], spread, gpu_node=1)) == 1  # left to the kernel: told

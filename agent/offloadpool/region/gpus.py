@@ -68,6 +68,13 @@ def node_gpus(sysfs: str | Path = SYSFS) -> list[Gpu]:
     return [gpu for _key, gpu in sorted(found, key=lambda item: item[0])]
 
 
+def pci_address(domain: int, bus: int, device: int, function: int = 0) -> str:
+    """The sysfs name of a PCI function, from the numbers CUDA reports for a device (torch:
+    ``p = torch.cuda.get_device_properties(i)``; ``pci_address(p.pci_domain_id, p.pci_bus_id,
+    p.pci_device_id)``): the device the engine really uses, whatever the pod's renumbering."""
+    return f"{domain:04x}:{bus:02x}:{device:02x}.{function}"
+
+
 def gpu_numa_node(bus_id: str, sysfs: str | Path = SYSFS) -> int | None:
     """The NUMA node of the PCI device ``bus_id`` (as CUDA or torch report it, any case, with a
     4- or 8-digit domain), or None when sysfs gives none. For an engine's own GPU check."""

@@ -120,9 +120,10 @@ def mismatches(
     """What is wrong with a region's placement, one sentence each (empty: nothing).
 
     ``recorded`` the node's placement, ``actual`` the sampled pages per node, ``gpu_node`` the
-    node of the caller's GPU (when it says), ``cpus_on`` the nodes its CPUs may run on (judged
-    only when no GPU is given and the pool was placed on purpose: an unpinned process may run
-    anywhere, and a pool left to the kernel made no promise)."""
+    node of the caller's GPU (when it says; not judged for a region spread over several nodes
+    on purpose, ``Interleave``), ``cpus_on`` the nodes its CPUs may run on (judged only when no
+    GPU is given and the pool was placed on purpose: an unpinned process may run anywhere, and
+    a pool left to the kernel made no promise)."""
     found: list[str] = []
     if recorded and not set(actual) <= set(recorded):
         found.append(
@@ -130,7 +131,7 @@ def mismatches(
             f"placement did not hold; the node re-provisions it when its shape changes"
         )
     if gpu_node is not None:
-        if set(actual) != {gpu_node}:
+        if set(actual) != {gpu_node} and not (recorded and len(recorded) > 1):  # interleaved by choice
             found.append(
                 f"{what} is not local to this process's GPU (NUMA node {gpu_node}): {_where(actual)}; "
                 f"copies cross the socket link. A pool placed by its GPUs (numa: GPU) follows the "
