@@ -121,6 +121,23 @@ INVALID_POOLS: list[InvalidPool] = [
     InvalidPool("prefault-workers-257", _s(prefault={"workers": 257}), "spec.prefault.workers"),
     InvalidPool("prefault-workers-negative", _s(prefault={"workers": -1}), "spec.prefault.workers"),
     InvalidPool("prefault-numa-unknown", _s(prefault={"numa": "Local"}), "spec.prefault.numa"),
+    InvalidPool(
+        "numa-nodes-wrong-length",
+        _perrank(4, capacity="64Mi", prefault={"numaNodes": [0, 0, 1]}),
+        "spec.prefault.numaNodes",
+    ),
+    InvalidPool("numa-nodes-not-perrank", _s(prefault={"numaNodes": [0]}), "spec.prefault.numaNodes"),
+    InvalidPool(
+        "numa-nodes-negative", _perrank(2, prefault={"numaNodes": [0, -1]}), "spec.prefault.numaNodes[1]"
+    ),
+    InvalidPool(
+        "numa-nodes-beyond-1023", _perrank(2, prefault={"numaNodes": [0, 1024]}), "spec.prefault.numaNodes[1]"
+    ),
+    InvalidPool(
+        "numa-nodes-with-policy",
+        _perrank(2, prefault={"numa": "GPU", "numaNodes": [0, 1]}),
+        "spec.prefault.numaNodes",
+    ),
     InvalidPool("unknown-spec-field", _s(sizeGiB=64), "spec.sizeGiB"),
     InvalidPool("unknown-layout-field", _s(layout={"type": "Replicated", "stride": 4}), "spec.layout.stride"),
     InvalidPool("name-too-long", _s(), "metadata.name", name="p" * 41),

@@ -121,6 +121,7 @@ def test_defaults_fill_an_empty_spec() -> None:
         "segments": {"maxFiles": 32, "minSize": "1Gi"},
         "prefault": {"workers": 0, "numa": "None"},
         "consumers": {"uid": 0, "gid": 0, "mode": "0660"},
+        "partitions": 1,
         "reclaimPolicy": "Delete",
     }
     assert spec.layout.rank_count == 1

@@ -105,6 +105,7 @@ def test_node_status_written_from_the_models_round_trips(cr_objects: CustomObjec
         populate_gib_per_second=7.8,
         huge_page_coverage=100.0,
         numa_nodes=[0, 1],
+        numa_placement=[[0], [0], [1], []],
         engines_attached=2,
         agent_version="0.1.0",
         heartbeat=now(),

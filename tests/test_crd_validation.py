@@ -100,8 +100,20 @@ def test_enough_distinct_invalid_pools() -> None:
         {"capacity": 67108864},
         {"capacity": "128Mi", "medium": "MemoryTHP", "layout": {"type": "PerRank", "ranks": 2}},
         {"capacity": "64Mi", "medium": "Memory", "segments": {"maxFiles": 4}, "prefault": {"numa": "Spread"}},
+        {
+            "capacity": "64Mi",
+            "medium": "Memory",
+            "layout": {"type": "PerRank", "ranks": 4},
+            "prefault": {"numaNodes": [0, 0, 1, 1]},
+        },
+        {
+            "capacity": "64Mi",
+            "medium": "Memory",
+            "layout": {"type": "PerRank", "ranks": 2},
+            "prefault": {"numa": "GPU"},
+        },
     ],
-    ids=["memory", "integer-capacity", "perrank", "partial-objects"],
+    ids=["memory", "integer-capacity", "perrank", "partial-objects", "numa-nodes", "numa-gpu"],
 )
 def test_defaults_are_applied_by_the_api_server(spec: dict[str, Any], cr_objects: CustomObjects) -> None:
     created = cr_objects.create(

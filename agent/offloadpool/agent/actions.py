@@ -182,7 +182,8 @@ class NodeActions:
                 message += f"; {result.skipped_bytes} bytes were already populated by an interrupted run"
             if result.rebuilt:
                 message += "; the previous region was torn down first"
-        numa_nodes = sorted({n for region in (m.extra or {}).get("numa_nodes") or [] for n in region})
+        placement = (m.extra or {}).get("numa_nodes") or []  # per region, as the node recorded it
+        numa_nodes = sorted({n for region in placement for n in region})
         self._phase(
             READY,
             reason="Reused" if result.reused else ("Resumed" if result.skipped_bytes else "Populated"),
@@ -197,6 +198,7 @@ class NodeActions:
             else self.status.current.populate_gib_per_second,
             huge_page_coverage=float(result.hugepage_coverage_percent),
             numa_nodes=numa_nodes or None,
+            numa_placement=placement if numa_nodes else None,
             engines_attached=self.region.engines_attached(),
         )
         self._event("Normal", READY, self.status.current.message or "region Ready")

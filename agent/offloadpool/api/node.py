@@ -11,13 +11,14 @@ subresource.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from .base import SpecModel, StatusModel, Timestamp
 from .constants import API_VERSION, NODE_KIND, POOL_KIND, POOL_NAME_LABEL, node_object_name
 from .media import NodePhase
+from .spec import MAX_NUMA_NODE, MAX_RANKS
 
 
 class OffloadPoolNodeSpec(SpecModel):
@@ -40,6 +41,10 @@ class OffloadPoolNodeStatus(StatusModel):
     populate_gib_per_second: float | None = Field(default=None, ge=0, alias="populateGiBPerSecond")
     huge_page_coverage: float | None = Field(default=None, ge=0, le=100)
     numa_nodes: list[int] | None = None
+    #: Per region (PerRank: per rank), the NUMA nodes its pages are bound to ([]: kernel default).
+    numa_placement: list[list[Annotated[int, Field(ge=0, le=MAX_NUMA_NODE)]]] | None = Field(
+        default=None, max_length=MAX_RANKS
+    )
     engines_attached: int | None = Field(default=None, ge=0)
     #: Compat pools: a process given the pool maps a vLLM region of its own (another engine id).
     engine_id_mismatch: str | None = Field(default=None, max_length=4096)

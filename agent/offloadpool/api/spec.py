@@ -11,11 +11,11 @@ API server rejects through these models too.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from offloadpool.region import vllm_compat
+from offloadpool.region import numa, vllm_compat
 from offloadpool.region.request import (
     DEFAULT_LAYOUT,
     DEFAULT_MAX_FILES,
@@ -34,6 +34,7 @@ from offloadpool.region.request import (
 from offloadpool.region.vocabulary import (
     DELIVERY_HOST_PATH,
     INTERLEAVED,
+    NUMA_NONE,
     PER_RANK,
     RECLAIM_DELETE,
     REPLICATED,
@@ -65,6 +66,7 @@ DEFAULT_DELIVERY: Delivery = DELIVERY_HOST_PATH
 MAX_RANKS = 256
 MAX_PREFAULT_WORKERS = 256
 MAX_ID = 2**31 - 1
+MAX_NUMA_NODE = numa.MAX_NODE
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
@@ -104,6 +106,23 @@ class PrefaultSpec(SpecModel):
 
     workers: int = Field(default=DEFAULT_PREFAULT_WORKERS, ge=0, le=MAX_PREFAULT_WORKERS)
     numa: NumaPolicy = DEFAULT_NUMA
+    #: PerRank only: rank r's region on NUMA node ``numa_nodes[r]`` (one entry per rank); whether
+    #: each node exists is the node's to say (``offloadpool.region.numa``).
+    numa_nodes: list[Annotated[int, Field(ge=0, le=MAX_NUMA_NODE)]] | None = Field(
+        default=None, max_length=MAX_RANKS
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> PrefaultSpec:
+        if self.numa_nodes is not None and self.numa != NUMA_NONE:
+            raise ValueError(
+                "spec.prefault.numaNodes is itself the placement: leave spec.prefault.numa None (its default)"
+            )
+        return self
+
+    def numa_policy(self) -> str:
+        """The engine's policy text: ``numa``, or one node per region from ``numaNodes``."""
+        return self.numa if self.numa_nodes is None else numa.per_rank_policy(self.numa_nodes)
 
 
 class Toleration(SpecModel):
@@ -252,6 +271,15 @@ class OffloadPoolSpec(SpecModel):
             raise ValueError(
                 f"spec.segments.minSize ({self.segments.min_size}) must be at least one page of "
                 f"spec.medium {self.medium} ({page} bytes)"
+            )
+        nodes = self.prefault.numa_nodes
+        if nodes is not None and (
+            self.layout.type != PER_RANK or len(nodes) != (self.layout.ranks or 1) * self.partitions
+        ):
+            raise ValueError(
+                "spec.prefault.numaNodes lists one NUMA node per region: it needs spec.layout.type "
+                "PerRank and exactly spec.layout.ranks entries per share (spec.layout.ranks x "
+                "spec.partitions, share by share)"
             )
         if self.compat is not None and self.compat.vllm is not None:
             vllm = self.compat.vllm

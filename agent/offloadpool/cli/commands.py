@@ -28,6 +28,7 @@ POOL_FLAGS = (
     "min_size",
     "workers",
     "numa",
+    "numa_nodes",
     "uid",
     "gid",
     "mode",

@@ -22,6 +22,14 @@ import sys
 EXIT_ERROR, EXIT_USAGE, EXIT_HELD = 1, 2, 3
 
 
+def _node_list(text: str) -> list[int]:
+    """``0,0,1,1`` as a list of node numbers (their range is the spec's to check)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of NUMA nodes") from None
+
+
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     from offloadpool.api.media import LAYOUTS, MEDIA, SCRUB_POLICIES
 
@@ -35,7 +43,12 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-files", type=int)
     g.add_argument("--min-size", help="smallest segment file, e.g. 1Gi")
     g.add_argument("--workers", type=int, help="pre-fault threads (0 = cores available)")
-    g.add_argument("--numa", help="None, Interleave, Spread")
+    g.add_argument("--numa", help="None, Interleave, Spread, GPU")
+    g.add_argument(
+        "--numa-nodes",
+        type=_node_list,
+        help="PerRank: the NUMA node of each rank's region, e.g. 0,0,1,1 (spec.prefault.numaNodes)",
+    )
     g.add_argument("--uid", type=int)
     g.add_argument("--gid", type=int)
     g.add_argument("--mode", help='file mode, e.g. "0660"')

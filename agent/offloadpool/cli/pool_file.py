@@ -49,6 +49,7 @@ def pool_from_flags(base: dict[str, Any] | None, **flags: Any) -> OffloadPool:
         ("min_size", "segments", "minSize"),
         ("workers", "prefault", "workers"),
         ("numa", "prefault", "numa"),
+        ("numa_nodes", "prefault", "numaNodes"),
         ("uid", "consumers", "uid"),
         ("gid", "consumers", "gid"),
         ("mode", "consumers", "mode"),

@@ -70,6 +70,16 @@ def populate_bar(console: Console, label: str) -> Iterator[tuple]:
         yield progress, phase
 
 
+def placement(per_region: object) -> str:
+    """Where each region's pages are bound, region by region: ``r0:0 r1:0 r2:1 r3:1`` (``-``:
+    the kernel's default everywhere; ``*`` for a region left to it among placed ones)."""
+    if not isinstance(per_region, list | tuple) or not any(per_region):
+        return "-"
+    return " ".join(
+        f"r{i}:{','.join(str(n) for n in nodes) if nodes else '*'}" for i, nodes in enumerate(per_region)
+    )
+
+
 def summary(result: ProvisionResult, node: str | None = None) -> Table:
     m = result.manifest
     table = Table(title=f"pool {m.pool}" + (f" on node {node}" if node else ""), show_header=False)
@@ -91,6 +101,7 @@ def summary(result: ProvisionResult, node: str | None = None) -> Table:
         ("wall time", f"{result.seconds:.3f} s"),
         ("huge page coverage", f"{result.hugepage_coverage_percent:.1f} %"),
         ("huge pages reserved", str(result.hugepages_added) if result.hugepages_added else "-"),
+        ("NUMA placement", placement(m.extra.get("numa_nodes"))),
         ("pool directory", str(result.pool_dir)),
     ]
     if m.compat_file:
@@ -102,7 +113,7 @@ def summary(result: ProvisionResult, node: str | None = None) -> Table:
 
 def status_table(states: list[PoolState]) -> Table:
     table = Table(title="offloadpool pools on this node")
-    for col in ("pool", "phase", "medium", "size", "done", "huge", "engines"):
+    for col in ("pool", "phase", "medium", "size", "done", "huge", "numa", "engines"):
         table.add_column(col, no_wrap=True)
     table.add_column("message")
     for s in states:
@@ -113,6 +124,7 @@ def status_table(states: list[PoolState]) -> Table:
             gib(s.total_bytes),
             f"{100 * s.progress:.0f}%",
             f"{s.hugepage_coverage_percent:.0f}%",
+            placement(s.numa_nodes),
             str(s.engines_attached),
             s.message,
         )

@@ -40,7 +40,7 @@ from offloadpool.pinning.backends.base import PinBackend
 from offloadpool.pinning.errors import AttachError, PinError
 from offloadpool.pinning.pin import PinRange, PinStats, register_plan, unregister_all
 from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, plan_pin_ranges, split_at
-from offloadpool.region import shares
+from offloadpool.region import numa_check, shares
 from offloadpool.region.lease import Lease, LeaseHeld
 from offloadpool.region.manifest import LEASE_NAME, Manifest, Region, load
 from offloadpool.region.media import is_hugetlbfs
@@ -467,6 +467,7 @@ def attach(
     *,
     lease_timeout: float | None = DEFAULT_LEASE_TIMEOUT,
     owner: str | None = None,
+    gpu_numa_node: int | None = None,
 ) -> Attachment:
     """Map this rank's region of the pool at ``pool_dir`` and hold the pool's shared lease.
 
@@ -476,17 +477,27 @@ def attach(
     the engine (every worker of one engine must give the same; default
     ``offloadpool.region.shares.default_owner()``, the pod).
     Raises ``ManifestError``/``AttachError`` (a subclass) before anything is mapped.
+
+    Once mapped, where the region's pages are is checked against the node's recorded
+    placement and ``gpu_numa_node`` (the NUMA node of this rank's GPU, e.g.
+    ``region.gpus.gpu_numa_node(bus_id)``; None: the nodes of the CPUs this process may run
+    on): a mismatch is logged as a warning, never refused (``region.numa_check``).
     """
     pool_dir = Path(pool_dir)
     head = load(pool_dir)
     _check_request(head, pool_dir, rank)  # clear errors before creating anything
     if head.shares > 1 or head.share is not None:
-        return _attach_share(pool_dir, head, rank, lease_timeout, owner)
-    return _attach(pool_dir, rank, lease_timeout)
+        return _attach_share(pool_dir, head, rank, lease_timeout, owner, gpu_numa_node)
+    return _attach(pool_dir, rank, lease_timeout, gpu_numa_node)
 
 
 def _attach_share(
-    pool_dir: Path, head: Manifest, rank: int, lease_timeout: float | None, owner: str | None
+    pool_dir: Path,
+    head: Manifest,
+    rank: int,
+    lease_timeout: float | None,
+    owner: str | None,
+    gpu_numa_node: int | None,
 ) -> Attachment:
     """Take the pool's lease, claim a share (``head.share`` when a share was named), attach it."""
     pool = pool_dir if head.share is None else shares.pool_of(pool_dir)
@@ -506,14 +517,14 @@ def _attach_share(
         except (OSError, ValueError) as exc:  # a share's name missing or of the wrong kind
             raise AttachError(f"cannot claim a share of pool {now.pool!r} at {pool}: {exc}") from None
         undo.callback(claim.close)
-        attachment = _attach(claim.dir, rank, lease_timeout)
+        attachment = _attach(claim.dir, rank, lease_timeout, gpu_numa_node)
         attachment._state.also += [claim, pool_lease]
         attachment.share = claim.index
         undo.pop_all()
     return attachment
 
 
-def _attach(pool_dir: Path, rank: int, lease_timeout: float | None) -> Attachment:
+def _attach(pool_dir: Path, rank: int, lease_timeout: float | None, gpu_numa_node: int | None) -> Attachment:
     """Attach the pool (or share) directory ``pool_dir``, whose request was checked."""
     with contextlib.ExitStack() as undo:
         lease = _take_lease(pool_dir, lease_timeout)
@@ -530,4 +541,5 @@ def _attach(pool_dir: Path, rank: int, lease_timeout: float | None) -> Attachmen
         )
         state = _State(base, region.bytes, fds, lease)
         undo.pop_all()
+    numa_check.check(manifest, region, base, gpu_node=gpu_numa_node)
     return Attachment(pool_dir, rank, manifest, region, state)

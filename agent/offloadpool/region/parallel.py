@@ -175,6 +175,7 @@ def map_segments(
     """Open and map every segment, bound to its region's NUMA placement; each fd and mapping is
     appended as soon as it exists, so the caller's cleanup releases what a failure left."""
     region_of = [r.index for r in plan.regions for _ in r.segments]
+    policy = numa.resolve(policy, len(plan.regions))  # GPU: the node's GPUs read once
     with places.pool_fd(pool_dir) as pool_fd:
         for i, seg in enumerate(plan.segments):
             _map_one(pool_dir, pool_fd, seg, fds, maps)

@@ -137,7 +137,8 @@ def _manifest(req: PoolRequest, plan: Plan, compat: str | None, rec: records.Rec
         compat_file=compat,
         extra={
             "fingerprint": req.fingerprint(),
-            "numa_nodes": rec.numa_nodes,
+            "numa_nodes": rec.numa_nodes,  # per region: where the engine's check expects its pages
+            "numa_policy": req.numa,
             "hugepage_coverage_percent": rec.hugepage_coverage_percent,
         },
     )

@@ -25,6 +25,7 @@ from offloadpool.region.vocabulary import (
     LAYOUTS,
     MEDIA,
     NUMA_NONE,
+    PER_RANK,
     REPLICATED,
     SCRUB_ON_CONSUMER_CHANGE,
     SCRUB_POLICIES,
@@ -65,7 +66,9 @@ class PoolRequest:
     PerRank/Replicated: the row/block size) makes segment boundaries fall on rows. ``workers``
     0 means "decide" (cores available, at most files x 4). ``numa`` is ``None`` (no binding),
     ``Interleave`` (pages spread across all nodes), ``Spread`` (region i on node i mod N),
-    or a node list such as ``"0"`` or ``"0,1"`` / ``"0-1"`` (bind there).
+    ``GPU`` (region i on the node of the node's i-th NVIDIA GPU), a node list such as ``"0"``
+    or ``"0,1"`` / ``"0-1"`` (bind there), or one node per region, ``"ranks:0,0,1,1"``
+    (``region.numa``).
 
     ``compat_engine_id`` exposes the region under stock vLLM's own file names; its files are
     then split exactly as vLLM splits them (``region.vllm_compat``): ``compat_segments`` is
@@ -165,9 +168,12 @@ class PoolRequest:
                 "compat.vllm exposes one region under stock vLLM's own file names, which one "
                 "engine maps; it cannot be combined with partitions > 1 (one share per engine)"
             )
-        from offloadpool.region.numa import parse_policy  # local: numa imports ctypes lazily
+        from offloadpool.region import numa  # local: numa loads the C library
 
-        parse_policy(self.numa)
+        numa.check_regions(
+            numa.parse_policy(self.numa),
+            (self.ranks if self.layout_type == PER_RANK else 1) * self.partitions,
+        )
 
     def fingerprint(self) -> str:
         """Hash of everything that shapes the memory; equal fingerprints mean "same region".

@@ -36,11 +36,14 @@ INTERLEAVED: Final = "Interleaved"
 LayoutName = Literal["Replicated", "PerRank", "Interleaved"]
 LAYOUTS: Final[tuple[str, ...]] = get_args(LayoutName)
 
-# -- NUMA placement of the pages (a node list such as "0,1" is also accepted by the engine) --
+# -- NUMA placement of the pages (the engine also takes a node list such as "0,1" and a per-region
+#    list such as "ranks:0,0,1,1": ``region.numa``) --
 NUMA_NONE: Final = "None"
 NUMA_INTERLEAVE: Final = "Interleave"
 NUMA_SPREAD: Final = "Spread"
-NumaPolicyName = Literal["None", "Interleave", "Spread"]
+#: region i on the NUMA node of the node's i-th NVIDIA GPU in PCI bus order (``region.numa``)
+NUMA_GPU: Final = "GPU"
+NumaPolicyName = Literal["None", "Interleave", "Spread", "GPU"]
 NUMA_POLICIES: Final[tuple[str, ...]] = get_args(NumaPolicyName)
 
 # -- scrub policies: when the node zeroes a pool's memory before handing it out again ----------
