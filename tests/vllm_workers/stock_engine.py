@@ -73,6 +73,24 @@ def hold(cfg: dict[str, Any], rank: int) -> None:
         time.sleep(0.05)
 
 
+def own_shm(rank: int) -> dict[str, Any]:
+    """vLLM's own use of /dev/shm beside the region: the ring buffer of its message queue
+    (``ShmRingBuffer``, a ``multiprocessing.shared_memory`` block) made, written, attached by
+    name as a reader does, read back, and removed."""
+    from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
+
+    made = ShmRingBuffer(n_reader=1, max_chunk_bytes=1 << 20, max_chunks=2)
+    name = made.shared_memory.name
+    with made.get_data(1) as buf:
+        buf[:4] = bytes([0x70 + rank]) * 4
+    listed = name in os.listdir("/dev/shm")
+    reader = ShmRingBuffer(*made.handle())
+    with reader.get_data(1) as buf:
+        seen = bytes(buf[:4]).hex()
+    del reader, made
+    return {"name": name, "listed": listed, "seen": seen, "left": name in os.listdir("/dev/shm")}
+
+
 def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
     report: dict[str, Any] = {"rank": rank}
     region = None
@@ -116,6 +134,8 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any) -> None:
             int(base[row * stride + r * slot].item()) & 0xFF for r in range(cfg["world_size"])
         ]
         barrier.wait(timeout)
+        if cfg.get("own_shm"):
+            report["own_shm"] = own_shm(rank)
         hold(cfg, rank)
     except BaseException as exc:  # reported, and the parent's verdict is the test's
         report["error"] = f"{type(exc).__name__}: {exc}"
