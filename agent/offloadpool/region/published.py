@@ -21,6 +21,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from offloadpool.region import beneath, places
+from offloadpool.region.request import MAX_PARTITIONS
 
 DIR_NAME = "csi"
 DIR_MODE = 0o700
@@ -37,9 +38,12 @@ class Published:
     pod_uid: str
     pod_namespace: str
     target_path: str
+    #: the share of a partitioned pool the pod was given (``region.shares``); None: the pool
+    share: int | None = None
 
     def describe(self) -> str:
-        return f"csi volume {self.volume_id} of pod {self.pod_namespace}/{self.pod_uid}"
+        share = "" if self.share is None else f" (share {self.share})"
+        return f"csi volume {self.volume_id} of pod {self.pod_namespace}/{self.pod_uid}{share}"
 
 
 def volume_id_error(volume_id: object) -> str | None:
@@ -56,10 +60,13 @@ def _parse(data: bytes) -> Published | None:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return None
-    names = [f.name for f in fields(Published)]
-    if not isinstance(doc, dict) or sorted(doc) != sorted(names):
+    names = [f.name for f in fields(Published) if f.name != "share"]
+    if not isinstance(doc, dict) or sorted(set(doc) - {"share"}) != sorted(names):
         return None
     if not all(isinstance(doc[n], str) for n in names) or volume_id_error(doc["volume_id"]):
+        return None
+    share = doc.get("share")
+    if share is not None and (type(share) is not int or not 0 <= share < MAX_PARTITIONS):
         return None
     return Published(**doc)
 
@@ -78,7 +85,10 @@ def save(pool_dir: str | os.PathLike[str], pub: Published) -> None:
         if fd is None:
             raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
         places.make_root_dir(fd, DIR_NAME, DIR_MODE)
-        data = (json.dumps(asdict(pub), indent=2, sort_keys=True) + "\n").encode()
+        doc = asdict(pub)
+        if pub.share is None:
+            del doc["share"]  # a pool without shares: the record as it always was
+        data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
         beneath.write_file(fd, name, data, 0o600)
 
 
