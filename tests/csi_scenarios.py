@@ -124,7 +124,10 @@ class World:
                 mounts.append({"target": target, "options": f[5].split(",")})
         from offloadpool.region import published
 
-        records = [vars(p) for p in published.load_all(f"{self.root}/kv")]
+        # a pool's records name no share (a partitioned pool's do: shares())
+        records = [
+            {k: v for k, v in vars(p).items() if k != "share"} for p in published.load_all(f"{self.root}/kv")
+        ]
         tree = sorted(
             os.path.relpath(os.path.join(d, n), self.scratch)
             for d, ds, fs in os.walk(self.scratch)

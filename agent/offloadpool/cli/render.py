@@ -18,6 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from offloadpool.region.errors import fmt_bytes
 from offloadpool.region.provision import ProvisionResult
@@ -102,7 +103,7 @@ def summary(result: ProvisionResult, node: str | None = None) -> Table:
 
 def status_table(states: list[PoolState]) -> Table:
     table = Table(title="offloadpool pools on this node")
-    for col in ("pool", "phase", "medium", "size", "done", "huge", "engines"):
+    for col in ("pool", "phase", "medium", "size", "done", "huge", "engines", "shares"):
         table.add_column(col, no_wrap=True)
     table.add_column("message")
     for s in states:
@@ -114,6 +115,27 @@ def status_table(states: list[PoolState]) -> Table:
             f"{100 * s.progress:.0f}%",
             f"{s.hugepage_coverage_percent:.0f}%",
             str(s.engines_attached),
+            s.shares_claimed or "-",
             s.message,
+        )
+    return table
+
+
+def shares_table(states: list[PoolState]) -> Table | None:
+    """Each share of the partitioned pools: claimed or free, how, by whom (None: no shares)."""
+    rows = [(s.name, share) for s in states for share in s.shares]
+    if not rows:
+        return None
+    table = Table(title="shares")
+    for col in ("pool", "share", "claimed", "via", "holder", "engines"):
+        table.add_column(col, no_wrap=col != "holder")
+    for name, share in rows:
+        table.add_row(
+            name,
+            str(share.index),
+            "yes" if share.claimed else "free",
+            share.via or "-",
+            Text(share.holder or "-"),  # written by a pod: plain text, never markup
+            str(len(share.holders)),
         )
     return table

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from offloadpool.region import beneath, places
 from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
-from offloadpool.region.vocabulary import ENV_POD_UID
+from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_ENGINE, ShareViaName
 
 SHARES_NAME = "shares"
 #: a share's reservation for a pod given it through a csi volume (root's; see the docstring)
@@ -196,6 +196,11 @@ class ShareState:
     @property
     def claimed(self) -> bool:
         return bool(self.holders) or bool(self.reserved_for)
+
+    @property
+    def via(self) -> ShareViaName | None:
+        """``VIA_CSI``, ``VIA_ENGINE``, or None when free."""
+        return VIA_CSI if self.reserved_for else (VIA_ENGINE if self.holders else None)
 
     @property
     def holder(self) -> str:
