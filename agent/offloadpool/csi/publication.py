@@ -161,7 +161,10 @@ def _publish_share(config: CsiConfig, pool_dir: Path, parent: int, req: Publish,
     """Reserve the pod's share, record it, bind its tree (or find it bound: a retry)."""
     before = published.find(config.root, req.volume_id)
     prefer = before[1].share if before is not None else None
-    index = shares.reserve(pool_dir, n, req.pod_uid, prefer=prefer)
+    try:
+        index = shares.reserve(pool_dir, n, req.pod_uid, prefer=prefer)
+    except (FileNotFoundError, beneath.WrongEntry) as exc:  # not the kubelet's directory
+        raise RegionError(f"the shares of {pool_dir} are not there as the node made them: {exc}") from None
     want = _record_of(req, index)
     if before is not None and before[1] != want:
         _unreserve(pool_dir, before[1])  # recorded for another share (its reservation lost)
