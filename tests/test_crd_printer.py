@@ -75,6 +75,7 @@ def test_offloadpoolnode_columns(cr_objects: CustomObjects) -> None:
         progress=42,
         populate_gib_per_second=7.5,
         engines_attached=0,
+        shares_claimed="1/4",
         reason="Populating",
         huge_page_coverage=100,
         heartbeat=now(),
@@ -86,8 +87,10 @@ def test_offloadpoolnode_columns(cr_objects: CustomObjects) -> None:
 
     for resource in ("offloadpoolnodes", "opn"):
         header, rows = _table(kubectl("get", resource, "printed.gpu-7").stdout)
-        assert header == ["NAME", "POOL", "NODE", "PHASE", "PROGRESS", "GIB/S", "ENGINES", "AGE"], header
-        assert rows["printed.gpu-7"][:7] == [
+        assert header == ["NAME", "POOL", "NODE", "PHASE", "PROGRESS", "GIB/S", "ENGINES", "SHARES", "AGE"], (
+            header
+        )
+        assert rows["printed.gpu-7"][:8] == [
             "printed.gpu-7",
             "printed",
             "gpu-7",
@@ -95,6 +98,7 @@ def test_offloadpoolnode_columns(cr_objects: CustomObjects) -> None:
             "42",
             "7.5",
             "0",
+            "1/4",  # a partitioned pool's shares claimed of the node's shares
         ]
 
     header, rows = _table(kubectl("get", "opn", "printed.gpu-7", "-o", "wide").stdout)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.root
 TESTS = Path(__file__).resolve().parent
 RUN = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import csi_scenarios; csi_scenarios.main()"
 POD = "0f8e1c2a-1111-4222-8333-444455556666"
+OTHER_POD = "0f8e1c2a-9999-4222-8333-444455556666"
 
 
 def scenario(tmp_path: Path, name: str) -> dict[str, Any]:
@@ -226,3 +227,35 @@ def test_csi_liveness_probe_fails_once_the_plugin_is_gone(tmp_path):
     assert r["serving"][0] == 0 and r["serving"][1].endswith("csi.sock: ready"), r["serving"]
     assert r["spawned"][0] == 0, r["spawned"]
     assert r["killed"][0] == 1 and "Probe on " in r["killed"][1] and "UNAVAILABLE" in r["killed"][1], r
+
+
+def test_csi_shares_give_each_pod_its_own_share_across_both_deliveries(tmp_path):
+    r = scenario(tmp_path, "shares")
+    assert r["a"] == "OK" and r["a_again"] == "OK" and r["a_mounts"] == 1, r
+    a_share = r["records"]["csi-aaaa"]
+    b_share = r["records"]["csi-bbbb"]
+    assert {a_share, b_share} == {0, 1}, r["records"]
+    # the pod's view is a plain pool of its share alone: attach works unchanged
+    assert r["a_view"]["entries"] == ["lease", "manifest.json", "mnt"]
+    assert r["a_view"]["mnt"] and all(n.startswith(f"p{a_share}-") for n in r["a_view"]["mnt"]), r["a_view"]
+    assert all(n.startswith(f"p{b_share}-") for n in r["b_view"]["mnt"]), r["b_view"]
+    assert r["a_attached"] == {"size": 2 << 20, "share": None, "shares": 1}
+    # the hostPath engine got the other share, never pod A's; then pod B could not have one
+    assert r["engine_claim"] == 1 - a_share
+    assert r["seen_full"] == {str(a_share): POD, str(1 - a_share): "engine-x"}
+    assert r["b_full"].startswith("RESOURCE_EXHAUSTED: no free share"), r["b_full"]
+    assert f"csi volume of pod '{POD}'" in r["b_full"] and "'engine-x'" in r["b_full"], r["b_full"]
+    assert r["b_full_records"] == ["csi-aaaa"], "a refused publish left a record"
+    assert f"share {a_share} by csi volume of pod '{POD}'" in r["engine_y"], r["engine_y"]
+    # pod B, given the share the engine left, never sees pod A's bytes
+    assert r["b_reads"] == "00000000", r["b_reads"]
+    assert r["reserved"] == {str(a_share): POD, str(b_share): OTHER_POD}
+    # a restart makes the lost reservation again from the record
+    assert r["kept"] == ["csi-aaaa", "csi-bbbb"]
+    assert r["reserved_after_restart"] == r["reserved"]
+    # unpublish frees the share: the node sees it free, an engine can claim it
+    assert r["unpublish_a"] == "OK"
+    assert r["seen_after_a"] == {str(a_share): "", str(b_share): OTHER_POD}
+    assert r["engine_after_a"] == a_share
+    assert r["unpublish_b"] == "OK"
+    assert r["end"] == {"mounts": [], "records": True} and r["end_reserved"], r["end"]

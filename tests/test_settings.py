@@ -131,7 +131,9 @@ def test_the_csi_plugins_defaults_are_what_no_flag_gives() -> None:
     given = ["--endpoint", "/s.sock", "--root", "/r", "--kubelet-dir", "/k", "--node-id", "n2"]
     assert CsiConfig.from_args(given, environ={}) == CsiConfig("n2", "/s.sock", "/r", "/k")
     given += ["--registration-endpoint", "/reg.sock"]
-    assert CsiConfig.from_args(given, environ={}) == CsiConfig("n2", "/s.sock", "/r", "/k", registration="/reg.sock")
+    assert CsiConfig.from_args(given, environ={}) == CsiConfig(
+        "n2", "/s.sock", "/r", "/k", registration="/reg.sock"
+    )
 
 
 def test_the_csi_plugin_registers_in_the_kubelets_plugin_watcher_directory() -> None:

@@ -23,7 +23,9 @@ from offloadpool.agent.reconcile import Decision
 from offloadpool.agent.status_writer import StatusWriter
 from offloadpool.api.constants import clip_message
 from offloadpool.api.media import is_hugetlbfs
+from offloadpool.api.node import NodeShare
 from offloadpool.region import record as records
+from offloadpool.region import shares
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.lease import LeaseHeld
 from offloadpool.region.provision import provision
@@ -96,9 +98,21 @@ class NodeActions:
         )
         if mismatch is not None or self._mismatch_shown(seen):
             fields["engine_id_mismatch"] = mismatch  # set it, or clear what is shown
+        fields.update(self._share_fields(seen))
         self.status.set(full=seen.get("phase") != self.status.phase, engines_attached=n, **fields)
         if mismatch is not None:
             self._event("Warning", "EngineIdMismatch", mismatch)
+
+    def _share_fields(self, seen: dict[str, Any]) -> dict[str, Any]:
+        """A partitioned pool's shares (each claimed or free, by whom) and "claimed/total"; for
+        a pool without shares, nulls only where the object (or this process) shows some."""
+        partitions = self.applied.request.partitions if self.applied else 1
+        found = self.region.shares(partitions)
+        if found is not None:
+            return {"shares": [NodeShare.of(s) for s in found], "shares_claimed": shares.claimed_of(found)}
+        if seen.get("sharesClaimed") is not None or self.status.current.shares_claimed is not None:
+            return {"shares": None, "shares_claimed": None}
+        return {}
 
     def _mismatch_shown(self, seen: dict[str, Any]) -> bool:
         """Whether the object (as read this step, or as this process wrote it) shows a mismatch.
@@ -200,6 +214,7 @@ class NodeActions:
             numa_nodes=numa_nodes or None,
             numa_placement=placement if numa_nodes else None,
             engines_attached=self.region.engines_attached(),
+            **self._share_fields((self.pool_node or {}).get("status") or {}),
         )
         self._event("Normal", READY, self.status.current.message or "region Ready")
         return self.heartbeat_seconds
@@ -254,6 +269,7 @@ class NodeActions:
             progress=0,
             engines_attached=0,
             pending_generation=None,
+            **self._share_fields((self.pool_node or {}).get("status") or {}),
         )
         self._event("Normal", RELEASED, "region released")
         return self.heartbeat_seconds

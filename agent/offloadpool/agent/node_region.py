@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offloadpool.region import engine_id_mismatch, holders, places
+from offloadpool.region import engine_id_mismatch, holders, places, shares
 from offloadpool.region.status import local_region
 
 
@@ -43,6 +43,17 @@ class NodeRegion:
         only when a file of the pool is open or mapped somewhere (``holders.count``).
         """
         return holders.count(self.pool_dir)
+
+    def shares(self, partitions: int) -> list[shares.ShareState] | None:
+        """Each share of a partitioned pool, claimed or free, and by whom (None: no shares,
+        or their names are not there). An engine on any share holds the pool's lease too, so
+        ``engines_attached`` counts it as well: shares say which share it is on."""
+        if partitions < 2:
+            return None
+        try:
+            return shares.states(self.pool_dir, partitions)
+        except (OSError, places.UnsafeEntry):
+            return None
 
     def engine_id_mismatch(self, engine_id: str | None) -> str | None:
         """For a stock-vLLM compat pool (``engine_id`` its vLLM engine id; None: not one): a

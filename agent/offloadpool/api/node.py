@@ -15,6 +15,10 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from offloadpool.region.request import MAX_PARTITIONS
+from offloadpool.region.shares import OWNER_LIMIT, ShareState
+from offloadpool.region.vocabulary import ShareViaName
+
 from .base import SpecModel, StatusModel, Timestamp
 from .constants import API_VERSION, NODE_KIND, POOL_KIND, POOL_NAME_LABEL, node_object_name
 from .media import NodePhase
@@ -29,6 +33,30 @@ class OffloadPoolNodeSpec(SpecModel):
     #: The pool generation this node may apply now; the operator advances it node by node.
     #: None means apply the pool's current generation.
     target_generation: int | None = Field(default=None, ge=0)
+
+
+class NodeShare(StatusModel):
+    """One share of a partitioned pool on the node (``spec.partitions`` > 1)."""
+
+    index: int = Field(ge=0, lt=MAX_PARTITIONS)
+    claimed: bool
+    #: How it is claimed: a csi volume reserved it for a pod, or an engine holds its lease.
+    via: ShareViaName | None = None
+    #: Who holds it: the pod a csi volume gave it to, else the owner its engine wrote (the
+    #: pod's uid, or a process's pid namespace). Written by a pod: clipped, printable text.
+    holder: str | None = Field(default=None, max_length=OWNER_LIMIT)
+    #: Processes holding the share's lease on the node (an engine's workers).
+    engines: int = Field(default=0, ge=0)
+
+    @classmethod
+    def of(cls, state: ShareState) -> NodeShare:
+        return cls(
+            index=state.index,
+            claimed=state.claimed,
+            via=state.via,
+            holder=state.holder or None,
+            engines=len(state.holders),
+        )
 
 
 class OffloadPoolNodeStatus(StatusModel):
@@ -46,6 +74,10 @@ class OffloadPoolNodeStatus(StatusModel):
         default=None, max_length=MAX_RANKS
     )
     engines_attached: int | None = Field(default=None, ge=0)
+    #: Partitioned pools: each share, claimed or free, and by whom.
+    shares: list[NodeShare] | None = Field(default=None, max_length=MAX_PARTITIONS)
+    #: Partitioned pools: shares claimed of the node's shares, "1/4" (the Shares column).
+    shares_claimed: str | None = Field(default=None, pattern=r"^[0-9]{1,2}/[0-9]{1,2}$")
     #: Compat pools: a process given the pool maps a vLLM region of its own (another engine id).
     engine_id_mismatch: str | None = Field(default=None, max_length=4096)
     agent_version: str | None = Field(default=None, max_length=64)

@@ -10,7 +10,7 @@ from rich.console import Console
 from offloadpool.api.conversion import pool_request
 from offloadpool.api.quantity import parse_quantity
 from offloadpool.cli.pool_file import pool_from_flags, read_document
-from offloadpool.cli.render import dump, populate_bar, status_table, summary
+from offloadpool.cli.render import dump, populate_bar, shares_table, status_table, summary
 from offloadpool.region.places import checked_name
 from offloadpool.region.provision import ProvisionResult, provision
 from offloadpool.region.release import release
@@ -74,7 +74,11 @@ def status_cmd(args: argparse.Namespace) -> int:
     if args.json:
         dump({"root": args.root, "pools": [s.to_dict() for s in states]})
     else:
-        Console().print(status_table(states) if states else f"no pools under {args.root}")
+        console = Console()
+        console.print(status_table(states) if states else f"no pools under {args.root}")
+        per_share = shares_table(states)
+        if per_share is not None:
+            console.print(per_share)
     return 0
 
 

@@ -18,6 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from offloadpool.region.errors import fmt_bytes
 from offloadpool.region.provision import ProvisionResult
@@ -113,7 +114,7 @@ def summary(result: ProvisionResult, node: str | None = None) -> Table:
 
 def status_table(states: list[PoolState]) -> Table:
     table = Table(title="offloadpool pools on this node")
-    for col in ("pool", "phase", "medium", "size", "done", "huge", "numa", "engines"):
+    for col in ("pool", "phase", "medium", "size", "done", "huge", "numa", "engines", "shares"):
         table.add_column(col, no_wrap=True)
     table.add_column("message")
     for s in states:
@@ -126,6 +127,27 @@ def status_table(states: list[PoolState]) -> Table:
             f"{s.hugepage_coverage_percent:.0f}%",
             placement(s.numa_nodes),
             str(s.engines_attached),
+            s.shares_claimed or "-",
             s.message,
+        )
+    return table
+
+
+def shares_table(states: list[PoolState]) -> Table | None:
+    """Each share of the partitioned pools: claimed or free, how, by whom (None: no shares)."""
+    rows = [(s.name, share) for s in states for share in s.shares]
+    if not rows:
+        return None
+    table = Table(title="shares")
+    for col in ("pool", "share", "claimed", "via", "holder", "engines"):
+        table.add_column(col, no_wrap=col != "holder")
+    for name, share in rows:
+        table.add_row(
+            name,
+            str(share.index),
+            "yes" if share.claimed else "free",
+            share.via or "-",
+            Text(share.holder or "-"),  # written by a pod: plain text, never markup
+            str(len(share.holders)),
         )
     return table

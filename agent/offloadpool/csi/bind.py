@@ -11,6 +11,16 @@ The mount tree at ``<target>``::
     <target>/mnt/<f>  each segment file, and each of stock vLLM's names of one, bound
                       read-write by itself: the engine opens and maps it read-write
 
+A share of a partitioned pool (``region.shares``) is published as a pool of its own: the top
+is a small tmpfs the plugin makes, holding the share's manifest as a plain pool's (written at
+publish: a share cannot be reshaped or withdrawn while a volume holds it), the pool's lease
+(bound read-only, so the engine's flock is on the pool's lease) and ``mnt`` holding that
+share's segments alone, each bound read-write; the whole tmpfs read-only::
+
+    <target>          tmpfs, read-only: manifest.json (the share, as a plain pool), lease, mnt
+    <target>/lease    the pool's lease, bound read-only
+    <target>/mnt/<f>  each segment of the share, bound read-write (no other share's name is there)
+
 So a pod, even one running as root, can write only the memory of its pool; the pool's
 record, journal and holder records (``<root>/.state``) are never in it. The names bound are
 the record's plan (what the node made), never the pool directory's listing (what a pod may
@@ -32,6 +42,7 @@ from offloadpool.csi import faults
 from offloadpool.csi.target import MOUNT_NAME, as_path, file_id
 from offloadpool.region import beneath, places
 from offloadpool.region.errors import RegionError
+from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME
 from offloadpool.region.manifest import MOUNT_NAME as MOUNT_DIR
 from offloadpool.region.mounts import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_REC, UMOUNT_NOFOLLOW
 
@@ -43,6 +54,8 @@ MS_PRIVATE = 1 << 18
 NONE, PARTIAL, COMPLETE = "none", "partial", "complete"
 #: the target directory the plugin makes, if the kubelet has not
 TARGET_MODE = 0o750
+#: the tmpfs a share's view is made on: a manifest and empty names to bind over
+SHARE_TREE_OPTIONS = b"size=4m,mode=0755"
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -215,3 +228,93 @@ def remove_target(parent: int) -> None:
         beneath.rmdir(parent, MOUNT_NAME)
     except OSError:
         pass  # not empty or not a directory: not the plugin's to remove
+
+
+def share_state(pool_dir: str | os.PathLike[str], parent: int, files: list[str]) -> str:
+    """As ``state``, for a share's tree (``bind_share``): ``NONE`` when nothing is mounted at
+    ``MOUNT_NAME`` in ``parent``, ``COMPLETE`` when the share's tree is, whole (read-only,
+    the pool's lease, exactly ``files`` in ``mnt``, each the pool's file, read-write)."""
+    try:
+        here = os.stat(MOUNT_NAME, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return NONE
+    if here.st_dev == os.fstat(parent).st_dev:
+        return NONE  # a directory, not a mount point
+    try:
+        with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+            with _dir(parent, MOUNT_NAME) as top, _dir(top, MOUNT_DIR) as mnt:
+                if not _read_only(top) or sorted(beneath.listdir(mnt)) != sorted(files):
+                    return PARTIAL
+                pairs = [(_opened(top, LEASE_NAME), _opened(pool, LEASE_NAME), True)]
+                pairs += [(_opened(mnt, n), _opened(pool_mnt, n), False) for n in files]
+                try:
+                    for fd, want, ro in pairs:
+                        if _id(fd) != _id(want) or _read_only(fd) != ro:
+                            return PARTIAL
+                finally:
+                    for fd, want, _ in pairs:
+                        os.close(fd)
+                        os.close(want)
+                os.close(_opened(top, MANIFEST_NAME))
+    except (OSError, RegionError, beneath.WrongEntry):
+        return PARTIAL
+    return COMPLETE
+
+
+def bind_share(
+    pool_dir: str | os.PathLike[str], parent: int, files: list[str], manifest: bytes, stage: str, name: str
+) -> None:
+    """Make the share's tree the module docstring shows at ``MOUNT_NAME`` in ``parent``:
+    ``manifest`` its manifest, ``files`` the names in the pool's mount of its segments. Built
+    in the private ``stage`` on a tmpfs of its own and bound whole, as ``bind`` does."""
+    stage_fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        beneath.mkdir(stage_fd, name, 0o700)
+        try:
+            where = os.fsencode(as_path(stage_fd, name))
+            if _libc.mount(
+                b"offloadpool-csi-share", where, b"tmpfs", MS_NOSUID | MS_NODEV, SHARE_TREE_OPTIONS
+            ):
+                err = ctypes.get_errno()
+                raise RegionError(f"mounting a share's tree in {stage} failed: {os.strerror(err)}")
+            with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+                with _dir(stage_fd, name) as top:
+                    beneath.write_file(top, MANIFEST_NAME, manifest, 0o644)
+                    _place(top, LEASE_NAME)
+                    lease = _opened(pool, LEASE_NAME)
+                    try:
+                        _bind_private(lease, top, LEASE_NAME, MS_RDONLY)
+                    finally:
+                        os.close(lease)
+                    faults.reached(faults.STAGED)
+                    beneath.mkdir(top, MOUNT_DIR, 0o755)
+                    with _dir(top, MOUNT_DIR) as mnt:
+                        for file in files:
+                            source = _opened(pool_mnt, file)
+                            try:
+                                _place(mnt, file)
+                                _bind_private(source, mnt, file, 0)
+                            finally:
+                                os.close(source)
+                _remount(stage_fd, name, MS_RDONLY)
+            beneath.mkdir(parent, MOUNT_NAME, TARGET_MODE)
+            with _dir(stage_fd, name) as tree, _dir(parent, MOUNT_NAME) as target:
+                _mount(str(as_path(tree)), str(as_path(target)), MS_BIND | MS_REC)
+            faults.reached(faults.BOUND)
+        except BaseException:
+            unbind(parent)
+            raise
+        finally:
+            _libc.umount2(os.fsencode(as_path(stage_fd, name)), MNT_DETACH | UMOUNT_NOFOLLOW)
+            beneath.rmdir(stage_fd, name)
+    finally:
+        os.close(stage_fd)
+
+
+def _place(dirfd: int, name: str) -> None:
+    """An empty file ``name`` in ``dirfd`` (the share's own tmpfs) for a file to be bound over."""
+    os.close(
+        os.open(
+            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd
+        )
+    )

@@ -8,6 +8,14 @@ dropped by ``rebuild``, or its tree redone by the kubelet's retry; a mount is ne
 its record); unpublish unmounts before it drops the record. Both run under the pool's lock
 (``places.lock``), which a release or a reshape also takes: a pool cannot be released between
 the publish's check that it is Ready and its record.
+
+A partitioned pool (``spec.partitions``): the pod is given one share, reserved for its uid
+under the shares' claim mutex (``region.shares.reserve``: the share it holds already, on a
+retry or through another volume, else a free one; never one an engine or another pod holds),
+before its record (which names the share), and only that share's files are bound, as a plain
+pool. Unpublish drops the reservation after the record's unmount, when no other volume of the
+pod holds the share; ``rebuild`` makes the reservations again from the records it keeps and
+drops the rest.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 
@@ -23,10 +32,11 @@ from offloadpool.csi import target as targets
 from offloadpool.csi.config import CsiConfig
 from offloadpool.csi.refusal import Refused
 from offloadpool.csi.volume import Publish, Unpublish
-from offloadpool.region import beneath, places, published, scrub, vllm_compat
+from offloadpool.region import beneath, places, published, scrub, shares, vllm_compat
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
-from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.manifest import MOUNT_NAME, ManifestError
+from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.planner import plan as make_plan
 from offloadpool.region.status import pool_state
 from offloadpool.region.vocabulary import READY
@@ -68,8 +78,37 @@ def engine_files(pool_dir: os.PathLike[str] | str) -> list[str]:
     return names
 
 
-def _record_of(req: Publish) -> published.Published:
-    return published.Published(req.volume_id, req.pod_uid, req.pod_namespace, req.target.path, req.pod_name)
+def partitions(pool_dir: os.PathLike[str] | str) -> int:
+    """The shares the node's record says the pool has (1: no shares)."""
+    rec = records.load(pool_dir)
+    if rec is None:
+        raise RegionError(f"{pool_dir} has no provisioning record")
+    return rec.pool_request().partitions
+
+
+def share_view(pool_dir: os.PathLike[str] | str, index: int) -> tuple[list[str], bytes]:
+    """Share ``index``'s segment names in the pool's mount (the node's record's plan) and its
+    manifest as a plain pool's (the pool's manifest, whose share must list those very files)."""
+    rec = records.load(pool_dir)
+    if rec is None:
+        raise RegionError(f"{pool_dir} has no provisioning record")
+    plan = make_plan(rec.pool_request())
+    per = len(plan.regions) // plan.shares
+    mine = [s for r in plan.regions[index * per : (index + 1) * per] for s in r.segments]
+    try:
+        view = replace(shares.share_manifest(load_manifest(pool_dir), index), share=None)
+    except ManifestError as exc:
+        raise RegionError(f"pool {pool_dir}: {exc}") from None
+    listed = [(s.file, s.bytes) for r in view.regions for s in r.segments]
+    if listed != [(s.file, s.bytes) for s in mine]:
+        raise RegionError(f"the manifest of {pool_dir} does not match the node's record for share {index}")
+    return [s.file.removeprefix(f"{MOUNT_NAME}/") for s in mine], view.encode()
+
+
+def _record_of(req: Publish, share: int | None = None) -> published.Published:
+    return published.Published(
+        req.volume_id, req.pod_uid, req.pod_namespace, req.target.path, req.pod_name, share
+    )
 
 
 def publish(config: CsiConfig, req: Publish) -> None:
@@ -85,12 +124,16 @@ def publish(config: CsiConfig, req: Publish) -> None:
                 f"pool {req.pool} is not for namespace {req.pod_namespace} "
                 f"(spec.consumers.namespaces: {', '.join(sorted(allowed)) or 'none'})",
             )
-        want = _record_of(req)
-        _no_conflict(config, req.pool, want)
+        _no_conflict(config, req.pool, _record_of(req))
         try:
             with targets.parent_fd(req.target) as parent:
-                files = engine_files(pool_dir)
+                n = partitions(pool_dir)
+                files = engine_files(pool_dir) if n == 1 else []
                 scrub.before_new_holder(pool_dir, req.pod_uid, say=faults.reached)
+                if n > 1:
+                    _publish_share(config, pool_dir, parent, req, n)
+                    return
+                want = _record_of(req)
                 published.save(pool_dir, want)
                 faults.reached(faults.RECORDED)
                 found = bind.state(pool_dir, parent, files)
@@ -110,15 +153,56 @@ def publish(config: CsiConfig, req: Publish) -> None:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the kubelet has not made the directory of {req.target.path}",
             ) from None
+        except shares.ShareRefused as exc:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except RegionError as exc:
             raise Refused(grpc.StatusCode.INTERNAL, str(exc)) from None
+
+
+def _publish_share(config: CsiConfig, pool_dir: Path, parent: int, req: Publish, n: int) -> None:
+    """Reserve the pod's share, record it, bind its tree (or find it bound: a retry)."""
+    before = published.find(config.root, req.volume_id)
+    prefer = before[1].share if before is not None else None
+    try:
+        index = shares.reserve(pool_dir, n, req.pod_uid, prefer=prefer)
+    except (FileNotFoundError, beneath.WrongEntry) as exc:  # not the kubelet's directory
+        raise RegionError(f"the shares of {pool_dir} are not there as the node made them: {exc}") from None
+    want = _record_of(req, index)
+    if before is not None and before[1] != want:
+        _unreserve(pool_dir, before[1])  # recorded for another share (its reservation lost)
+    files, manifest = share_view(pool_dir, index)
+    published.save(pool_dir, want)
+    faults.reached(faults.RECORDED)
+    found = bind.share_state(pool_dir, parent, files)
+    if found == bind.COMPLETE:
+        return  # bound already: the kubelet's retry
+    if found == bind.PARTIAL:
+        bind.unbind(parent)
+    try:
+        bind.bind_share(pool_dir, parent, files, manifest, config.stage, req.volume_id)
+    except BaseException:
+        published.drop(pool_dir, want.volume_id)
+        _unreserve(pool_dir, want)
+        raise
+
+
+def _unreserve(pool_dir: os.PathLike[str] | str, pub: published.Published) -> None:
+    """Drop ``pub``'s share reservation unless another volume of its pod still holds it."""
+    if pub.share is None:
+        return
+    others = [p for p in published.load_all(pool_dir) if p.volume_id != pub.volume_id]
+    if not any(p.pod_uid == pub.pod_uid and p.share == pub.share for p in others):
+        shares.unreserve(Path(pool_dir), pub.share, pub.pod_uid)
 
 
 def _no_conflict(config: CsiConfig, pool: str, want: published.Published) -> None:
     """AlreadyExists when the volume is published otherwise, or the target holds another."""
     found = published.find(config.root, want.volume_id)
     # a record written without the pod's name (an older plugin) is the same publication
-    if found is not None and (found[0], replace(found[1], pod_name=want.pod_name)) != (pool, want):
+    if found is not None and (found[0], replace(found[1], pod_name=want.pod_name, share=None)) != (
+        pool,
+        want,
+    ):
         raise Refused(
             grpc.StatusCode.ALREADY_EXISTS,
             f"volume {want.volume_id} is published from pool {found[0]} at {found[1].target_path} "
@@ -169,6 +253,7 @@ def unpublish(config: CsiConfig, req: Unpublish) -> None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"target_path: {exc}: not followed") from None
             except RegionError as exc:
                 raise Refused(grpc.StatusCode.INTERNAL, str(exc)) from None
+            _unreserve(pool_dir, found[1])
             published.drop(pool_dir, req.volume_id)
 
 
@@ -196,17 +281,66 @@ def rebuild(config: CsiConfig) -> list[published.Published]:
                     kept.append(pub)
                 else:
                     published.drop(pool_dir, pub.volume_id)
+        for pool in _pools(config):
+            pool_dir = places.pool_dir(config.root, pool)
+            with places.lock(pool_dir):
+                _reserve_again(pool_dir)
     return kept
+
+
+def _pools(config: CsiConfig) -> list[str]:
+    """Every pool with a state directory under the root."""
+    state = os.path.join(config.root, places.STATE_DIR_NAME)
+    try:
+        names = sorted(os.listdir(state))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        try:
+            places.pool_dir(config.root, name)
+        except ValueError:
+            continue
+        out.append(name)
+    return out
+
+
+def _reserve_again(pool_dir: Path) -> None:
+    """The pool's share reservations as its kept records say: each record's share reserved
+    for its pod (again, if a plugin was killed before it reserved or after it dropped it), and
+    every reservation no record names dropped (a plugin killed between unreserving and
+    dropping, or between reserving and recording)."""
+    try:
+        n = partitions(pool_dir)
+    except (RegionError, TypeError, ValueError):
+        return
+    if n < 2:
+        return
+    wanted = {p.share: p.pod_uid for p in published.load_all(pool_dir) if p.share is not None}
+    try:
+        for index, pod in shares.reservations(pool_dir, n).items():
+            if wanted.get(index) != pod:
+                shares.unreserve(pool_dir, index, pod)
+        for index, pod in sorted(wanted.items()):
+            if index < n:
+                shares.reserve(pool_dir, n, pod, prefer=index)
+    except (OSError, shares.ShareRefused, beneath.WrongEntry):
+        pass  # the shares' names are not there (a pool being taken apart): nothing to hold
 
 
 def _bound(config: CsiConfig, pool_dir: os.PathLike[str] | str, pub: published.Published) -> bool:
     try:
         target = targets.parse(config.kubelet_dir, pub.target_path)
-        files = engine_files(pool_dir)
+        n = partitions(pool_dir)
+        if (pub.share is None) != (n == 1) or (pub.share is not None and pub.share >= n):
+            return False  # recorded for another shape of the pool
         with targets.parent_fd(target) as parent:
-            found = bind.state(pool_dir, parent, files)
+            if pub.share is None:
+                found = bind.state(pool_dir, parent, engine_files(pool_dir))
+            else:
+                found = bind.share_state(pool_dir, parent, share_view(pool_dir, pub.share)[0])
             if found == bind.PARTIAL:
                 bind.unbind(parent)
             return found == bind.COMPLETE
-    except (ValueError, OSError, RegionError, beneath.WrongEntry):
+    except (ValueError, TypeError, OSError, RegionError, beneath.WrongEntry):
         return False

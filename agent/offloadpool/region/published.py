@@ -21,6 +21,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from offloadpool.region import beneath, places
+from offloadpool.region.request import MAX_PARTITIONS
 
 DIR_NAME = "csi"
 DIR_MODE = 0o700
@@ -40,14 +41,17 @@ class Published:
     #: the pod's name as the kubelet gave it (``podInfoOnMount``); "" in a record written
     #: without it, which still parses
     pod_name: str = ""
+    #: the share of a partitioned pool the pod was given (``region.shares``); None: the pool
+    share: int | None = None
 
     def describe(self) -> str:
         """``csi volume csi-1a2b of pod team-a/engine-0 (uid 5f0c…)``: the pod by name, as
-        ``kubectl`` shows it, and by uid, which the name may be reused after."""
+        ``kubectl`` shows it, and by uid, which the name may be reused after; and its share."""
+        share = "" if self.share is None else f" (share {self.share})"
         if self.pod_name:
             pod = f"{self.pod_namespace}/{self.pod_name} (uid {self.pod_uid})"
-            return f"csi volume {self.volume_id} of pod {pod}"
-        return f"csi volume {self.volume_id} of pod {self.pod_namespace}/{self.pod_uid}"
+            return f"csi volume {self.volume_id} of pod {pod}{share}"
+        return f"csi volume {self.volume_id} of pod {self.pod_namespace}/{self.pod_uid}{share}"
 
 
 def volume_id_error(volume_id: object) -> str | None:
@@ -64,11 +68,16 @@ def _parse(data: bytes) -> Published | None:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return None
+    optional = {"pod_name", "share"}
     names = [f.name for f in fields(Published)]
-    required = [n for n in names if n != "pod_name"]
-    if not isinstance(doc, dict) or sorted(doc) not in (sorted(names), sorted(required)):
+    required = [n for n in names if n not in optional]
+    if not isinstance(doc, dict) or not set(required) <= set(doc) <= set(names):
         return None
-    if not all(isinstance(v, str) for v in doc.values()) or volume_id_error(doc["volume_id"]):
+    strings = [v for k, v in doc.items() if k != "share"]
+    if not all(isinstance(v, str) for v in strings) or volume_id_error(doc["volume_id"]):
+        return None
+    share = doc.get("share")
+    if share is not None and (type(share) is not int or not 0 <= share < MAX_PARTITIONS):
         return None
     return Published(**doc)
 
@@ -87,7 +96,10 @@ def save(pool_dir: str | os.PathLike[str], pub: Published) -> None:
         if fd is None:
             raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
         places.make_root_dir(fd, DIR_NAME, DIR_MODE)
-        data = (json.dumps(asdict(pub), indent=2, sort_keys=True) + "\n").encode()
+        doc = asdict(pub)
+        if pub.share is None:
+            del doc["share"]  # a pool without shares: the record as it always was
+        data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
         beneath.write_file(fd, name, data, 0o600)
 
 

@@ -18,6 +18,13 @@ its pod ends (or its engine crashes), with nothing to clean up. An engine's owne
 (``OFFLOADPOOL_POD_UID``, set by the webhook), so every worker of a pod gets the same share and
 two pods never do. When every share is held, the claim is refused naming the holders.
 
+**Reservations.** A pod given the pool through a ``csi`` volume is given one share by the
+node's CSI plugin, which binds only that share's files at the pod's target (``offloadpool.csi``):
+the plugin writes ``shares/<i>/csi`` (root's, in a root-owned directory, so no pod can forge or
+remove it) naming the pod, under the same claim mutex, and removes it when the volume is
+unpublished. An engine's ``claim`` treats a share reserved for another owner as held, so no
+share is given twice across the two deliveries; ``states`` reports it claimed by the pod.
+
 Shares separate engines' memory, not pods from each other: a pod that is given the pool can
 open every share's files, as it could open the whole pool's before (same uid, gid and mode).
 
@@ -32,14 +39,18 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offloadpool.region import beneath, places
 from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
-from offloadpool.region.vocabulary import ENV_POD_UID
+from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_ENGINE, ShareViaName
 
 SHARES_NAME = "shares"
+#: a share's reservation for a pod given it through a csi volume (root's; see the docstring)
+RESERVATION_NAME = "csi"
 #: where a share's ``mnt`` points: the pool's mount, two levels up, inside any bind mount
 LINK_TARGET = f"../../{MOUNT_NAME}"
 #: the environment variables an engine's owner is read from, in this order
@@ -151,7 +162,7 @@ def remove(pool_dir: Path, left: list[str]) -> None:
     for i in found or []:
         if i.isdigit():
             rel = f"{SHARES_NAME}/{i}"
-            names += [f"{rel}/{n}" for n in (MANIFEST_NAME, LEASE_NAME, MOUNT_NAME)] + [rel]
+            names += [f"{rel}/{n}" for n in (MANIFEST_NAME, LEASE_NAME, MOUNT_NAME, RESERVATION_NAME)] + [rel]
     _remove(pool_dir, [*names, SHARES_NAME], left)
 
 
@@ -173,23 +184,37 @@ def _remove(pool_dir: Path, names: list[str], left: list[str]) -> None:
 
 @dataclass(frozen=True)
 class ShareState:
-    """One share as the node sees it: who holds its lease (pids in the node's /proc) and the
-    owner its holder wrote (hostile text, clipped; "" when free or unreadable)."""
+    """One share as the node sees it: who holds its lease (pids in the node's /proc), the
+    owner its holder wrote (hostile text, clipped; "" when free or unreadable), and the pod a
+    csi volume reserved it for ("" when none)."""
 
     index: int
     holders: tuple[int, ...]
     owner: str = ""
+    reserved_for: str = ""
 
     @property
     def claimed(self) -> bool:
-        return bool(self.holders)
+        return bool(self.holders) or bool(self.reserved_for)
+
+    @property
+    def via(self) -> ShareViaName | None:
+        """``VIA_CSI``, ``VIA_ENGINE``, or None when free."""
+        return VIA_CSI if self.reserved_for else (VIA_ENGINE if self.holders else None)
+
+    @property
+    def holder(self) -> str:
+        """Who has the share, in one word: the csi volume's pod, else the engine's owner."""
+        return self.reserved_for or self.owner
 
 
 def states(pool_dir: Path, shares: int, proc: str = "/proc") -> list[ShareState]:
-    """Every share of the pool, claimed or free, from the kernel's flocks on their leases."""
+    """Every share of the pool, claimed or free: the kernel's flocks on their leases (engines)
+    and the csi plugin's reservations (pods given a share through a csi volume)."""
     from offloadpool.region.holders import file_id, lease_lockers  # holders imports lease, not us
 
     out = []
+    reserved = reservations(pool_dir, shares)
     for i in range(shares):
         lease = f"{share_rel(i)}/{LEASE_NAME}"
         pids = lease_lockers(file_id(pool_dir / lease), proc)
@@ -200,8 +225,113 @@ def states(pool_dir: Path, shares: int, proc: str = "/proc") -> list[ShareState]
                     owner = _parse(beneath.read_file(pfd, lease, RECORD_LIMIT)).get("owner", "")
             except (OSError, places.UnsafeEntry):
                 owner = ""
-        out.append(ShareState(i, tuple(sorted(pids)), owner))
+        out.append(ShareState(i, tuple(sorted(pids)), owner, reserved.get(i, "")))
     return out
+
+
+def claimed_of(found: list[ShareState]) -> str:
+    """``claimed/total``, as status columns show it ("1/4")."""
+    return f"{sum(s.claimed for s in found)}/{len(found)}"
+
+
+# -- reservations (the CSI plugin's) -----------------------------------------------------------
+
+
+def _reservation(sdir: int, index: int) -> str:
+    """The pod share ``index`` is reserved for ("" when none), read beneath the ``shares``
+    directory ``sdir`` (a name that is not a plain file reads as reserved, never as free)."""
+    try:
+        data = beneath.read_file(sdir, f"{index}/{RESERVATION_NAME}", RECORD_LIMIT)
+    except FileNotFoundError:
+        return ""
+    except (OSError, beneath.WrongEntry):
+        return "?"
+    return _parse(data).get("owner", "") or "?"
+
+
+def reservations(pool_dir: Path, shares: int) -> dict[int, str]:
+    """Share index -> the pod a csi volume reserved it for, for every reserved share."""
+    try:
+        with places.pool_fd(pool_dir) as pfd:
+            sdir = beneath.open_dir(pfd, SHARES_NAME)
+    except (OSError, places.UnsafeEntry, beneath.WrongEntry):
+        return {}
+    try:
+        found = {i: _reservation(sdir, i) for i in range(shares)}
+    finally:
+        os.close(sdir)
+    return {i: who for i, who in found.items() if who}
+
+
+def reserve(
+    pool_dir: Path, shares: int, owner: str, *, prefer: int | None = None, timeout: float = 30.0
+) -> int:
+    """Reserve a share for the pod ``owner`` (its uid) and return its index: the one reserved
+    for it already, else ``prefer`` when free (a kubelet's retry of a recorded publish), else a
+    free one — neither reserved nor claimed by an engine. Under the claim mutex, so an engine's
+    ``claim`` and this never give one share twice. ShareRefused names the holders when every
+    share is taken."""
+    owner = _clip(owner)
+    with _mutex(pool_dir, timeout) as sdir:
+        taken: dict[int, str] = {}
+        free: list[int] = []
+        for i in range(shares):
+            who = _reservation(sdir, i)
+            if who == owner:
+                return i
+            if who:
+                taken[i] = f"share {i} by csi volume of pod {who!r}"
+                continue
+            fd = beneath.open_file(sdir, f"{i}/{LEASE_NAME}", os.O_RDONLY)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    record = _parse(os.pread(fd, RECORD_LIMIT, 0))
+                    who = f"{record['owner']!r} (pid {record['pid']})" if record else "an unnamed holder"
+                    taken[i] = f"share {i} by engine {who}"
+                    continue
+            finally:
+                os.close(fd)  # drops the probe's flock
+            free.append(i)
+        if not free:
+            raise ShareRefused(
+                f"no free share in pool {str(pool_dir)!r} for pod {owner!r}: "
+                + "; ".join(taken[i] for i in sorted(taken))
+                + f" ({shares} shares; one is freed when its csi volume is unpublished or every "
+                "process of its engine has exited)"
+            )
+        index = prefer if prefer in free else free[0]
+        data = json.dumps({"owner": owner, "pid": os.getpid(), "since": round(time.time(), 3)}).encode()
+        beneath.write_file(sdir, f"{index}/{RESERVATION_NAME}", data, 0o644)
+        return index
+
+
+def unreserve(pool_dir: Path, index: int, owner: str, *, timeout: float = 30.0) -> bool:
+    """Drop share ``index``'s reservation if it is ``owner``'s; False when it was not."""
+    try:
+        with _mutex(pool_dir, timeout) as sdir:
+            if _reservation(sdir, index) != _clip(owner):
+                return False
+            return beneath.unlink(sdir, f"{index}/{RESERVATION_NAME}")
+    except FileNotFoundError:  # the shares are gone (the pool taken apart)
+        return False
+
+
+@contextmanager
+def _mutex(pool_dir: Path, timeout: float) -> Iterator[int]:
+    """The ``shares`` directory, opened beneath the pool directory and flocked (the claim
+    mutex) for as long as the block runs."""
+    pfd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sdir = beneath.open_dir(pfd, SHARES_NAME)
+    finally:
+        os.close(pfd)
+    try:
+        _lock(sdir, pool_dir, timeout)
+        yield sdir
+    finally:
+        os.close(sdir)
 
 
 # -- the engine's side -------------------------------------------------------------------------
@@ -287,6 +417,10 @@ def claim(
         free: list[tuple[int, int, str]] = []  # (index, fd held exclusively, last owner)
         try:
             for i in wanted:
+                reserved = _reservation(mutex, i)
+                if reserved and reserved != owner:
+                    held.append(f"share {i} by csi volume of pod {reserved!r}")
+                    continue
                 fd = beneath.open_file(mutex, f"{i}/{LEASE_NAME}", os.O_RDWR)
                 record = _parse(os.pread(fd, RECORD_LIMIT, 0))
                 try:

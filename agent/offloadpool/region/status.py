@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import beneath, holders, mounts, places
+from offloadpool.region import beneath, holders, mounts, places, shares
 from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
 from offloadpool.region.journal import populated_bytes, units
@@ -45,13 +45,30 @@ class PoolState:
     message: str = ""
     populate_gib_per_s: float = 0.0
     in_progress: bool = False  # a provision is working on it right now
+    #: a partitioned pool's shares, each claimed or free and by whom (empty: no shares)
+    shares: tuple[shares.ShareState, ...] = ()
 
     @property
     def progress(self) -> float:
         return self.populated_bytes / self.total_bytes if self.total_bytes else 0.0
 
+    @property
+    def shares_claimed(self) -> str:
+        """ "claimed/total" of a partitioned pool's shares; "" for a pool without shares."""
+        return shares.claimed_of(list(self.shares)) if self.shares else ""
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["shares"] = [
+            {
+                "index": s.index,
+                "claimed": s.claimed,
+                "via": s.via,
+                "holder": s.holder,
+                "engines": len(s.holders),
+            }
+            for s in self.shares
+        ]
         d["manifest"] = self.manifest.to_dict() if self.manifest else None
         d["progress"] = round(self.progress, 4)
         return d
@@ -90,6 +107,7 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         engines_attached=engines,
         populate_gib_per_s=float(rec.populate.get("gib_per_s", 0.0)),
         in_progress=busy,
+        shares=_shares(pool_dir, req.partitions),
     )
     if rec.scrub_pending:  # withheld from engines until its memory is zero (region.scrub)
         waits = "" if busy else "; waits for its holders to leave (provision again once they have)"
@@ -122,6 +140,15 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
     if phase in (PROVISIONING, POPULATING) and not busy:
         message = message or "interrupted: provision again to finish (populated parts are kept)"
     return replace(common, phase=phase, populated_bytes=done, message=message)
+
+
+def _shares(pool_dir: Path, partitions: int) -> tuple[shares.ShareState, ...]:
+    if partitions < 2:
+        return ()
+    try:
+        return tuple(shares.states(pool_dir, partitions))
+    except (OSError, places.UnsafeEntry):
+        return ()
 
 
 def local_region(root: str | os.PathLike[str], name: str) -> tuple[int, int] | None:

@@ -119,3 +119,9 @@ RECORD_PHASES: Final = (PROVISIONING, POPULATING, READY, DRAINING, FAILED)
 STATE_PHASES: Final = (ABSENT, PROVISIONING, POPULATING, SCRUBBING, READY, ORPHANED, FAILED)
 #: a manifest's ``state``: Ready means attachable
 MANIFEST_STATES: Final = (READY, DRAINING)
+
+# How a share of a partitioned pool is claimed (``region.shares``): a csi volume's reservation
+# for a pod, or an engine's flock on the share's lease.
+ShareViaName = Literal["CSI", "Engine"]
+VIA_CSI: Final = "CSI"
+VIA_ENGINE: Final = "Engine"
