@@ -299,10 +299,10 @@ def csi_faults(real_node: RealNode, crds_installed: Any, shared_agent_root: Path
 
 def test_csi_the_plugins_stage_is_private_to_its_container(csi_faults: Faults) -> None:
     """The plugin builds each volume's tree in its stage (a tmpfs it mounts at start) before
-    binding it at the target: what is mounted there must never reach the host. The stage's
-    parent in the plugin's container is in no peer group (the chart's emptyDir, not the
-    container's root, which containerd makes shared for a Bidirectional volume), and the host
-    has no staging tmpfs."""
+    binding it at the target: what is mounted there must never reach the host. The stage and
+    its parent in the plugin's container are in no peer group, the parent being the chart's
+    emptyDir (private whatever the runtime makes of the container's root, which a runtime may
+    make shared for a Bidirectional volume), and the host has no staging tmpfs."""
     f = csi_faults
     (pid,) = plugin_pids(f.config.kubelet_dir)
     inside = mountinfo(str(pid))
