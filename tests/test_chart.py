@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -391,11 +392,13 @@ def test_chart_csi_renders_the_driver_and_one_node_plugin_only_when_enabled(cont
     assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
     assert c["securityContext"] == {"privileged": True}
     assert c["env"] == [{"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
-    mounts = {m["mountPath"]: (volumes[m["name"]], m["mountPropagation"]) for m in c["volumeMounts"]}
+    volumes = {v["name"]: v.get("hostPath", {}).get("path", "emptyDir") for v in pod["volumes"]}
+    mounts = {m["mountPath"]: (volumes[m["name"]], m.get("mountPropagation")) for m in c["volumeMounts"]}
     assert mounts == {
         defaults.kubelet_dir: (defaults.kubelet_dir, "Bidirectional"),
         defaults.root: (HOST_ROOT, "HostToContainer"),
+        # the stage's parent: private (no propagation), never the container's shared root
+        os.path.dirname(defaults.stage): ("emptyDir", None),
     }
     for socket in (defaults.endpoint, defaults.registration):
         assert socket.startswith(defaults.kubelet_dir + "/"), socket

@@ -2,7 +2,10 @@
 
 ``OFFLOADPOOL_CSI_STOP_AT=<step>`` (unset in any deployment) makes the plugin stop itself
 (SIGSTOP) when it reaches that step of a publish or unpublish; the fault tests then kill -9 the
-stopped process from outside and start another over the same records and mounts. Nothing is
+stopped process from outside and start another over the same records and mounts. As a
+container's first process (the DaemonSet's plugin) the SIGSTOP it sends itself is dropped (the
+kernel spares a namespace's init every signal it has no handler for), and the calling thread
+waits forever instead: either way nothing more of that call is done before the kill. Nothing is
 faked: the process dies between two real steps with whatever it did before on the node. Steps:
 
 * ``recorded``: publish wrote the holder's record, nothing is mounted yet;
@@ -11,6 +14,10 @@ faked: the process dies between two real steps with whatever it did before on th
 * ``bound``: publish bound the whole tree at the target, its stage not yet detached;
 * ``Scrubbing``: publish withheld the pool to zero it for a new holder, not yet zeroed;
 * ``unbound``: unpublish detached the mounts, the record is still there.
+
+``OFFLOADPOOL_CSI_STOP_ONCE=<file>`` with it stops only the first time, the one that makes
+``<file>``: a plugin the DaemonSet restarts in the same pod, with the same environment, finds
+it and goes on, so the kubelet's retry can complete (the real-node fault tests).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import signal
 import threading
 
 STOP_AT_ENV = "OFFLOADPOOL_CSI_STOP_AT"
+STOP_ONCE_ENV = "OFFLOADPOOL_CSI_STOP_ONCE"
 RECORDED = "recorded"
 STAGED = "staged"
 BOUND = "bound"
@@ -28,8 +36,21 @@ UNBOUND = "unbound"
 
 def reached(step: str) -> None:
     """Stop here when the environment names ``step``; otherwise nothing."""
-    if os.environ.get(STOP_AT_ENV) == step:
+    if os.environ.get(STOP_AT_ENV) == step and _first_time():
         # to this thread, so that it is this thread that stops with its process at once, and
-        # never goes on: a process-wide signal may be taken by another thread meanwhile
+        # never goes on: a process-wide signal may be taken by another thread meanwhile; as a
+        # namespace's init the signal is dropped, and the wait keeps the thread at the step
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         threading.Event().wait()
+
+
+def _first_time() -> bool:
+    """True unless ``STOP_ONCE_ENV`` names a file that exists already (made here if not)."""
+    once = os.environ.get(STOP_ONCE_ENV)
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        return False
+    return True
