@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from offloadpool.region import beneath, numa, places, vm
-from offloadpool.region.errors import CapacityError
+from offloadpool.region.errors import CapacityError, fmt_bytes
 from offloadpool.region.journal import Unit
 from offloadpool.region.manifest import Segment
 from offloadpool.region.planner import Plan
@@ -202,7 +202,16 @@ def _open_one(pool_dir: Path, pool_fd: int, seg: Segment) -> int:
 
 
 def _map_one(pool_dir: Path, pool_fd: int, seg: Segment, fds: list[int], maps: list[Mapping]) -> None:
-    """Open one segment (:func:`_open_one`) and map it shared."""
+    """Open one segment (:func:`_open_one`) and map it shared. A shared hugetlbfs mapping
+    reserves its pages at mmap, so too few pages show here: a ``CapacityError``."""
     fd = _open_one(pool_dir, pool_fd, seg)
     fds.append(fd)
-    maps.append((vm.map_shared(fd, seg.bytes), seg.bytes))
+    try:
+        maps.append((vm.map_shared(fd, seg.bytes), seg.bytes))
+    except vm.VMError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise CapacityError(
+            f"mapping {pool_dir / seg.file} ({fmt_bytes(seg.bytes)}) to pre-fault it: {exc.strerror} "
+            f"(on hugetlbfs: too few free huge pages for the mapping's reservation)"
+        ) from exc
