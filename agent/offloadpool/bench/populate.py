@@ -62,6 +62,7 @@ from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, 
 GiB = 1 << 30
 MEDIA = (HUGEPAGES_2MI, HUGEPAGES_1GI, MEMORY_THP, MEMORY)
 #: The pre-fault options measured per file system (``fallocate`` alone does not clear tmpfs pages).
+ENGINE_CASES = ("engine_baseline", "sharded", "segmented", "per_rank", "vllm_0_33")
 OPTIONS = {
     "hugetlbfs": (prefault.FALLOCATE, prefault.MADVISE),
     "tmpfs": (prefault.MADVISE, prefault.FALLOCATE_MADVISE, prefault.TOUCH),
@@ -74,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per case (default 3, >= 3)")
     p.add_argument("--workers", type=int, default=0, help="offloadpool/memset threads (0 = cores)")
     p.add_argument("--media", default=",".join(MEDIA), help="offloadpool media to try")
+    p.add_argument(
+        "--no-engines",
+        dest="engines",
+        action="store_false",
+        help="leave out the engine-style cases (engine_baseline ... vllm_0_33): only the media "
+        "against the kernel's rate",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     p.add_argument("--markdown", help="write a markdown table to this file")
     p.add_argument("--png", help="write a bar chart to this file (needs matplotlib)")
@@ -367,6 +375,7 @@ def run(
     workers: int,
     media: list[str],
     log: Callable[[str], None] = lambda s: None,
+    engines: bool = True,
 ) -> dict:
     """Run every case, interleaved, and return the JSON-ready result."""
     if reps < 1:
@@ -381,7 +390,8 @@ def run(
         root = base / "root"
         cases: dict[str, tuple[Callable[[], float], Callable[[], AbstractContextManager[Any]]]] = {
             k: (functools.partial(engine_case, k, scratch, cap, ranks), _nothing)
-            for k in ("engine_baseline", "sharded", "segmented", "per_rank", "vllm_0_33")
+            for k in ENGINE_CASES
+            if engines
         }
         held = ExitStack()  # 1 GiB pages: taken once for the whole run (see run_wide)
         for medium in media:
@@ -445,13 +455,15 @@ def run(
     media_result = _per_medium(strategies, populate_rates)
     ours = {k: v for k, v in strategies.items() if k.startswith("offloadpool_")}
     best = max(ours, key=lambda k: ours[k]["gib_per_s"]) if ours else None
-    base_rate = strategies["engine_baseline"]["gib_per_s"]
+    base_rate = strategies["engine_baseline"]["gib_per_s"] if engines else None
     limit = strategies["memset_limit"]["gib_per_s"]
     bulk = strategies["memset_bulk"]["gib_per_s"]
     return {
         "strategies": strategies,
         "best_offloadpool": best,
-        "ratio_vs_engine_baseline": round(ours[best]["gib_per_s"] / base_rate, 2) if best else None,
+        "ratio_vs_engine_baseline": round(ours[best]["gib_per_s"] / base_rate, 2)
+        if best and base_rate
+        else None,
         "ratio_vs_memset_limit": round(ours[best]["gib_per_s"] / limit, 2) if best else None,
         "ratio_vs_memset_bulk": round(ours[best]["gib_per_s"] / bulk, 2) if best else None,
         "media": media_result,
@@ -498,11 +510,12 @@ def markdown(result: dict, command: str) -> str:
         ["strategy"],
         ["GiB/s (median)", "min-max GiB/s", "seconds (median)", "vs engine_baseline"],
     )
-    base = result["strategies"]["engine_baseline"]["gib_per_s"]
+    base = result["strategies"].get("engine_baseline", {}).get("gib_per_s")
     for name, s in sorted(result["strategies"].items(), key=lambda kv: kv[1]["gib_per_s"]):
+        versus = f"{s['gib_per_s'] / base:.2f}x" if base else "-"
         lines.append(
             f"| {name} | {s['gib_per_s']:.2f} | {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} "
-            f"| {s['seconds']:.3f} | {s['gib_per_s'] / base:.2f}x |"
+            f"| {s['seconds']:.3f} | {versus} |"
         )
     lines += [
         "",
@@ -579,12 +592,19 @@ def run_cli(args: argparse.Namespace) -> int:
     cap = parse_size(args.capacity)
     report.note_reps(args.reps)
     result = run(
-        cap, args.ranks, args.reps, args.workers, [m for m in args.media.split(",") if m], log=report.log
+        cap,
+        args.ranks,
+        args.reps,
+        args.workers,
+        [m for m in args.media.split(",") if m],
+        log=report.log,
+        engines=args.engines,
     )
     command = (
         f"offloadpool bench populate --capacity {args.capacity} --ranks {args.ranks} --reps {args.reps}"
         + report.flag("--workers", args.workers, 0)
         + report.flag("--media", args.media, ",".join(MEDIA))
+        + ("" if args.engines else " --no-engines")
     )
     text = markdown(result, command)
     if args.png:
