@@ -316,7 +316,9 @@ def _option_job(option: str, fd: int, addr: int, offset: int, length: int, page:
 def kernel_case(base: Path, medium: str, cap: int, workers: int, option: str) -> float:
     """The kernel's own rate for ``medium`` with ``option``: the medium mounted as a provision
     mounts it (untimed), the plan's files (untimed), then W threads over the pre-fault's shares
-    in its runs, timed; unmounted afterwards, untimed, which gives every page back."""
+    in its runs and the unmapping of what they mapped, timed (a pre-fault through a mapping
+    must tear it down again, as ``region.populate`` does); unmounted afterwards, untimed, which
+    gives every page back."""
     req = PoolRequest(name=f"kernel-{medium.lower()}", capacity=cap, medium=medium, workers=workers)
     plan = make_plan(req)
     pool_dir = base / req.name
@@ -342,7 +344,11 @@ def kernel_case(base: Path, medium: str, cap: int, workers: int, option: str) ->
                     option, fds[first.segment], addr, first.offset, sum(u.bytes for u in run), plan.page_size
                 )
 
-        return _threads([functools.partial(share_job, sh) for sh in shares if sh])
+        t0 = time.perf_counter()
+        _threads([functools.partial(share_job, sh) for sh in shares if sh])
+        while maps:
+            vm.unmap(*maps.pop())
+        return time.perf_counter() - t0
     finally:
         for addr, length in maps:
             vm.unmap(addr, length)
