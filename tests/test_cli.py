@@ -160,9 +160,23 @@ def test_bench_populate_json_schema():
         "offloadpool_HugePages-2Mi",
         "memset_limit",
         "memset_bulk",
+        "kernel_HugePages-2Mi_fallocate",
+        "kernel_HugePages-2Mi_madvise",
+        "kernel_Memory_madvise",
+        "kernel_Memory_fallocate+madvise",
+        "kernel_Memory_touch",
     ):
         s = result["strategies"][name]
         assert s["gib_per_s"] > 0 and s["seconds"] > 0 and len(s["samples_s"]) == 1
     assert result["best_offloadpool"] in ("offloadpool_Memory", "offloadpool_HugePages-2Mi")
     assert result["ratio_vs_engine_baseline"] > 0 and result["ratio_vs_memset_limit"] > 0
     assert result["machine"]["cores"] >= 1 and result["hugepages_restored"] is True
+    media = result["media"]
+    assert set(media) == {"Memory", "HugePages-2Mi"}
+    assert media["HugePages-2Mi"]["chosen"] == "fallocate" and media["Memory"]["chosen"] == "madvise"
+    assert set(media["HugePages-2Mi"]["options_gib_per_s"]) == {"fallocate", "madvise"}
+    for m in media.values():
+        assert m["kernel_gib_per_s"] == max(m["options_gib_per_s"].values())
+        assert m["ratio_vs_kernel"] == pytest.approx(
+            m["offloadpool_gib_per_s"] / m["kernel_gib_per_s"], abs=1e-3
+        )

@@ -13,6 +13,11 @@ Strategies, all for the same capacity C, in one run (see docs/bench-populate.md)
   ``madvise`` per slot, starting at a different file per rank, 4 KiB pages;
 * ``offloadpool_<medium>`` - :func:`offloadpool.region.provision.provision` (reserve, mount,
   create, populate with the default worker count, manifest), for every medium this node has;
+* ``kernel_<medium>_<option>`` - the kernel's own rate of clearing that medium's pages: the
+  medium mounted as a provision mounts it, the same files, W threads over the same shares, and
+  nothing timed but the calls of one pre-fault option (``OPTIONS``: ``fallocate`` on hugetlbfs,
+  ``madvise``, ``fallocate+madvise``, ``touch``); the medium's best option is its
+  *kernel rate*, the limit its ``offloadpool_<medium>`` is measured against;
 * ``memset_limit`` - W threads ``memset`` over memory that is already mapped and populated, in
   2 MiB calls (page by page, as the kernel zeroes what it faults in): the zeroing bandwidth every
   pre-fault ultimately pays; ``memset_bulk`` - the same in one call per thread: a single
@@ -42,15 +47,26 @@ from typing import Any
 
 from offloadpool.bench import report
 from offloadpool.bench.stats import machine, summarize
-from offloadpool.region import hugepages, mounts, vllm_compat, vm
+from offloadpool.region import hugepages, mounts, parallel, vllm_compat, vm
+from offloadpool.region import populate as prefault
 from offloadpool.region.errors import CapacityError, RegionError
-from offloadpool.region.provision import provision
+from offloadpool.region.journal import units
+from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.media import medium as lookup_medium
+from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.provision import mount_options, provision
 from offloadpool.region.release import release
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, MEMORY_THP
 
 GiB = 1 << 30
 MEDIA = (HUGEPAGES_2MI, HUGEPAGES_1GI, MEMORY_THP, MEMORY)
+#: The pre-fault options measured per file system (``fallocate`` alone does not clear tmpfs pages).
+ENGINE_CASES = ("engine_baseline", "sharded", "segmented", "per_rank", "vllm_0_33")
+OPTIONS = {
+    "hugetlbfs": (prefault.FALLOCATE, prefault.MADVISE),
+    "tmpfs": (prefault.MADVISE, prefault.FALLOCATE_MADVISE, prefault.TOUCH),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per case (default 3, >= 3)")
     p.add_argument("--workers", type=int, default=0, help="offloadpool/memset threads (0 = cores)")
     p.add_argument("--media", default=",".join(MEDIA), help="offloadpool media to try")
+    p.add_argument(
+        "--no-engines",
+        dest="engines",
+        action="store_false",
+        help="leave out the engine-style cases (engine_baseline ... vllm_0_33): only the media "
+        "against the kernel's rate",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     p.add_argument("--markdown", help="write a markdown table to this file")
     p.add_argument("--png", help="write a bar chart to this file (needs matplotlib)")
@@ -266,13 +289,73 @@ def reserved_pages(medium: str, cap: int) -> Iterator[None]:
             hugepages.shrink(med.page_size, added)
 
 
-def offloadpool_case(root: Path, medium: str, cap: int, workers: int) -> float:
+def offloadpool_case(
+    root: Path, medium: str, cap: int, workers: int, populate_rates: list[float] | None = None
+) -> float:
+    """One provision end to end (released untimed); its pre-fault's own rate to ``populate_rates``."""
     req = PoolRequest(name=f"bench-{medium.lower()}", capacity=cap, medium=medium, workers=workers)
     try:
         result = provision(req, root)
     finally:
         release(root, req.name, force=True)
+    if populate_rates is not None:
+        populate_rates.append(result.gib_per_s)
     return result.seconds
+
+
+def _option_job(option: str, fd: int, addr: int, offset: int, length: int, page: int) -> None:
+    """One run of a share made present by ``option`` (the calls ``region.populate`` makes)."""
+    if option in (prefault.FALLOCATE, prefault.FALLOCATE_MADVISE):
+        vm.allocate(fd, offset, length)
+    if option in (prefault.MADVISE, prefault.FALLOCATE_MADVISE):
+        vm.populate_write(addr + offset, length)
+    elif option == prefault.TOUCH:
+        vm.touch_pages(addr + offset, length, page)
+
+
+def kernel_case(base: Path, medium: str, cap: int, workers: int, option: str) -> float:
+    """The kernel's own rate for ``medium`` with ``option``: the medium mounted as a provision
+    mounts it (untimed), the plan's files (untimed), then W threads over the pre-fault's shares
+    in its runs and the unmapping of what they mapped, timed (a pre-fault through a mapping
+    must tear it down again, as ``region.populate`` does); unmounted afterwards, untimed, which
+    gives every page back."""
+    req = PoolRequest(name=f"kernel-{medium.lower()}", capacity=cap, medium=medium, workers=workers)
+    plan = make_plan(req)
+    pool_dir = base / req.name
+    mnt = pool_dir / MOUNT_NAME
+    mnt.mkdir(parents=True, exist_ok=True)
+    mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
+    fds: list[int] = []
+    maps: list[tuple[int, int]] = []
+    try:
+        for seg in plan.segments:
+            fds.append(os.open(pool_dir / seg.file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            os.ftruncate(fds[-1], seg.bytes)
+            if option != prefault.FALLOCATE:
+                maps.append((vm.map_shared(fds[-1], seg.bytes), seg.bytes))
+        all_units = units(plan.segments, plan.page_size)
+        shares = parallel.shares(all_units, max(1, min(workers, len(all_units))))
+
+        def share_job(share: list) -> None:
+            for run in parallel.runs(share, parallel.DEFAULT_CHUNK):
+                first = run[0]
+                addr = maps[first.segment][0] if maps else 0
+                _option_job(
+                    option, fds[first.segment], addr, first.offset, sum(u.bytes for u in run), plan.page_size
+                )
+
+        t0 = time.perf_counter()
+        _threads([functools.partial(share_job, sh) for sh in shares if sh])
+        while maps:
+            vm.unmap(*maps.pop())
+        return time.perf_counter() - t0
+    finally:
+        for addr, length in maps:
+            vm.unmap(addr, length)
+        for fd in fds:
+            os.close(fd)
+        mounts.umount(mnt)
+        shutil.rmtree(pool_dir, ignore_errors=True)
 
 
 @contextmanager
@@ -298,12 +381,14 @@ def run(
     workers: int,
     media: list[str],
     log: Callable[[str], None] = lambda s: None,
+    engines: bool = True,
 ) -> dict:
     """Run every case, interleaved, and return the JSON-ready result."""
     if reps < 1:
         raise ValueError("reps must be >= 1")
     workers = workers or len(os.sched_getaffinity(0))
     samples: dict[str, list[float]] = {}
+    populate_rates: dict[str, list[float]] = {}  # per medium: provision's own pre-fault rate
     unavailable: dict[str, str] = {}
     before = {p: hugepages.counters(p).total for p in (2 << 20, GiB) if hugepages.supported(p)}
     with _workspace() as base:
@@ -311,7 +396,8 @@ def run(
         root = base / "root"
         cases: dict[str, tuple[Callable[[], float], Callable[[], AbstractContextManager[Any]]]] = {
             k: (functools.partial(engine_case, k, scratch, cap, ranks), _nothing)
-            for k in ("engine_baseline", "sharded", "segmented", "per_rank", "vllm_0_33")
+            for k in ENGINE_CASES
+            if engines
         }
         held = ExitStack()  # 1 GiB pages: taken once for the whole run (see run_wide)
         for medium in media:
@@ -325,9 +411,19 @@ def run(
             except (CapacityError, RegionError, ValueError) as exc:
                 unavailable[name] = str(exc)
                 continue
+            prepared: Callable[[], AbstractContextManager[Any]] = (
+                _nothing if run_wide else functools.partial(reserved_pages, medium, cap)
+            )
+            for option in OPTIONS[lookup_medium(medium).fstype]:
+                cases[f"kernel_{medium}_{option}"] = (
+                    functools.partial(kernel_case, base, medium, cap, workers, option),
+                    prepared,
+                )
             cases[name] = (
-                functools.partial(offloadpool_case, root, medium, cap, workers),
-                _nothing if run_wide else functools.partial(reserved_pages, medium, cap),
+                functools.partial(
+                    offloadpool_case, root, medium, cap, workers, populate_rates.setdefault(medium, [])
+                ),
+                prepared,
             )
         cases["memset_limit"] = ((lambda: memset_case(scratch, cap, workers, ZERO_UNIT)), _nothing)
         cases["memset_bulk"] = ((lambda: memset_case(scratch, cap, workers, None)), _nothing)
@@ -362,22 +458,52 @@ def run(
             "spread_percent": round(rates.spread_percent, 1),
             "samples_s": [round(s, 4) for s in secs],
         }
+    media_result = _per_medium(strategies, populate_rates)
     ours = {k: v for k, v in strategies.items() if k.startswith("offloadpool_")}
     best = max(ours, key=lambda k: ours[k]["gib_per_s"]) if ours else None
-    base_rate = strategies["engine_baseline"]["gib_per_s"]
+    base_rate = strategies["engine_baseline"]["gib_per_s"] if engines else None
     limit = strategies["memset_limit"]["gib_per_s"]
     bulk = strategies["memset_bulk"]["gib_per_s"]
     return {
         "strategies": strategies,
         "best_offloadpool": best,
-        "ratio_vs_engine_baseline": round(ours[best]["gib_per_s"] / base_rate, 2) if best else None,
+        "ratio_vs_engine_baseline": round(ours[best]["gib_per_s"] / base_rate, 2)
+        if best and base_rate
+        else None,
         "ratio_vs_memset_limit": round(ours[best]["gib_per_s"] / limit, 2) if best else None,
         "ratio_vs_memset_bulk": round(ours[best]["gib_per_s"] / bulk, 2) if best else None,
+        "media": media_result,
         "unavailable": unavailable,
         "params": {"capacity_bytes": cap, "ranks": ranks, "reps": reps, "workers": workers},
         "machine": machine(),
         "hugepages_restored": before == after,
     }
+
+
+def _per_medium(strategies: dict[str, dict[str, Any]], populate_rates: dict[str, list[float]]) -> dict:
+    """Per medium measured: its options' rates, its kernel rate (the best option's median), the
+    strategy ``region.populate`` takes there and offloadpool's ratio to the kernel rate."""
+    out: dict[str, dict[str, Any]] = {}
+    for medium in MEDIA:
+        ours = strategies.get(f"offloadpool_{medium}")
+        prefix = f"kernel_{medium}_"
+        options = {k[len(prefix) :]: v["gib_per_s"] for k, v in strategies.items() if k.startswith(prefix)}
+        if ours is None or not options:
+            continue
+        best = max(options, key=lambda o: options[o])
+        rates = populate_rates.get(medium, [])[1::2]  # each timed run follows its warm-up run
+        pre = summarize(rates).median if rates else 0.0
+        out[medium] = {
+            "options_gib_per_s": options,
+            "kernel_option": best,
+            "kernel_gib_per_s": options[best],
+            "chosen": prefault.STRATEGY_FOR[medium],
+            "offloadpool_gib_per_s": ours["gib_per_s"],
+            "ratio_vs_kernel": round(ours["gib_per_s"] / options[best], 3),
+            "populate_gib_per_s": round(pre, 3),
+            "populate_ratio_vs_kernel": round(pre / options[best], 3),
+        }
+    return out
 
 
 def markdown(result: dict, command: str) -> str:
@@ -390,11 +516,12 @@ def markdown(result: dict, command: str) -> str:
         ["strategy"],
         ["GiB/s (median)", "min-max GiB/s", "seconds (median)", "vs engine_baseline"],
     )
-    base = result["strategies"]["engine_baseline"]["gib_per_s"]
+    base = result["strategies"].get("engine_baseline", {}).get("gib_per_s")
     for name, s in sorted(result["strategies"].items(), key=lambda kv: kv[1]["gib_per_s"]):
+        versus = f"{s['gib_per_s'] / base:.2f}x" if base else "-"
         lines.append(
             f"| {name} | {s['gib_per_s']:.2f} | {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} "
-            f"| {s['seconds']:.3f} | {s['gib_per_s'] / base:.2f}x |"
+            f"| {s['seconds']:.3f} | {versus} |"
         )
     lines += [
         "",
@@ -402,6 +529,36 @@ def markdown(result: dict, command: str) -> str:
         f"ratio_vs_memset_limit = **{result['ratio_vs_memset_limit']}** "
         f"(vs memset_bulk {result['ratio_vs_memset_bulk']}) "
         f"(best: {result['best_offloadpool']})",
+        "",
+        "Per medium: every pre-fault option the kernel offers (bare calls, W threads), the kernel rate "
+        "(its best option) and offloadpool's provision against it; **chosen** = `region.populate`'s "
+        "strategy for the medium (`STRATEGY_FOR`).",
+        "",
+        "| medium | strategy | GiB/s (median) | min-max GiB/s | vs kernel rate |",
+        "|---|---|---:|---:|---:|",
+    ]
+    strategies = result["strategies"]
+    for medium, m in result.get("media", {}).items():
+        rows = [(f"kernel_{medium}_{o}", o) for o in m["options_gib_per_s"]]
+        rows.append((f"offloadpool_{medium}", f"offloadpool (provision, {m['chosen']})"))
+        for key, label in rows:
+            s = strategies[key]
+            marks = []
+            if label == m["kernel_option"]:
+                marks.append("kernel rate")
+            if label == m["chosen"]:
+                marks.append("chosen")
+            text = f"{label} **({', '.join(marks)})**" if marks else label
+            spread = f"{s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f}"
+            lines.append(
+                f"| {medium} | {text} | {s['gib_per_s']:.2f} | {spread} "
+                f"| {s['gib_per_s'] / m['kernel_gib_per_s']:.2f} |"
+            )
+    lines.append("")
+    lines += [
+        f"{medium}: offloadpool / kernel rate = **{m['ratio_vs_kernel']}** "
+        f"(its pre-fault alone: {m['populate_gib_per_s']:.2f} GiB/s, {m['populate_ratio_vs_kernel']})  "
+        for medium, m in result.get("media", {}).items()
     ]
     return report.tail(lines, result["unavailable"])
 
@@ -441,12 +598,19 @@ def run_cli(args: argparse.Namespace) -> int:
     cap = parse_size(args.capacity)
     report.note_reps(args.reps)
     result = run(
-        cap, args.ranks, args.reps, args.workers, [m for m in args.media.split(",") if m], log=report.log
+        cap,
+        args.ranks,
+        args.reps,
+        args.workers,
+        [m for m in args.media.split(",") if m],
+        log=report.log,
+        engines=args.engines,
     )
     command = (
         f"offloadpool bench populate --capacity {args.capacity} --ranks {args.ranks} --reps {args.reps}"
         + report.flag("--workers", args.workers, 0)
         + report.flag("--media", args.media, ",".join(MEDIA))
+        + ("" if args.engines else " --no-engines")
     )
     text = markdown(result, command)
     if args.png:

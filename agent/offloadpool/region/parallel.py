@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from offloadpool.region import beneath, numa, places, vm
-from offloadpool.region.errors import CapacityError
+from offloadpool.region.errors import CapacityError, fmt_bytes
 from offloadpool.region.journal import Unit
 from offloadpool.region.manifest import Segment
 from offloadpool.region.planner import Plan
@@ -154,13 +154,23 @@ def fault_in(addr: int, length: int, page_size: int, out_of_memory: str, *, fall
 
 
 @contextmanager
-def mapped(pool_dir: Path, plan: Plan, policy: numa.Policy) -> Iterator[tuple[list[int], list[Mapping]]]:
+def mapped(
+    pool_dir: Path, plan: Plan, policy: numa.Policy, *, map_memory: bool = True
+) -> Iterator[tuple[list[int], list[Mapping]]]:
     """Every segment of ``plan`` open and mapped shared (``map_segments``), as (fds, mappings)
-    in plan order; unmapped and closed on the way out, also after a failure part way."""
+    in plan order; unmapped and closed on the way out, also after a failure part way.
+
+    ``map_memory=False``: the files only, no mapping (work done on the files themselves, such
+    as ``fallocate``; a hugetlbfs mapping would also reserve pages it never uses)."""
     fds: list[int] = []
     maps: list[Mapping] = []
     try:
-        map_segments(pool_dir, plan, policy, fds, maps)
+        if map_memory:
+            map_segments(pool_dir, plan, policy, fds, maps)
+        else:
+            with places.pool_fd(pool_dir) as pool_fd:
+                for seg in plan.segments:
+                    fds.append(_open_one(pool_dir, pool_fd, seg))
         yield fds, maps
     finally:
         for addr, length in maps:
@@ -183,12 +193,26 @@ def map_segments(
             numa.mbind(maps[-1][0], seg.bytes, nmode, nodes)
 
 
-def _map_one(pool_dir: Path, pool_fd: int, seg: Segment, fds: list[int], maps: list[Mapping]) -> None:
+def _open_one(pool_dir: Path, pool_fd: int, seg: Segment) -> int:
     """Open one segment beneath the pool directory (a plain file, its own link and at most
-    vLLM's: never through a link a pod put there) and map it shared."""
+    vLLM's: never through a link a pod put there)."""
     try:
-        fd = beneath.open_file(pool_fd, seg.file, os.O_RDWR, links=2)
+        return beneath.open_file(pool_fd, seg.file, os.O_RDWR, links=2)
     except beneath.WrongEntry as exc:
         raise places.UnsafeEntry(pool_dir, exc) from None
+
+
+def _map_one(pool_dir: Path, pool_fd: int, seg: Segment, fds: list[int], maps: list[Mapping]) -> None:
+    """Open one segment (:func:`_open_one`) and map it shared. A shared hugetlbfs mapping
+    reserves its pages at mmap, so too few pages show here: a ``CapacityError``."""
+    fd = _open_one(pool_dir, pool_fd, seg)
     fds.append(fd)
-    maps.append((vm.map_shared(fd, seg.bytes), seg.bytes))
+    try:
+        maps.append((vm.map_shared(fd, seg.bytes), seg.bytes))
+    except vm.VMError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise CapacityError(
+            f"mapping {pool_dir / seg.file} ({fmt_bytes(seg.bytes)}) to pre-fault it: {exc.strerror} "
+            f"(on hugetlbfs: too few free huge pages for the mapping's reservation)"
+        ) from exc

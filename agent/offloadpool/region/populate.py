@@ -1,29 +1,84 @@
 """Parallel, resumable pre-fault of a pool's segment files.
 
 Worker threads (``region.parallel``) each take a contiguous share of the logical region and
-walk it in runs of at most ``chunk_bytes`` within one file; each run is made present with
-``madvise(MADV_POPULATE_WRITE)``, then recorded in the journal and reported as progress, so a
-pre-fault killed part way is resumed where it stopped.
+walk it in runs of at most ``chunk_bytes`` within one file; each run is made present, then
+recorded in the journal and reported as progress, so a pre-fault killed part way is resumed
+where it stopped. How a run is made present is the medium's strategy (:data:`STRATEGY_FOR`,
+chosen by ``offloadpool bench populate``, docs/bench-populate.md):
 
-Population writes no data: present pages keep their contents. That is what makes a resumed
-provision safe for memory that may already hold an engine's data.
+* ``fallocate`` (hugetlbfs): ``fallocate(2)`` on the file. The kernel takes each huge page
+  from the pool and clears it, which is all a write fault does too, minus the page table
+  entries of a mapping the pre-fault would only tear down again; the pages sit in the file's
+  page cache, where every engine's mapping finds them. No mapping is made at all.
+* ``madvise``: ``madvise(MADV_POPULATE_WRITE)`` through a shared mapping of the file.
+* ``fallocate+madvise``: the file's pages allocated first, then faulted in (on tmpfs
+  ``fallocate`` alone leaves pages uncleared until their first fault, so it is never enough
+  there).
+* ``touch``: every page write-faulted from Python (kernels without ``MADV_POPULATE_WRITE``).
+
+Population writes no data: present pages keep their contents, whatever the strategy. That is
+what makes a resumed provision safe for memory that may already hold an engine's data.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from offloadpool.region import numa, parallel, vm
-from offloadpool.region.errors import RegionError, fmt_bytes
+from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.journal import Journal, Unit, units
 from offloadpool.region.parallel import DEFAULT_CHUNK, Progress
 from offloadpool.region.planner import Plan
-from offloadpool.region.vocabulary import NUMA_NONE
+from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, MEMORY_THP, NUMA_NONE
 
-MODES = ("auto", "madvise", "touch")
+AUTO, MADVISE, TOUCH, FALLOCATE, FALLOCATE_MADVISE = (
+    "auto",
+    "madvise",
+    "touch",
+    "fallocate",
+    "fallocate+madvise",
+)
+MODES = (AUTO, MADVISE, TOUCH, FALLOCATE, FALLOCATE_MADVISE)
+#: The pre-fault of each medium, by measurement (docs/bench-populate.md): on hugetlbfs the
+#: kernel's own clearing allocation; on tmpfs faulting through the mapping.
+STRATEGY_FOR: dict[str, str] = {
+    HUGEPAGES_2MI: FALLOCATE,
+    HUGEPAGES_1GI: FALLOCATE,
+    MEMORY_THP: MADVISE,
+    MEMORY: MADVISE,
+}
+
+
+def strategy(plan: Plan, mode: str, numa_policy: str, workers: int) -> str:
+    """The strategy a pre-fault of ``plan`` uses: ``mode``, or for ``auto`` the medium's.
+
+    ``auto`` faults through the mapping instead of ``fallocate`` where that would be wrong or
+    slow: under a NUMA policy (``mbind`` steers the faults of the populating mapping; an
+    allocation by ``fallocate`` follows the populating thread's policy instead), and where two
+    workers would share a file (``fallocate`` holds the file's inode lock for the whole call,
+    so they would take turns). Refused before any memory is touched: ``fallocate`` alone on
+    tmpfs (its pages would stay uncleared until the engine's first fault).
+    """
+    if mode not in MODES:
+        raise RegionError(f"populate mode {mode!r} is not one of {MODES}")
+    if mode == FALLOCATE and not plan.medium.hugetlb:
+        raise RegionError(
+            f"populate mode {FALLOCATE!r} does not clear {plan.medium.name} (tmpfs) pages; "
+            f"use {FALLOCATE_MADVISE!r} or {MADVISE!r}"
+        )
+    if mode != AUTO:
+        return mode
+    chosen = STRATEGY_FOR[plan.medium.name]
+    if chosen == FALLOCATE and (
+        numa.parse_policy(numa_policy).kind != NUMA_NONE or len(plan.segments) < workers
+    ):
+        return MADVISE
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -33,7 +88,7 @@ class PopulateStats:
     skipped_bytes: int  # already recorded as populated by an earlier run
     seconds: float
     workers: int
-    mode: str  # "madvise" or "touch"
+    mode: str  # the strategy that made the pages present (one of MODES but "auto")
     thp_bytes: int  # bytes mapped with PMD-sized pages at the end (tmpfs THP coverage)
 
     @property
@@ -41,65 +96,100 @@ class PopulateStats:
         return self.populated_bytes / (1 << 30) / self.seconds if self.seconds > 0 else 0.0
 
 
+#: One mapping's PMD-mapped shmem or file bytes in ``/proc/self/smaps``.
+_PMD_MAPPED = re.compile(r"^(?:ShmemPmdMapped|FilePmdMapped):\s+(\d+) kB", re.MULTILINE)
+
+
 def _thp_bytes(addrs: list[tuple[int, int]]) -> int:
-    """Sum of ShmemPmdMapped/FilePmdMapped over our mappings (huge-page-backed tmpfs bytes)."""
-    starts = {a for a, _ in addrs}
-    total, inside = 0, False
+    """Sum of ShmemPmdMapped/FilePmdMapped over our mappings (huge-page-backed tmpfs bytes).
+
+    The file lists every mapping of the process; only our mappings' sections are searched
+    (found by their start address), since parsing it all line by line costs more than a
+    percent of a gigabyte's pre-fault."""
     try:
         with open("/proc/self/smaps") as fh:
-            for line in fh:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):
-                    inside = int(head.split("-")[0], 16) in starts
-                elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
-                    total += int(line.split()[1]) * 1024
+            text = fh.read()
     except OSError:
         return 0
+    total = 0
+    for addr, _ in addrs:
+        head = f"{addr:x}-"
+        if text.startswith(head):
+            start = 0
+        else:
+            start = text.find("\n" + head) + 1
+            if start == 0:  # not mapped (any more)
+                continue
+        end = text.find("\nVmFlags:", start)
+        section = text[start : end if end >= 0 else len(text)]
+        total += sum(int(kb) * 1024 for kb in _PMD_MAPPED.findall(section))
     return total
 
 
 class _Prefault:
-    """One pre-fault in progress: what its worker threads share (the mappings, the journal, the
-    byte count) and what each of them does with one run of its share."""
+    """One pre-fault in progress: what its worker threads share (the files, the mappings, the
+    journal, the byte count) and what each of them does with one run of its share."""
 
     def __init__(
         self,
         plan: Plan,
+        fds: list[int],
         maps: list[parallel.Mapping],
         journal: Journal,
         *,
         mode: str,
+        fallback: bool,
         rate_limit: float | None,
         tally: parallel.Tally,
     ) -> None:
-        self.plan, self.maps, self.journal = plan, maps, journal
+        self.plan, self.fds, self.maps, self.journal = plan, fds, maps, journal
         self.rate_limit, self.tally = rate_limit, tally
         #: ``auto`` may fall back from madvise to touching pages once, for every worker.
-        self.fallback = mode == "auto"
-        self.mode = "touch" if mode == "touch" else "madvise"
+        self.fallback = fallback
+        self.mode = mode
         self.t0 = time.perf_counter()
 
     def each(self, run: list[Unit]) -> None:
-        """Fault one run in, journal it, report it, keep pace."""
+        """Make one run present, journal it, report it, keep pace."""
         first = run[0]
         length = sum(u.bytes for u in run)
-        self.fault(self.maps[first.segment][0] + first.offset, length)
+        if self.mode in (FALLOCATE, FALLOCATE_MADVISE):
+            self.allocate(first.segment, first.offset, length)
+        if self.mode != FALLOCATE:
+            self.fault(self.maps[first.segment][0] + first.offset, length)
         self.journal.mark(first.index, len(run))
         self.tally.add(length)
         self.pace()
 
+    def out_of_memory(self, length: int) -> str:
+        return f"pre-fault ran out of memory at {fmt_bytes(length)} chunk of {self.plan.medium.name} pool"
+
+    def allocate(self, segment: int, offset: int, length: int) -> None:
+        """``fallocate`` a run of one file; a shortfall of pages is a ``CapacityError``."""
+        try:
+            vm.allocate(self.fds[segment], offset, length)
+        except vm.VMError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                seg = self.plan.segments[segment]
+                raise CapacityError(
+                    f"{self.out_of_memory(length)} (fallocate of {seg.file} at offset "
+                    f"{fmt_bytes(offset)}): {exc.strerror}"
+                ) from exc
+            if exc.errno == errno.EOPNOTSUPP:
+                raise RegionError(
+                    f"{self.plan.medium.name} here cannot fallocate: pre-fault with "
+                    f"OFFLOADPOOL_POPULATE_MODE={MADVISE}"
+                ) from exc
+            raise
+
     def fault(self, addr: int, length: int) -> None:
         """Populate ``length`` bytes at ``addr``: MADV_POPULATE_WRITE, or touch every page."""
-        if self.mode == "madvise":
-            out_of_memory = (
-                f"pre-fault ran out of memory at {fmt_bytes(length)} chunk of {self.plan.medium.name} pool"
-            )
-            if not parallel.fault_in(
-                addr, length, self.plan.page_size, out_of_memory, fallback=self.fallback
-            ):
-                self.mode = "touch"  # kernel < 5.14: no MADV_POPULATE_WRITE
-            return
-        vm.touch_pages(addr, length, self.plan.page_size)
+        if self.mode == TOUCH:
+            vm.touch_pages(addr, length, self.plan.page_size)
+        elif not parallel.fault_in(
+            addr, length, self.plan.page_size, self.out_of_memory(length), fallback=self.fallback
+        ):
+            self.mode = TOUCH  # kernel < 5.14: no MADV_POPULATE_WRITE
 
     def pace(self) -> None:
         """Sleep while this call is ahead of ``rate_limit`` (all workers together)."""
@@ -116,34 +206,43 @@ def populate(
     workers: int = 0,
     progress: Progress | None = None,
     numa_policy: str = NUMA_NONE,
-    mode: str = "auto",
+    mode: str = AUTO,
     chunk_bytes: int = DEFAULT_CHUNK,
     rate_limit: float | None = None,
 ) -> PopulateStats:
     """Pre-fault every segment of ``plan`` under ``pool_dir`` that the journal lacks.
 
     ``rate_limit`` (bytes/s, all workers together) keeps a pre-fault from saturating the
-    memory bandwidth of a busy node. ``mode``: ``auto`` uses MADV_POPULATE_WRITE and falls
-    back to touching pages when the kernel lacks it (also ``OFFLOADPOOL_POPULATE_MODE``).
+    memory bandwidth of a busy node. ``mode`` (also ``OFFLOADPOOL_POPULATE_MODE``): ``auto``
+    takes the medium's strategy (:func:`strategy`) and falls back from MADV_POPULATE_WRITE to
+    touching pages when the kernel lacks it; any other of :data:`MODES` is used as given.
     """
     mode = os.environ.get("OFFLOADPOOL_POPULATE_MODE", mode)
-    if mode not in MODES:
-        raise RegionError(f"populate mode {mode!r} is not one of {MODES}")
     pool_dir = Path(pool_dir)
     all_units = units(plan.segments, plan.page_size)
     total = sum(u.bytes for u in all_units)
     workers = workers or parallel.default_workers(plan)
     workers = max(1, min(workers, len(all_units)))
+    chosen = strategy(plan, mode, numa_policy, workers)  # a bad mode fails before anything
     policy = numa.parse_policy(numa_policy)
     journal = Journal(pool_dir, len(all_units))
     try:
-        with parallel.mapped(pool_dir, plan, policy) as (_fds, maps):
+        with parallel.mapped(pool_dir, plan, policy, map_memory=chosen != FALLOCATE) as (fds, maps):
             done = journal.done()
             skipped = sum(u.bytes for u in all_units if done[u.index])
             if rate_limit:
                 chunk_bytes = max(1, min(chunk_bytes, int(rate_limit / 8)))
             tally = parallel.Tally(total, progress, start=skipped)
-            job = _Prefault(plan, maps, journal, mode=mode, rate_limit=rate_limit, tally=tally)
+            job = _Prefault(
+                plan,
+                fds,
+                maps,
+                journal,
+                mode=chosen,
+                fallback=mode == AUTO,
+                rate_limit=rate_limit,
+                tally=tally,
+            )
             parallel.run_shares(
                 parallel.shares(all_units, workers),
                 lambda share: parallel.runs(share, chunk_bytes, done),
@@ -153,7 +252,7 @@ def populate(
             seconds = time.perf_counter() - job.t0
             # Only a huge= tmpfs can hold PMD-sized pages; reading /proc/self/smaps is O(every
             # mapping of the process), so it is not done for the media that cannot.
-            thp = _thp_bytes(maps) if plan.medium.huge not in (None, "never") else 0
+            thp = _thp_bytes(maps) if maps and plan.medium.huge not in (None, "never") else 0
             return PopulateStats(total, tally.added, skipped, seconds, workers, job.mode, thp)
     finally:
         journal.close()

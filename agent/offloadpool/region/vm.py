@@ -71,6 +71,20 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
             raise VMError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
 
 
+def allocate(fd: int, offset: int, length: int) -> None:
+    """fallocate(KEEP_SIZE): give a file range its pages (the GIL is released for the call).
+
+    On hugetlbfs the kernel takes each page from the huge page pool and clears it (the same
+    work a write fault does, without a page table entry to set up or tear down); on tmpfs it
+    only allocates, and the page is cleared at its first fault. Pages already there are
+    left as they are, so this too never zeroes data.
+    """
+    while LIBC.fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINTR:
+            raise VMError(err, f"fallocate failed: {os.strerror(err)}")
+
+
 def touch_pages(addr: int, length: int, page: int) -> None:
     """Fallback for kernels without MADV_POPULATE_WRITE: write-fault every page by writing
     back the byte just read from it (one strided copy per call, in C).
