@@ -360,26 +360,33 @@ def test_the_native_example_deployment_runs_on_its_pool_scaled_down(
     region_root: Path, tmp_path: Path, vllm_engine
 ) -> None:
     """examples/vllm/deployment-native-tp4.yaml: its --kv-transfer-config, loaded by vLLM, on its
-    pool's layout (Llama-3.1-70B TP4: 1280Ki per rank per block) with 8 rows instead of 13104."""
+    pool's layout scaled down to 4 × 16 MiB. The pool carries no model arithmetic: vLLM's own
+    numbers for Llama-3.1-70B at TP4 (80 layers, 2 of 8 KV heads per rank, 16-token fp16 blocks:
+    1280 KiB per rank per block) decide the tier."""
     pool_doc, deployment = example_docs("deployment-native-tp4.yaml")
     layout = pool_doc["spec"]["layout"]
-    slot = parse_quantity(layout["slotSize"])
+    assert set(layout) == {"type", "ranks"}  # memory and ranks, nothing of a model
+    ranks = layout["ranks"]
     config = kv_transfer_config(deployment["spec"]["template"]["spec"]["containers"][0])
     assert config["kv_connector"] == "OffloadingConnector"
-    result = make_pool(region_root, "example", 8 * layout["ranks"] * slot, ranks=layout["ranks"], slot=slot)
+    assert "cpu_bytes_to_use" not in config["kv_connector_extra_config"]
+    region = 16 * MiB
+    result = make_pool(region_root, "example", ranks * region, layout=layout["type"], ranks=ranks, slot=None)
     pod_root = tmp_path / "pod-example"
     pod_root.mkdir()
+    slot = 16 * 2 * 80 * 2 * 128 * 2
     run = vllm_engine(
         "native_engine.py",
         {
             "pool_dir": str(result.pool_dir),
             "pod_root": str(pod_root),
-            "world_size": layout["ranks"],
+            "world_size": ranks,
             "worker_kv_bytes_per_block": slot,
             "extra_config": config["kv_connector_extra_config"],
         },
     )
     for w in run["workers"]:
         assert "error" not in w, w.get("traceback")
-        assert w["spec"] == "offloadpool.vllm.spec.OffloadPoolOffloadingSpec" and w["num_chunks"] == 8
+        assert w["spec"] == "offloadpool.vllm.spec.OffloadPoolOffloadingSpec"
+        assert (w["num_chunks"], w["attached_rank"]) == (region // slot, w["rank"])
     assert run["lease_after_exit"] == "free"
