@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import yaml
 
-from offloadpool.api.quantity import parse_quantity
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.provision import ProvisionResult, provision
 from offloadpool.region.request import PoolRequest
