@@ -86,8 +86,8 @@ def ensure(python: Path) -> Path:
         for pkg in ("tests", "tests/v1"):
             (home() / pkg / "__init__.py").touch()
         subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
-            + ["--target", str(home() / "pytest"), PYTEST, "pluggy", "iniconfig", "packaging"],
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+            + ["--target", str(home() / "pytest"), PYTEST],
             check=True,
         )
         done.touch()
@@ -104,7 +104,10 @@ def run(python: Path, substituted: bool, only: list[str] | None = None) -> dict[
     if substituted:
         cmd += ["-p", "kv_offload_substitute"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "VLLM_LOGGING_LEVEL": "WARNING"}
-    subprocess.run([*cmd, *(only or ["tests/v1/kv_offload"])], cwd=home(), env=env, check=False)
+    # pytest's own output goes to stderr: stdout is the comparison, as JSON
+    subprocess.run(
+        [*cmd, *(only or ["tests/v1/kv_offload"])], cwd=home(), env=env, check=False, stdout=sys.stderr
+    )
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"

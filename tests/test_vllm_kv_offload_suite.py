@@ -32,5 +32,6 @@ def test_vllms_own_kv_offload_tests_pass_with_the_spec_in_place(vllm_python: Pat
     result = json.loads(out.stdout)
     assert result["stock"]["passed"] > 800  # the suite ran, not an empty collection
     assert result["regressions"] == [], result["differences"]
-    assert result["substituted"]["passed"] >= result["stock"]["passed"]
-    assert out.returncode == 0
+    # the only tests that pass stock and not substituted: the six docs/vllm.md names
+    assert len(result["by_design"]) == 6 and all("test_cpu_spec_" in n for n in result["by_design"])
+    assert out.returncode == 0, result
