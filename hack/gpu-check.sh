@@ -9,7 +9,8 @@
 #      that Python: real cuMemHostRegister, real copies, vLLM's own worker moving blocks
 #      GPU <-> pool,
 #   4. runs `offloadpool bench startup --backend cuda` (what an engine pays at start-up: building
-#      its region itself vs attaching a pool, pinned with the driver API), and prints it.
+#      its region itself vs attaching a pool, pinned with the driver API; then 4 workers at once
+#      registering their share of one pool, per-rank vs interleaved vs whole-region), and prints it.
 # Output goes to stdout and to $OUT_DIR (default: a temp dir): gpu-tests.xml, bench-startup.json/.md.
 # (The bench runs as `python -m offloadpool.bench.startup`, which is `offloadpool bench startup`
 # without the CLI's other commands and their imports: the library and the bench are stdlib-only.)

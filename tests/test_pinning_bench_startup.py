@@ -54,3 +54,27 @@ def test_cli_subcommand() -> None:
     )
     result = json.loads(out.stdout)
     assert result["best_medium"] == "Memory" and result["backend"] == "mlock"
+
+
+def test_startup_bench_compares_per_rank_interleaved_and_whole_region_pinning() -> None:
+    """Four worker processes pin their share of one pool per layout: per-rank pins its region,
+    interleaved its slots by the engine's numbers, whole-region everything; pools are released."""
+    cap, slot = 64 * MiB, 1280 << 10
+    result = run(cap, reps=1, media=["Memory"], backend="mlock", ranks=4, slot=slot)
+    lay = result["layouts"]
+    assert (lay["medium"], lay["ranks"], lay["slot_bytes"]) == ("Memory", 4, slot)
+    pinned = {name: m["bytes_per_worker"] for name, m in lay["layouts"].items()}
+    assert pinned == {
+        "per_rank": [cap // 4] * 4,
+        "interleaved": [(cap // (4 * slot)) * slot] * 4,  # 12 rows of this worker's 1280 KiB
+        "whole_region": [cap] * 4,
+    }
+    assert set(lay["ratios"]) == {
+        "whole_region_vs_per_rank",
+        "interleaved_vs_per_rank",
+        "whole_region_vs_interleaved",
+    }
+    assert all(m["seconds"] > 0 for m in lay["layouts"].values())
+    assert not [m for m in mounts.mounts() if "offloadpool-bench-startup-" in m.target]
+    text = markdown(result, "offloadpool bench startup --capacity 64Mi --reps 1 --media Memory")
+    assert "| per_rank |" in text and "whole_region / per_rank" in text

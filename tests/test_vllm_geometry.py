@@ -45,35 +45,85 @@ def tier(world: int = 2, chunks: int = 32, replicated: bool = False) -> EngineTi
     )
 
 
-def test_a_matching_pool_is_attached_as_the_workers_own_rank_or_rank_0_when_replicated() -> None:
-    assert geometry.check(manifest(64 * SLOT), Path("/p"), tier()) is None
-    assert geometry.check(manifest(32 * SLOT, "Replicated", 1, SLOT), Path("/p"), tier(replicated=True)) == 0
-    assert (
-        geometry.check(manifest(128 * SLOT), Path("/p"), tier()) is None
-    )  # a larger pool serves a smaller tier
+@pytest.mark.parametrize(
+    "pool",
+    [
+        dict(capacity=64 * SLOT),  # Interleaved, 2 ranks of vLLM's slot
+        dict(capacity=64 * SLOT, ranks=4, slot=SLOT // 2),  # another model's rows
+        dict(capacity=64 * SLOT, ranks=8, slot=None),
+        dict(capacity=64 * SLOT, layout="Replicated", ranks=1, slot=None),
+        dict(capacity=200 * SLOT + 12 * KiB, layout="Replicated", ranks=1, slot=None),  # not whole rows
+    ],
+)
+@pytest.mark.parametrize("engine", [tier(), tier(world=4, chunks=16), tier(replicated=True), tier(world=1)])
+def test_a_one_region_pool_serves_any_engine_whose_rows_fit_by_the_engines_numbers(pool, engine) -> None:
+    m = manifest(**pool)
+    geometry.check(m, Path("/p"), engine)
+    for w in range(engine.world_size):
+        where = geometry.placement(m, engine, w)
+        assert (where.attach_rank, where.row_bytes) == (0, engine.row_bytes)
+        assert where.pin.total_bytes == engine.num_chunks * engine.row_bytes
+        if engine.replicated:
+            assert (where.view_rank, where.pin.slot_offset, where.pin.slot_bytes) == (0, 0, engine.row_bytes)
+        else:
+            assert (where.view_rank, where.pin.slot_offset, where.pin.slot_bytes) == (w, w * SLOT, SLOT)
+
+
+def test_the_tier_is_as_many_of_vllms_rows_as_the_pool_holds() -> None:
+    m = manifest(200 * SLOT + 12 * KiB, "Replicated", 1, None)
+    assert geometry.rows_that_fit(m, tier(world=2)) == 100  # 2 × SLOT rows
+    assert geometry.rows_that_fit(m, tier(world=8)) == 25
+    assert geometry.rows_that_fit(manifest(64 * SLOT, "PerRank", 4, None), tier(world=4)) == 16
+
+
+def test_a_per_rank_pool_gives_each_worker_its_own_region_as_rows_of_its_slot() -> None:
+    m = manifest(4 * 16 * SLOT, "PerRank", 4, None)
+    engine = tier(world=4, chunks=16)
+    geometry.check(m, Path("/p"), engine)
+    for w in range(4):
+        where = geometry.placement(m, engine, w)
+        assert (where.attach_rank, where.view_rank, where.row_bytes) == (w, 0, SLOT)
+        assert (where.pin.total_bytes, where.pin.row_bytes, where.pin.slot_offset) == (16 * SLOT, SLOT, 0)
+        assert where.pin.plan(4096) == [(0, 16 * SLOT)]  # its region, contiguously
 
 
 @pytest.mark.parametrize(
-    "pool, engine, words",
+    "pool, engine, explicit, words",
     [
-        (dict(capacity=64 * SLOT, layout="PerRank"), tier(), "is laid out PerRank"),
-        (dict(capacity=64 * SLOT, ranks=4), tier(), "is laid out for 4 ranks, the engine has 2 workers"),
         (
-            dict(capacity=64 * SLOT, slot=SLOT // 2),
+            dict(capacity=64 * SLOT, layout="PerRank", ranks=4, slot=None),
             tier(),
-            f"slots of {SLOT // 2} bytes in rows of {SLOT}, vLLM's are {SLOT}",
+            False,
+            "is laid out PerRank for 4 ranks (one region per worker), the engine has 2 workers",
         ),
-        (dict(capacity=32 * SLOT), tier(), f"holds {32 * SLOT} bytes, vLLM's CPU tier needs {64 * SLOT}"),
-        (dict(capacity=64 * SLOT), tier(replicated=True), "vLLM keeps one replicated copy per row"),
+        (
+            dict(capacity=SLOT, layout="Replicated", ranks=1, slot=None),
+            tier(chunks=0),
+            False,
+            f"holds {SLOT} bytes, less than one of vLLM's {2 * SLOT}-byte rows: give the pool a "
+            f"capacity of at least {2 * SLOT} bytes",
+        ),
+        (
+            dict(capacity=32 * SLOT),
+            tier(),
+            True,
+            f"holds {32 * SLOT} bytes (16 of vLLM's {2 * SLOT}-byte rows), cpu_bytes_to_use asks for "
+            f"32 ({64 * SLOT} bytes): lower cpu_bytes_to_use, or leave it out and the tier is the pool",
+        ),
+        (
+            dict(capacity=4 * 8 * SLOT, layout="PerRank", ranks=4, slot=None),
+            tier(world=4, chunks=16),
+            True,
+            f"the smallest of its 4 regions holds {8 * SLOT} bytes (8 of vLLM's {SLOT}-byte slots)",
+        ),
     ],
 )
-def test_a_pool_that_cannot_serve_the_engine_names_both_numbers_and_a_fitting_spec(
-    pool, engine, words
+def test_a_pool_that_cannot_serve_the_engine_says_both_numbers_in_one_message(
+    pool, engine, explicit, words
 ) -> None:
     with pytest.raises(PoolMismatch) as err:
-        geometry.check(manifest(**pool), Path("/offloadpool/kv"), engine)
-    assert words in str(err.value)
-    assert f"a pool that fits: spec: {{{engine.fitting_spec()}}}" in str(err.value)
+        geometry.check(manifest(**pool), Path("/offloadpool/kv"), engine, explicit=explicit)
+    assert "pool 'kv' at /offloadpool/kv " in str(err.value) and words in str(err.value)
 
 
 def test_the_pool_directory_comes_from_extra_config_then_the_environment(monkeypatch) -> None:

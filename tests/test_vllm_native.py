@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from offloadpool.api.quantity import parse_quantity
+from offloadpool.region.manifest import load as load_manifest
 from offloadpool.region.provision import ProvisionResult, provision
 from offloadpool.region.request import PoolRequest
 
@@ -41,10 +41,17 @@ def make_pool(
     ranks: int = 2,
     slot: int | None = SLOT,
     medium: str = "Memory",
+    **more: Any,
 ) -> ProvisionResult:
     return provision(
         PoolRequest(
-            name=name, capacity=capacity, medium=medium, layout_type=layout, ranks=ranks, slot_bytes=slot
+            name=name,
+            capacity=capacity,
+            medium=medium,
+            layout_type=layout,
+            ranks=ranks,
+            slot_bytes=slot,
+            **more,
         ),
         root,
     )
@@ -53,12 +60,13 @@ def make_pool(
 def files_of(result: ProvisionResult) -> list[tuple[int, int]]:
     return [
         (os.stat(result.pool_dir / s.file).st_ino, os.stat(result.pool_dir / s.file).st_size)
-        for s in result.manifest.regions[0].segments
+        for region in result.manifest.regions
+        for s in region.segments
     ]
 
 
-def byte_at(result: ProvisionResult, offset: int) -> int:
-    for seg in result.manifest.regions[0].segments:
+def byte_at(result: ProvisionResult, offset: int, region: int = 0) -> int:
+    for seg in result.manifest.regions[region].segments:
         if seg.offset <= offset < seg.offset + seg.bytes:
             with open(result.pool_dir / seg.file, "rb") as fh:
                 fh.seek(offset - seg.offset)
@@ -107,6 +115,7 @@ def test_tp_workers_attach_the_pool_through_vllms_spec_factory(
         ]
         # exactly one registration path: offloadpool's, of this rank's slots only
         assert w["offloadpool_pin"]["bytes"] == 32 * SLOT and w["offloadpool_pin"]["backend"] == "mlock"
+        assert w["vmlck"] == 32 * SLOT  # the kernel's count: this worker's slots, nothing else
         assert w["vllm_registrations"] == 0 and w["vllm_pinned_addresses"] == 0
         assert w["seen"] == [[0x40 + q, 0x60 + q] for q in range(world)]  # every rank's writes
     assert files_of(result) == before  # nothing created, truncated or unlinked
@@ -126,6 +135,7 @@ def test_replicated_mla_tier_shares_one_copy_per_row(region_root: Path, tmp_path
         assert (w["num_chunks"], w["row_bytes"], w["slot_bytes"]) == (32, SLOT, SLOT)
         assert [v[2] for v in w["views"]] == [0, SLOT // 2]  # every worker: rank 0's slot, the row
         assert w["offloadpool_pin"]["bytes"] == 32 * SLOT and w["vllm_registrations"] == 0
+        assert w["vmlck"] == 32 * SLOT
         assert len(w["seen"]) == 1 and w["seen"][0][0] in (0x40, 0x41)  # one copy, both ranks write it
     assert run["lease_after_exit"] == "free"
 
@@ -167,17 +177,159 @@ def test_data_parallel_replicas_each_attach_their_own_pool(
         ]
 
 
-def test_a_pool_for_other_ranks_fails_every_worker_with_the_spec_that_fits(
+PAGE = 4096
+
+
+def model(
+    world: int,
+    *,
+    layers: int,
+    kv_heads: int = 0,
+    head_dim: int = 128,
+    latent: int = 0,
+    block: int = 16,
+    dtype: str = "bfloat16",
+    blocks_per_chunk: int = 1,
+) -> dict[str, Any]:
+    """One engine: a model's per-worker KV bytes per block, as vLLM computes them.
+
+    GQA: K and V of this worker's ``kv_heads / world`` heads; MLA (``latent``: kv_lora_rank +
+    rope dim): one latent per token, the same on every worker, under vLLM's replicated layout."""
+    size = {"bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "float32": 4}[dtype]
+    if latent:
+        per_block = layers * latent * block * size
+    else:
+        per_block = layers * 2 * max(kv_heads // world, 1) * head_dim * block * size
+    return {
+        "world_size": world,
+        "worker_kv_bytes_per_block": per_block,
+        "blocks_per_chunk": blocks_per_chunk,
+        "dtype": dtype,
+        "replicated_layout": bool(latent),
+    }
+
+
+#: Engines one node might serve one after another: TP 1/2/4/8, GQA and MLA, block sizes 16/32/64,
+#: bf16/fp8/fp32, 1 or 2 blocks per chunk, and a row vLLM pads to 4 KiB (head_dim 80, TP 2).
+ENGINES = [
+    model(1, layers=4, kv_heads=8),
+    model(2, layers=4, kv_heads=8, dtype="float32", block=32),
+    model(4, layers=4, kv_heads=8, block=32, dtype="fp8_e4m3"),
+    model(8, layers=4, kv_heads=8, blocks_per_chunk=2),
+    model(2, layers=1, kv_heads=2, head_dim=80),  # 5120-byte slots, 10240-byte rows padded to 12 KiB
+    model(4, layers=3, latent=576),  # MLA, 55296-byte rows padded to 56 KiB
+    model(8, layers=2, latent=576, block=64, dtype="fp8_e4m3"),
+]
+
+
+def own_pages(rows: int, row: int, offset: int, slot: int) -> int:
+    """The bytes of the pages a worker's slots touch: what it must page-lock, and no more."""
+    if slot > row - PAGE:  # the #59544 rule: slots a page short of the row pin whole rows
+        return -(-rows * row // PAGE) * PAGE
+    pages = set()
+    for r in range(rows):
+        start = r * row + offset
+        pages.update(range(start // PAGE, -(-(start + slot) // PAGE)))
+    return len(pages) * PAGE
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(layout="Replicated", ranks=1, slot=None),  # a flat pool: memory only
+        dict(layout="Interleaved", ranks=3, slot=320 * KiB),  # made for a model none of these is
+    ],
+    ids=["flat", "interleaved-other-model"],
+)
+def test_one_pool_serves_every_engine_in_turn_each_worker_locking_its_own_bytes(
+    region_root: Path, tmp_path: Path, vllm_engine, layout: dict[str, Any]
+) -> None:
+    """Provisioned once, the pool serves TP 1-8, GQA and MLA, several block sizes and dtypes one
+    after another: no refusal, no re-provisioning, the tier is as many of each engine's rows
+    as fit, and every worker page-locks exactly the pages of its own data (VmLck)."""
+    capacity = 50 * 3 * 320 * KiB
+    result = make_pool(region_root, "any", capacity, **layout)
+    before, generation = files_of(result), result.manifest.generation
+    pod_root = tmp_path / "pod-any"
+    pod_root.mkdir()
+    run = vllm_engine(
+        "native_engine.py",
+        {"pool_dir": str(result.pool_dir), "pod_root": str(pod_root), "engines": ENGINES},
+        timeout=600,
+    )
+    assert len(run["engines"]) == len(ENGINES)
+    for engine, got in zip(ENGINES, run["engines"], strict=True):
+        world, replicated = engine["world_size"], engine["replicated_layout"]
+        slot = engine["worker_kv_bytes_per_block"] * engine["blocks_per_chunk"]
+        row = -(-(slot if replicated else world * slot) // PAGE) * PAGE  # vLLM pads rows to 4 KiB
+        rows = capacity // row
+        assert [w.get("error") for w in got["workers"]] == [None] * world, (engine, got["workers"][0])
+        assert got["lease_while_attached"] == "held" and got["lease_after_exit"] == "free"
+        assert len(got["workers"]) == world
+        for w in got["workers"]:
+            assert "error" not in w, (engine, w.get("traceback"))
+            r, offset = w["rank"], 0 if replicated else w["rank"] * slot
+            assert (w["num_chunks"], w["row_bytes"], w["slot_bytes"]) == (rows, row, slot), engine
+            assert w["cpu_bytes_to_use"] == capacity and w["attached_rank"] == 0
+            half = engine["worker_kv_bytes_per_block"] // 2 * engine["blocks_per_chunk"]
+            assert w["views"][0] == [[rows, half], [row, 1], offset]
+            assert w["vllm_registrations"] == 0
+            assert w["vmlck"] == own_pages(rows, row, offset, slot), (engine, r)
+            if replicated:
+                assert w["offloadpool_pin"]["bytes"] == rows * row
+            else:
+                assert w["seen"] == [[0x40 + q, 0x60 + q] for q in range(world)]
+    assert files_of(result) == before  # one pool, never re-made
+    assert load_manifest(result.pool_dir).generation == generation
+
+
+def test_a_per_rank_pool_gives_each_tp4_worker_its_own_regions_files_pinned_contiguously(
     region_root: Path, tmp_path: Path, vllm_engine
 ) -> None:
-    result = make_pool(region_root, "two", 32 * 2 * SLOT, ranks=2)
-    run = run_native(vllm_engine, tmp_path, result, 4)
+    """PerRank TP-4 (#59547): worker r maps region r's files and no other, vLLM's views over it
+    are rows of its slot at offset 0, it locks its region's rows and nothing else, its writes
+    land at the start of region r."""
+    region = 16 * MiB
+    result = make_pool(
+        region_root, "perrank", 4 * region, layout="PerRank", ranks=4, slot=None, min_segment=4 * MiB
+    )
+    regions = result.manifest.regions
+    assert all(len(r.segments) == 4 for r in regions)  # several files per region
+    engine = model(4, layers=4, kv_heads=8, head_dim=96)  # 48 KiB slots: 341 of them per 16 MiB region
+    slot = engine["worker_kv_bytes_per_block"]
+    rows = region // slot
+    pod_root = tmp_path / "pod-perrank"
+    pod_root.mkdir()
+    run = vllm_engine(
+        "native_engine.py", {"pool_dir": str(result.pool_dir), "pod_root": str(pod_root), **engine}
+    )
+    assert run["lease_while_attached"] == "held" and run["lease_after_exit"] == "free"
+    for w in run["workers"]:
+        assert "error" not in w, w.get("traceback")
+        r = w["rank"]
+        assert w["attached_rank"] == r and w["num_chunks"] == rows and w["slot_bytes"] == slot
+        assert w["views"] == [[[rows, slot // 2], [slot, 1], 0], [[rows, slot // 2], [slot, 1], slot // 2]]
+        assert w["mapped"] == sorted(f"{run['pod_dir']}/{s.file}" for s in regions[r].segments)
+        assert w["vmlck"] == -(-rows * slot // PAGE) * PAGE  # its own rows: the whole region it uses
+        assert w["offloadpool_pin"]["bytes"] == rows * slot
+        assert w["seen"] == [[0x40 + r, 0x60 + r]]  # rank 0 inside its own region
+    for r in range(4):
+        assert byte_at(result, 0, region=r) == 0x40 + r
+        assert byte_at(result, (rows - 1) * slot + slot - 1, region=r) == 0x60 + r
+
+
+def test_a_per_rank_pool_of_other_ranks_fails_every_worker_naming_both_numbers(
+    region_root: Path, tmp_path: Path, vllm_engine
+) -> None:
+    result = make_pool(region_root, "four", 4 * 4 * MiB, layout="PerRank", ranks=4, slot=None)
+    run = run_native(vllm_engine, tmp_path, result, 2)
     for w in run["workers"]:
         assert w["error"] == (
-            f"PoolMismatch: pool 'two' at {run['pod_dir']} is laid out for 2 ranks, the engine has 4 "
-            f"workers; a pool that fits: spec: {{capacity: {32 * 2 * SLOT}, layout: {{type: Interleaved, "
-            f"ranks: 4, slotSize: {SLOT}}}}}"
+            f"PoolMismatch: pool 'four' at {run['pod_dir']} is laid out PerRank for 4 ranks (one "
+            f"region per worker), the engine has 2 workers: use a PerRank pool of 2 ranks, or an "
+            f"Interleaved or Replicated pool (any engine fits those)"
         )
+        assert "vmlck" not in w  # refused before anything was mapped
     assert run["lease_after_exit"] == "free"
 
 
@@ -187,9 +339,10 @@ def test_a_tier_larger_than_the_pool_fails_with_both_numbers(
     result = make_pool(region_root, "small", 32 * 2 * SLOT, ranks=2)
     run = run_native(vllm_engine, tmp_path, result, 2, extra_config={"cpu_bytes_to_use": 64 * 2 * SLOT})
     for w in run["workers"]:
-        assert w["error"].startswith(
-            f"PoolMismatch: pool 'small' at {run['pod_dir']} holds {32 * 2 * SLOT} bytes, vLLM's CPU tier "
-            f"needs {64 * 2 * SLOT} (64 rows of {2 * SLOT}); lower cpu_bytes_to_use or use a pool that fits"
+        assert w["error"] == (
+            f"PoolMismatch: pool 'small' at {run['pod_dir']} holds {32 * 2 * SLOT} bytes (32 of vLLM's "
+            f"{2 * SLOT}-byte rows), cpu_bytes_to_use asks for 64 ({64 * 2 * SLOT} bytes): lower "
+            f"cpu_bytes_to_use, or leave it out and the tier is the pool"
         ), w
 
 
@@ -206,26 +359,33 @@ def test_the_native_example_deployment_runs_on_its_pool_scaled_down(
     region_root: Path, tmp_path: Path, vllm_engine
 ) -> None:
     """examples/vllm/deployment-native-tp4.yaml: its --kv-transfer-config, loaded by vLLM, on its
-    pool's layout (Llama-3.1-70B TP4: 1280Ki per rank per block) with 8 rows instead of 13104."""
+    pool's layout scaled down to 4 × 16 MiB. The pool carries no model arithmetic: vLLM's own
+    numbers for Llama-3.1-70B at TP4 (80 layers, 2 of 8 KV heads per rank, 16-token fp16 blocks:
+    1280 KiB per rank per block) decide the tier."""
     pool_doc, deployment = example_docs("deployment-native-tp4.yaml")
     layout = pool_doc["spec"]["layout"]
-    slot = parse_quantity(layout["slotSize"])
+    assert set(layout) == {"type", "ranks"}  # memory and ranks, nothing of a model
+    ranks = layout["ranks"]
     config = kv_transfer_config(deployment["spec"]["template"]["spec"]["containers"][0])
     assert config["kv_connector"] == "OffloadingConnector"
-    result = make_pool(region_root, "example", 8 * layout["ranks"] * slot, ranks=layout["ranks"], slot=slot)
+    assert "cpu_bytes_to_use" not in config["kv_connector_extra_config"]
+    region = 16 * MiB
+    result = make_pool(region_root, "example", ranks * region, layout=layout["type"], ranks=ranks, slot=None)
     pod_root = tmp_path / "pod-example"
     pod_root.mkdir()
+    slot = 16 * 2 * 80 * 2 * 128 * 2
     run = vllm_engine(
         "native_engine.py",
         {
             "pool_dir": str(result.pool_dir),
             "pod_root": str(pod_root),
-            "world_size": layout["ranks"],
+            "world_size": ranks,
             "worker_kv_bytes_per_block": slot,
             "extra_config": config["kv_connector_extra_config"],
         },
     )
     for w in run["workers"]:
         assert "error" not in w, w.get("traceback")
-        assert w["spec"] == "offloadpool.vllm.spec.OffloadPoolOffloadingSpec" and w["num_chunks"] == 8
+        assert w["spec"] == "offloadpool.vllm.spec.OffloadPoolOffloadingSpec"
+        assert (w["num_chunks"], w["attached_rank"]) == (region // slot, w["rank"])
     assert run["lease_after_exit"] == "free"

@@ -17,8 +17,13 @@ builds CUDA handlers — vLLM's ``pin_mmap_region`` (unconditionally: on a GPU v
 so it must register nothing twice) and one ``create_next_worker_view`` per KV tensor — and
 ``cleanup()`` at shutdown. vLLM's ``host_register`` is wrapped to count its calls.
 
+Each worker also reports what the kernel says it holds: its page-locked bytes (``VmLck``) and
+the pool files it has mapped (``/proc/self/maps``).
+
 The parent checks the pool's lease while the workers hold it, then after they exit, and prints
-one JSON object.
+one JSON object. With ``engines`` (a list of overrides of the config), it runs those engines
+one after another against the same pool(s), as a node serves one model after another, and
+prints ``{"engines": [one object per engine]}``.
 """
 
 from __future__ import annotations
@@ -84,6 +89,18 @@ class WorkerStandIn:
         self.region.cleanup()
 
 
+def kernel_view(pool_dirs: list[str]) -> dict[str, Any]:
+    """This process's page-locked bytes and the files of the pool(s) it maps, by the kernel."""
+    status = Path("/proc/self/status").read_text()
+    vmlck = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmLck:"))
+    mapped = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and any(fields[5].startswith(d + "/") for d in pool_dirs):
+            mapped.add(fields[5])
+    return {"vmlck": vmlck, "mapped": sorted(mapped)}
+
+
 def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: int = 0) -> None:
     report: dict[str, Any] = {"rank": rank, "dp": dp}
     stand_in = None
@@ -109,7 +126,8 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
         )
         # one "KV tensor" per layer group: this worker's slot split in two
         slot = spec.cpu_page_size_per_worker
-        stand_in = spec.create_worker(kv_caches=[slot // 2, slot - slot // 2])
+        block = slot // spec.blocks_per_chunk  # vLLM's worker sizes its views per block
+        stand_in = spec.create_worker(kv_caches=[block // 2, block - block // 2])
         region = stand_in.region
         stats = region.pin_stats
         report.update(
@@ -119,6 +137,8 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
             vllm_registrations=len(vllm_registrations),
             vllm_pinned_addresses=len(region.pinned_addresses),
             views=[[list(v.shape), list(v.stride()), v.storage_offset()] for v in stand_in.views],
+            attached_rank=region.attachment.rank,
+            **kernel_view(cfg["pod_dirs"]),
         )
         # write through vLLM's views: this rank's marker in every row of its first view
         # (another data-parallel replica's markers differ by 0x10: its writes must reach its pool)
@@ -150,9 +170,20 @@ def main() -> int:
     import vllm.v1.kv_offload.cpu.spec
     import vllm.v1.kv_offload.factory  # noqa: F401
 
+    pod_dirs = make_pod_view(cfg)
+    cfg["pod_dirs"] = pod_dirs
+    if "engines" in cfg:
+        print(json.dumps({"engines": [run_engine({**cfg, **engine}) for engine in cfg["engines"]]}))
+    else:
+        print(json.dumps(run_engine(cfg)))
+    return 0
+
+
+def run_engine(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Start one engine's workers, check the lease while they hold the pool, wait for them."""
     from offloadpool.region.lease import Lease, LeaseHeld
 
-    pod_dirs = make_pod_view(cfg)
+    pod_dirs = cfg["pod_dirs"]
     ctx = mp.get_context("fork")
     # dp_size engines (data-parallel replicas) of world_size workers each, one barrier per engine
     tp, dps = cfg["world_size"], cfg.get("dp_size", 1)
@@ -195,8 +226,7 @@ def main() -> int:
     result["leases_after_exit"] = leases()
     result["lease_after_exit"] = result["leases_after_exit"][0]
     result["workers"] = sorted(reports, key=lambda r: (r.get("dp", 0), r["rank"]))
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def offloading_config(
         enable_kv_cache_events=False,
         extra_config=extra_config,
         engine_id=engine_id,
-        model=OffloadingModelConfig(name="test-model", dtype="float16"),
+        model=OffloadingModelConfig(name="test-model", dtype=cfg.get("dtype", "float16")),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=cfg.get("blocks_per_chunk", 1)),
         parallel=OffloadingParallelConfig(
             rank=rank,

@@ -1,6 +1,8 @@
 """``offloadpool bench startup``: what an engine pays at start-up for its host KV tier.
 
-Two cases, same capacity C, in one run (see docs/bench-startup.md):
+Two cases, same capacity C, in one run (see docs/bench-startup.md), then the layouts: N
+workers at once pinning their share of one pool, per-rank vs interleaved vs whole-region
+(``offloadpool.bench.layouts``).
 
 * ``engine_built`` - an engine that builds its tier itself at start: create a file in a tmpfs
   mount (4 KiB pages, like ``/dev/shm``), size it, map it, pre-fault all of it from one thread
@@ -35,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from offloadpool.bench import report
+from offloadpool.bench import layouts, report
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.pinning import PinStats, attach, get_backend
 from offloadpool.pinning.backends.base import PinBackend
@@ -62,6 +64,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backend",
         default="auto",
         help="pinning backend: auto (cuda if usable, else torch, else mlock), cuda, torch, mlock",
+    )
+    p.add_argument(
+        "--ranks", type=int, default=4, help="workers pinning at once in the layouts comparison (0: skip it)"
+    )
+    p.add_argument(
+        "--slot",
+        default="1280Ki",
+        help="one worker's bytes per row in the interleaved layout (default 1280Ki: Llama-3.1-70B, TP4)",
+    )
+    p.add_argument(
+        "--layout-medium", help="medium of the layouts comparison (default: the first of --media available)"
     )
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     p.add_argument("--markdown", help="also write the markdown table to this file")
@@ -162,8 +175,13 @@ def run(
     media: list[str] | None = None,
     backend: str = "auto",
     log: Callable[[str], None] = lambda s: None,
+    *,
+    ranks: int = 0,
+    slot: int = 1280 << 10,
+    layout_medium: str | None = None,
 ) -> dict[str, Any]:
-    """Run both cases for every available medium, interleaved; return the JSON-ready result."""
+    """Run both cases for every available medium, interleaved, then (``ranks`` > 0) the layouts
+    comparison on ``layout_medium``; return the JSON-ready result."""
     if reps < 1:
         raise ValueError("reps must be >= 1")
     media = list(MEDIA if media is None else media)
@@ -206,9 +224,21 @@ def run(
                 blocks[medium] = block
             finally:
                 pages_returned += release(root, name, force=True).hugepages_returned
+        compared = None
+        chosen = layout_medium or next((m for m in media if m not in unavailable), None)
+        if ranks > 0 and chosen is not None:
+            try:
+                compared = layouts.run(
+                    root, cap, chosen, ranks=ranks, slot=slot, reps=reps, backend=backend_name, log=log
+                )
+            except (RegionError, ValueError, OSError, RuntimeError) as exc:
+                unavailable["layouts"] = f"{chosen}: {exc}"
+                log(f"layouts on {chosen}: not available here: {exc}")
     # What this run added to the kernel's huge page pool it gave back (counted per pool, not
     # from the global counters, which other processes may change meanwhile).
-    return _summarise(cap, reps, backend_name, samples, blocks, unavailable, pages_added == pages_returned)
+    summary = _summarise(cap, reps, backend_name, samples, blocks, unavailable, pages_added == pages_returned)
+    summary["layouts"] = compared
+    return summary
 
 
 def _summarise(
@@ -293,6 +323,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"ratio_engine_built_vs_attach = **{result['ratio_engine_built_vs_attach']}** "
         f"(best medium: {result['best_medium']})",
     ]
+    if result.get("layouts"):
+        lines += layouts.markdown(result["layouts"])
     return report.tail(lines, result["unavailable"])
 
 
@@ -302,11 +334,23 @@ def run_cli(args: argparse.Namespace) -> int:
     cap = parse_size(args.capacity)
     report.note_reps(args.reps)
     media = [m for m in args.media.split(",") if m]
-    result = run(cap, args.reps, media, args.backend, log=report.log)
+    result = run(
+        cap,
+        args.reps,
+        media,
+        args.backend,
+        log=report.log,
+        ranks=args.ranks,
+        slot=parse_size(args.slot),
+        layout_medium=args.layout_medium,
+    )
     command = (
         f"offloadpool bench startup --capacity {args.capacity} --reps {args.reps}"
         + report.flag("--media", args.media, ",".join(MEDIA))
         + report.flag("--backend", args.backend, "auto")
+        + report.flag("--ranks", args.ranks, 4)
+        + report.flag("--slot", args.slot, "1280Ki")
+        + report.flag("--layout-medium", args.layout_medium, None)
     )
     report.publish(args, result, markdown(result, command))
     return 0

@@ -14,7 +14,7 @@ from offloadpool.pinning.backends import get_backend
 from offloadpool.pinning.backends.base import PinBackend
 from offloadpool.pinning.errors import AttachError, BackendError, BackendUnavailable, PinError
 from offloadpool.pinning.pin import PinCancelled, PinRange, PinStats
-from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, plan_pin_ranges
+from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, PinGeometry, plan_pin_ranges
 from offloadpool.region.manifest import ManifestError
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "PinBackend",
     "PinCancelled",
     "PinError",
+    "PinGeometry",
     "PinRange",
     "PinStats",
     "attach",

@@ -39,7 +39,13 @@ from offloadpool.pinning.backends import get_backend
 from offloadpool.pinning.backends.base import PinBackend
 from offloadpool.pinning.errors import AttachError, PinError
 from offloadpool.pinning.pin import PinRange, PinStats, register_plan, unregister_all
-from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, plan_pin_ranges, split_at
+from offloadpool.pinning.plan import (
+    DEFAULT_MAX_CHUNK,
+    DEFAULT_MAX_RANGES,
+    PinGeometry,
+    plan_pin_ranges,
+    split_at,
+)
 from offloadpool.region import numa_check, shares
 from offloadpool.region.lease import Lease, LeaseHeld
 from offloadpool.region.manifest import LEASE_NAME, Manifest, Region, load
@@ -250,17 +256,32 @@ class Attachment:
         raise AttachError(f"pool {self.manifest.pool!r} ({lay.type}) records no row geometry")
 
     def plan(
-        self, max_chunk: int = DEFAULT_MAX_CHUNK, max_ranges: int = DEFAULT_MAX_RANGES
+        self,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+        max_ranges: int = DEFAULT_MAX_RANGES,
+        *,
+        geometry: PinGeometry | None = None,
     ) -> list[PinRange]:
-        """The registration calls ``pin()`` would make: the rank's ranges, split at files."""
-        try:
-            _rows, row, slot_off, slot = self.row_geometry()
-        except AttachError:
-            row = slot = self.page_size  # unknown geometry: the whole region in page units
-            slot_off = 0
-        ranges = plan_pin_ranges(
-            self.size, row, slot_off, slot, self.page_size, max_chunk=max_chunk, max_ranges=max_ranges
-        )
+        """The registration calls ``pin()`` would make: the rank's ranges, split at files.
+
+        ``geometry`` (the engine's rows and this worker's slot in them) replaces the
+        manifest's layout: the engine, not the pool, knows its block size."""
+        if geometry is not None:
+            if not 0 < geometry.total_bytes <= self.size:
+                raise PinError(
+                    f"the engine's rows span {geometry.total_bytes} bytes, the attached region "
+                    f"holds {self.size}"
+                )
+            ranges = geometry.plan(self.page_size, max_chunk=max_chunk, max_ranges=max_ranges)
+        else:
+            try:
+                _rows, row, slot_off, slot = self.row_geometry()
+            except AttachError:
+                row = slot = self.page_size  # unknown geometry: the whole region in page units
+                slot_off = 0
+            ranges = plan_pin_ranges(
+                self.size, row, slot_off, slot, self.page_size, max_chunk=max_chunk, max_ranges=max_ranges
+            )
         starts = [seg.offset for seg in self.region.segments]
         pieces = split_at(ranges, starts[1:])
         out = []
@@ -288,6 +309,8 @@ class Attachment:
         max_chunk: int = DEFAULT_MAX_CHUNK,
         max_ranges: int = DEFAULT_MAX_RANGES,
         device: int = 0,
+        geometry: PinGeometry | None = None,
+        worker: int | None = None,
     ) -> PinStats | concurrent.futures.Future[PinStats]:
         """Register this rank's ranges with ``backend`` ("cuda", "torch", "mlock" or "auto").
 
@@ -295,24 +318,28 @@ class Attachment:
         ``PinError`` names the chunk and the driver's error. With ``background=True`` returns
         a ``concurrent.futures.Future`` (so the engine can overlap pinning with its own
         start-up); the plan, backend choice and limits are still checked before it returns.
+        ``geometry``: the engine's own rows and slot (see ``plan``). ``worker`` (default: the
+        attached rank) picks the file this worker registers first, so workers that pin one
+        region at once start on different files' locks.
         """
         with self._lock:
             if self._closed:
                 raise PinError("attachment is closed")
             if self._pin_future is not None or self._state.registered:
                 raise PinError("attachment is already pinned (or pinning); unpin() first")
-            plan = self.plan(max_chunk=max_chunk, max_ranges=max_ranges)
+            plan = self.plan(max_chunk=max_chunk, max_ranges=max_ranges, geometry=geometry)
             impl = backend if isinstance(backend, PinBackend) else get_backend(backend, device)
             try:
                 impl.preflight([r.length for r in plan], accounted=not is_hugetlbfs(self.manifest.medium))
             except BaseException:
                 impl.close()
                 raise
+            first = self.rank if worker is None else worker
             if not background:
-                return self._run_pin(impl, plan)  # holds the lock; close() cancels via the event
+                return self._run_pin(impl, plan, first)  # holds the lock; close() cancels via the event
             executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offloadpool-pin")
             try:
-                future = executor.submit(self._run_pin, impl, plan)
+                future = executor.submit(self._run_pin, impl, plan, first)
             finally:
                 executor.shutdown(wait=False)
             self._pin_future = future
@@ -324,9 +351,9 @@ class Attachment:
             if self._pin_future is future:
                 self._pin_future = None
 
-    def _run_pin(self, impl: PinBackend, plan: list[PinRange]) -> PinStats:
+    def _run_pin(self, impl: PinBackend, plan: list[PinRange], worker: int) -> PinStats:
         names = [seg.file for seg in self.region.segments]
-        first = self.rank % len(names)
+        first = worker % len(names)
         try:
             done, stats = register_plan(
                 impl, self._state.base, plan, self._state.fds, names, first_segment=first, cancel=self._cancel

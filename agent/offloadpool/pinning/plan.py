@@ -21,11 +21,42 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 DEFAULT_MAX_CHUNK = 64 << 30
 DEFAULT_MAX_RANGES = 65536
 
 Range = tuple[int, int]  # (offset, length) in bytes from the start of the region
+
+
+@dataclass(frozen=True)
+class PinGeometry:
+    """Which bytes of a mapped region one rank uses, as the engine lays its rows over it.
+
+    The engine's numbers, not the pool's: the first ``total_bytes`` of the region are rows of
+    ``row_bytes`` and the rank's data is ``[slot_offset, slot_offset + slot_bytes)`` of each.
+    A whole region (vLLM's replicated tier, a PerRank region) is ``slot_offset=0,
+    slot_bytes=row_bytes``. ``Attachment.pin(geometry=...)`` plans from this instead of the
+    manifest's layout, so a pool of any layout serves any engine that fits in it.
+    """
+
+    total_bytes: int
+    row_bytes: int
+    slot_offset: int
+    slot_bytes: int
+
+    def plan(
+        self, page_size: int, max_chunk: int = DEFAULT_MAX_CHUNK, max_ranges: int = DEFAULT_MAX_RANGES
+    ) -> list[Range]:
+        return plan_pin_ranges(
+            self.total_bytes,
+            self.row_bytes,
+            self.slot_offset,
+            self.slot_bytes,
+            page_size,
+            max_chunk=max_chunk,
+            max_ranges=max_ranges,
+        )
 
 
 def _positive_int(name: str, value: object) -> int:

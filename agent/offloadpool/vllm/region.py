@@ -8,8 +8,10 @@ from and what happens to it:
 * the memory is ``offloadpool.pinning.attach``: the pool's segments mapped into one range,
   the pool's lease held until ``cleanup()``; nothing is created, truncated, populated or
   unlinked (the node provisioned and pre-faulted it, and keeps it);
-* pinning is offloadpool's, once, through its planner and backends (slot-selective for an
-  Interleaved pool, chunks of at most 64 GiB, per-file lock, all-or-nothing). vLLM's worker
+* pinning is offloadpool's, once, through its planner and backends, of exactly this worker's
+  bytes by vLLM's numbers (``pin_geometry``: its slots of vLLM's rows, whole rows under the
+  replicated layout, its whole region of a PerRank pool), whatever the pool's layout; chunks
+  of at most 64 GiB, per-file lock, all-or-nothing. vLLM's worker
   still calls its ``pin_mmap_region`` on a GPU machine; the region tells it there is nothing
   left to register (no slot ranges, no unregistered bytes), so no range is registered twice.
 """
@@ -23,7 +25,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-from offloadpool.pinning import Attachment, PinStats, attach
+from offloadpool.pinning import Attachment, PinGeometry, PinStats, attach
 
 logger = init_logger(__name__)
 
@@ -40,6 +42,8 @@ class PoolRegion(SharedOffloadRegion):
         num_chunks: int,
         kv_bytes_per_chunk: int,
         cpu_page_size: int,
+        pin_geometry: PinGeometry,
+        worker: int,
         pin_backend: str = "auto",
         lease_timeout: float | None = 60.0,
     ) -> None:
@@ -73,6 +77,8 @@ class PoolRegion(SharedOffloadRegion):
             self.pinned_addresses: list[int] = []
             self.pin_stats: PinStats | None = None
             self._pin_backend = pin_backend
+            self._pin_geometry = pin_geometry
+            self._worker = worker
         except BaseException:
             self.attachment.close()
             raise
@@ -83,7 +89,9 @@ class PoolRegion(SharedOffloadRegion):
         import torch
 
         device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        stats = self.attachment.pin(backend=self._pin_backend, device=device)
+        stats = self.attachment.pin(
+            backend=self._pin_backend, device=device, geometry=self._pin_geometry, worker=self._worker
+        )
         assert isinstance(stats, PinStats)
         self.pin_stats = stats
         self.is_pinned = True
