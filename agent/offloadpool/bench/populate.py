@@ -27,7 +27,9 @@ Strategies, all for the same capacity C, in one run (see docs/bench-populate.md)
 Ranks and workers are threads calling ``madvise(MADV_POPULATE_WRITE)`` through ctypes (no GIL
 held), each rank with its own mapping, as separate engine processes would have. Each case runs
 once untimed immediately before its timed run (the VM backs memory lazily: docs/bench-populate.md) and
-the cases are interleaved (A B C ... A B C ...) for ``reps`` rounds; figures are medians with
+the cases are interleaved for ``reps`` rounds, each round starting one case later (A B C, B C A,
+C A B ...), so no case always follows the same one (what the one before it left in memory, freed
+pages to clear or huge pages to compact, lands on every case in turn); figures are medians with
 min/max. GiB/s is always C / seconds (the region's bytes, not bytes touched).
 """
 
@@ -429,7 +431,9 @@ def run(
         cases["memset_bulk"] = ((lambda: memset_case(scratch, cap, workers, None)), _nothing)
         try:
             for rep in range(reps):
-                for name, (case, prepared) in list(cases.items()):
+                order = list(cases.items())
+                order = order[rep % len(order) :] + order[: rep % len(order)]
+                for name, (case, prepared) in order:
                     try:
                         with prepared():
                             case()  # warm, untimed, immediately before the timed run
