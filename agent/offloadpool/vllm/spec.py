@@ -27,7 +27,7 @@ from offloadpool.region import shares
 from offloadpool.region.manifest import Manifest
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.vllm import geometry
-from offloadpool.vllm.region import PoolRegion
+from offloadpool.vllm.region import PoolRegion, worker_gpu_numa_node
 
 logger = init_logger(__name__)
 
@@ -102,6 +102,7 @@ class OffloadPoolOffloadingSpec(CPUOffloadingSpec):
             pin_geometry=where.pin,
             worker=worker_index,
             pin_backend=self.pin_backend,
+            gpu_numa_node=worker_gpu_numa_node(),
         )
         try:
             region.pin()
