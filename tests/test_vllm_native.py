@@ -423,6 +423,7 @@ def test_two_engines_on_one_node_get_separate_shares_and_never_see_each_others_b
             "pool_dir": str(result.pool_dir),
             "pod_root": str(pod_root),
             "together": engines,
+            "report_values": True,
             "refused": {**model(1, layers=1, kv_heads=8), "pod_uid": "pod-c-uid", "engine_id": "c"},
         },
     )

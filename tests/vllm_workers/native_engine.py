@@ -20,6 +20,8 @@ so it must register nothing twice) and one ``create_next_worker_view`` per KV te
 Each worker also reports what the kernel says it holds: its page-locked bytes (``VmLck``) and
 the pool files it has mapped (``/proc/self/maps``).
 
+With ``report_values``, each worker also reports every byte value of its tier (costly: opt-in).
+
 The parent checks the pool's lease while the workers hold it, then after they exit, and prints
 one JSON object. With ``engines`` (a list of overrides of the config), it runs those engines
 one after another against the same pool(s), as a node serves one model after another, and
@@ -159,8 +161,10 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
             [int(base[r * slot].item()) & 0xFF, int(base[last + r * slot + slot - 1].item()) & 0xFF]
             for r in range(slots_per_row)
         ]
-        # every byte value of this worker's tier: what it can see of anyone's writes
-        report["values"] = sorted({int(v) & 0xFF for v in base[: spec.num_chunks * stride].unique().tolist()})
+        if cfg.get("report_values"):  # every byte value of its tier: what it sees of anyone's writes
+            report["values"] = sorted(
+                {int(v) & 0xFF for v in base[: spec.num_chunks * stride].unique().tolist()}
+            )
         out.put({"rank": rank, "dp": dp, "attached": True})
         go.wait(timeout)  # the parent checks the lease while every worker is attached
     except BaseException as exc:
