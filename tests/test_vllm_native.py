@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -389,3 +390,82 @@ def test_the_native_example_deployment_runs_on_its_pool_scaled_down(
         assert w["spec"] == "offloadpool.vllm.spec.OffloadPoolOffloadingSpec"
         assert (w["num_chunks"], w["attached_rank"]) == (region // slot, w["rank"])
     assert run["lease_after_exit"] == "free"
+
+
+def test_two_engines_on_one_node_get_separate_shares_and_never_see_each_others_bytes(
+    region_root: Path, tmp_path: Path, vllm_engine
+) -> None:
+    """A pool of 2 shares, provisioned once, serves a TP-2 and a TP-1 engine of different models
+    at the same time, each its own pod (``OFFLOADPOOL_POD_UID``): each engine's tier is one
+    share, its workers claim a different share and map only that share's files, and what each
+    writes through vLLM's views lands in its share alone; the other share keeps its bytes. A
+    third pod's engine while both are held is refused naming both holders."""
+    share = 16 * MiB
+    result = make_pool(
+        region_root, "shared", 2 * share, layout="Replicated", ranks=1, slot=None, partitions=2
+    )
+    head = result.manifest
+    assert head.shares == 2
+    files = {i: [s.file for s in head.regions[i].segments] for i in range(2)}
+    fill = 0xAA  # the pool's bytes before any engine: what nobody wrote
+    for name in files[0] + files[1]:
+        with open(result.pool_dir / name, "r+b") as fh:  # in place: the provisioned pages
+            fh.write(bytes([fill]) * os.fstat(fh.fileno()).st_size)
+    engines = [
+        {**model(2, layers=4, kv_heads=8), "pod_uid": "pod-a-uid", "engine_id": "a"},
+        {**model(1, layers=2, kv_heads=8, head_dim=80), "pod_uid": "pod-b-uid", "engine_id": "b"},
+    ]
+    pod_root = tmp_path / "pod-shares"
+    pod_root.mkdir()
+    run = vllm_engine(
+        "native_engine.py",
+        {
+            "pool_dir": str(result.pool_dir),
+            "pod_root": str(pod_root),
+            "together": engines,
+            "report_values": True,
+            "refused": {**model(1, layers=1, kv_heads=8), "pod_uid": "pod-c-uid", "engine_id": "c"},
+        },
+    )
+    pod_dir = run["pod_dir"]
+    got_shares = []
+    markers: dict[int, dict[int, int]] = {}  # share -> {offset: byte} its engine wrote
+    for k, (engine, workers) in enumerate(zip(engines, run["together"], strict=True)):
+        world, slot = engine["world_size"], engine["worker_kv_bytes_per_block"]
+        row = -(-world * slot // PAGE) * PAGE
+        rows = share // row
+        assert len(workers) == world
+        for w in workers:
+            assert "error" not in w, (engine, w.get("traceback"))
+            assert w["cpu_bytes_to_use"] == share  # the tier is one share, not the pool
+            assert (w["num_chunks"], w["row_bytes"], w["slot_bytes"]) == (rows, row, slot)
+        (mine,) = {w["share"] for w in workers}  # one share per engine, all its workers
+        got_shares.append(mine)
+        own = {0x40 + 0x10 * k + r for r in range(world)} | {0x60 + 0x10 * k + r for r in range(world)}
+        for w in workers:
+            assert w["mapped"] == sorted(f"{pod_dir}/{f}" for f in files[mine]), (k, w["rank"])
+            assert w["values"] == sorted(own | {fill}), (k, w["rank"])  # its writes and no one else's
+            assert w["vmlck"] == own_pages(rows, row, w["rank"] * slot, slot)
+        markers[mine] = {
+            i * row + r * slot + end: (0x40 if end == 0 else 0x60) + 0x10 * k + r
+            for i in range(rows)
+            for r in range(world)
+            for end in (0, slot - 1)
+        }
+    assert sorted(got_shares) == [0, 1]
+    for i in range(2):  # each share's file holds its engine's writes, the rest untouched
+        data = b"".join((result.pool_dir / f).read_bytes() for f in files[i])
+        changed = {o: b for o, b in enumerate(data) if b != fill}
+        assert changed == markers[i], i
+    (third,) = run["refused"]["workers"]
+    holders = {got_shares[k]: f"'pod-{'ab'[k]}-uid'" for k in range(2)}
+    assert re.fullmatch(
+        re.escape(f"AttachError: no free share in pool {pod_dir!r} for 'pod-c-uid': ")
+        + re.escape(f"share 0 by {holders[0]} (pid ")
+        + r"\d+\); "
+        + re.escape(f"share 1 by {holders[1]} (pid ")
+        + r"\d+\) "
+        + re.escape("(2 shares; a share is freed when every process of its engine has exited)"),
+        third["error"],
+    ), third
+    assert "vmlck" not in third  # refused before anything was mapped

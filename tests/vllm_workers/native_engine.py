@@ -20,10 +20,16 @@ so it must register nothing twice) and one ``create_next_worker_view`` per KV te
 Each worker also reports what the kernel says it holds: its page-locked bytes (``VmLck``) and
 the pool files it has mapped (``/proc/self/maps``).
 
+With ``report_values``, each worker also reports every byte value of its tier (costly: opt-in).
+
 The parent checks the pool's lease while the workers hold it, then after they exit, and prints
 one JSON object. With ``engines`` (a list of overrides of the config), it runs those engines
 one after another against the same pool(s), as a node serves one model after another, and
-prints ``{"engines": [one object per engine]}``.
+prints ``{"engines": [one object per engine]}``. With ``together`` (a list of overrides, each
+with its own ``pod_uid``, as the webhook sets ``OFFLOADPOOL_POD_UID`` per pod), it runs those
+engines at the same time, every worker of every engine attached before any reads, then starts
+the ``refused`` engine while they hold the pool, and prints ``{"together": [...], "refused":
+{...}}`` (``run_together``).
 """
 
 from __future__ import annotations
@@ -105,6 +111,8 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
     report: dict[str, Any] = {"rank": rank, "dp": dp}
     stand_in = None
     timeout = cfg.get("barrier_timeout", 60)
+    if "pod_uid" in cfg:
+        os.environ["OFFLOADPOOL_POD_UID"] = cfg["pod_uid"]  # this engine's pod, as the webhook says
     try:
         import vllm.v1.kv_offload.cpu.gpu_worker as gpu_worker
         import vllm.v1.kv_offload.cpu.spec as cpu_spec
@@ -138,6 +146,7 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
             vllm_pinned_addresses=len(region.pinned_addresses),
             views=[[list(v.shape), list(v.stride()), v.storage_offset()] for v in stand_in.views],
             attached_rank=region.attachment.rank,
+            share=region.attachment.share,
             **kernel_view(cfg["pod_dirs"]),
         )
         # write through vLLM's views: this rank's marker in every row of its first view
@@ -152,6 +161,10 @@ def worker(rank: int, cfg: dict[str, Any], barrier: Any, out: Any, go: Any, dp: 
             [int(base[r * slot].item()) & 0xFF, int(base[last + r * slot + slot - 1].item()) & 0xFF]
             for r in range(slots_per_row)
         ]
+        if cfg.get("report_values"):  # every byte value of its tier: what it sees of anyone's writes
+            report["values"] = sorted(
+                {int(v) & 0xFF for v in base[: spec.num_chunks * stride].unique().tolist()}
+            )
         out.put({"rank": rank, "dp": dp, "attached": True})
         go.wait(timeout)  # the parent checks the lease while every worker is attached
     except BaseException as exc:
@@ -172,7 +185,9 @@ def main() -> int:
 
     pod_dirs = make_pod_view(cfg)
     cfg["pod_dirs"] = pod_dirs
-    if "engines" in cfg:
+    if "together" in cfg:
+        print(json.dumps(run_together(cfg)))
+    elif "engines" in cfg:
         print(json.dumps({"engines": [run_engine({**cfg, **engine}) for engine in cfg["engines"]]}))
     else:
         print(json.dumps(run_engine(cfg)))
@@ -227,6 +242,58 @@ def run_engine(cfg: dict[str, Any]) -> dict[str, Any]:
     result["lease_after_exit"] = result["leases_after_exit"][0]
     result["workers"] = sorted(reports, key=lambda r: (r.get("dp", 0), r["rank"]))
     return result
+
+
+def run_together(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Engines of different pods at once on one pool: engine k's workers write markers
+    ``0x40 + 0x10*k + rank`` (passed as its ``dp`` tag; each is data-parallel rank 0 of its own
+    engine). One barrier over every worker: all have written before any reads. While they hold
+    the pool, the ``refused`` engine's workers try to attach; then all exit."""
+    ctx = mp.get_context("fork")
+    engines = [{**cfg, **e, "dp_index": 0} for e in cfg["together"]]
+    world = sum(e["world_size"] for e in engines)
+    barrier, out, go = ctx.Barrier(world), ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=worker, args=(r, e, barrier, out, go, k))
+        for k, e in enumerate(engines)
+        for r in range(e["world_size"])
+    ]
+    for p in procs:
+        p.start()
+    reports, attached = [], 0
+    while attached < world and len(reports) < world:
+        msg = out.get(timeout=cfg.get("timeout", 240))
+        if msg.get("attached"):
+            attached += 1
+        else:
+            reports.append(msg)
+    refused: dict[str, Any] = {}
+    if attached == world:
+        third = {**cfg, **cfg["refused"], "dp_index": 0}
+        n = third["world_size"]
+        late = [
+            ctx.Process(target=worker, args=(r, third, ctx.Barrier(n), out, ctx.Event(), len(engines)))
+            for r in range(n)
+        ]
+        for p in late:
+            p.start()
+        refused["workers"] = sorted(
+            (out.get(timeout=cfg.get("timeout", 240)) for _ in late), key=lambda r: r["rank"]
+        )
+        for p in late:
+            p.join(30)
+    go.set()
+    while len(reports) < world:
+        reports.append(out.get(timeout=cfg.get("timeout", 240)))
+    for p in procs:
+        p.join(30)
+    return {
+        "pod_dir": cfg["pod_dirs"][0],
+        "together": [
+            sorted((w for w in reports if w["dp"] == k), key=lambda w: w["rank"]) for k in range(len(engines))
+        ],
+        "refused": refused,
+    }
 
 
 if __name__ == "__main__":

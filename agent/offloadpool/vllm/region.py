@@ -26,8 +26,21 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from offloadpool.pinning import Attachment, PinGeometry, PinStats, attach
+from offloadpool.region import gpus
 
 logger = init_logger(__name__)
+
+
+def worker_gpu_numa_node() -> int | None:
+    """The NUMA node of this worker's GPU (torch's current device, by its PCI address, so a
+    pod's renumbered devices do not matter), for attach's placement check; None without CUDA
+    or when sysfs gives none (attach then checks against the CPUs this process may run on)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return gpus.gpu_numa_node(gpus.pci_address(p.pci_domain_id, p.pci_bus_id, p.pci_device_id))
 
 
 class PoolRegion(SharedOffloadRegion):
@@ -46,10 +59,13 @@ class PoolRegion(SharedOffloadRegion):
         worker: int,
         pin_backend: str = "auto",
         lease_timeout: float | None = 60.0,
+        gpu_numa_node: int | None = None,
     ) -> None:
         # Not SharedOffloadRegion.__init__: that creates or joins a /dev/shm file. These are the
         # attributes its view methods and vLLM's worker read, set from the attachment.
-        self.attachment: Attachment = attach(pool_dir, attach_rank, lease_timeout=lease_timeout)
+        self.attachment: Attachment = attach(
+            pool_dir, attach_rank, lease_timeout=lease_timeout, gpu_numa_node=gpu_numa_node
+        )
         try:
             self.page_size = self.attachment.page_size
             self.num_chunks = num_chunks

@@ -23,9 +23,11 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu import spec as cpu_spec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from offloadpool.region import shares
+from offloadpool.region.manifest import Manifest
 from offloadpool.region.manifest import load as load_manifest
 from offloadpool.vllm import geometry
-from offloadpool.vllm.region import PoolRegion
+from offloadpool.vllm.region import PoolRegion, worker_gpu_numa_node
 
 logger = init_logger(__name__)
 
@@ -34,12 +36,18 @@ def _with_cpu_bytes(config: OffloadingConfig, cpu_bytes: int) -> OffloadingConfi
     return dataclasses.replace(config, extra_config={**config.extra_config, "cpu_bytes_to_use": cpu_bytes})
 
 
+def _tier_manifest(head: Manifest) -> Manifest:
+    """What one engine gets of the pool: a partitioned pool's engine attaches one share (every
+    share alike, ``region.shares``), so its tier is a share's regions, not the whole pool's."""
+    return shares.share_manifest(head, 0) if head.shares > 1 else head
+
+
 class OffloadPoolOffloadingSpec(CPUOffloadingSpec):
     """CPUOffloadingSpec whose workers attach an offloadpool pool (module docstring)."""
 
     def __init__(self, config: OffloadingConfig):
         self.pool_dir = geometry.pool_dir_of(config.extra_config, config.parallel.data_parallel_index)
-        self.manifest = load_manifest(self.pool_dir)
+        self.manifest = _tier_manifest(load_manifest(self.pool_dir))
         geometry.check_ranks(self.manifest, self.pool_dir, config.parallel.world_size)
         explicit = bool(config.extra_config.get("cpu_bytes_to_use"))
         if not explicit:
@@ -94,6 +102,7 @@ class OffloadPoolOffloadingSpec(CPUOffloadingSpec):
             pin_geometry=where.pin,
             worker=worker_index,
             pin_backend=self.pin_backend,
+            gpu_numa_node=worker_gpu_numa_node(),
         )
         try:
             region.pin()
