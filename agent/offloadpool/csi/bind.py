@@ -171,29 +171,18 @@ def _bind_private(source: int, parent: int, name: str, flags: int) -> None:
     _remount(parent, name, flags)
 
 
-def bind(pool_dir: str | os.PathLike[str], parent: int, files: list[str], stage: str, name: str) -> None:
-    """Make the tree the module docstring shows at ``MOUNT_NAME`` in the directory ``parent``,
-    ``files`` the names in the pool's mount to bind read-write. Built first at ``name`` in the
-    private ``stage``, then bound whole (``MS_REC``) at the target in one mount(2), so the
-    target never holds half a tree and, the kubelet's directory being shared with the host,
-    the host gets the whole tree at once; the staged tree is then detached. Undone on failure."""
+@contextmanager
+def _staged(stage: str, name: str, parent: int) -> Iterator[int]:
+    """The private ``stage`` (its descriptor) with the directory ``name`` made in it, for the
+    caller to build a tree at; once built, bound whole (``MS_REC``) at ``MOUNT_NAME`` in
+    ``parent`` in one mount(2), so the target never holds half a tree and, the kubelet's
+    directory being shared with the host, the host gets the whole tree at once. The target is
+    undone on any failure; the staged tree is always detached and removed."""
     stage_fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         beneath.mkdir(stage_fd, name, 0o700)
         try:
-            with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
-                _bind_private(pool, stage_fd, name, MS_RDONLY)
-                faults.reached(faults.STAGED)
-                with _dir(stage_fd, name) as top:
-                    _bind_private(pool_mnt, top, MOUNT_DIR, MS_RDONLY)
-                    with _dir(top, MOUNT_DIR) as mnt:
-                        for file in files:
-                            source = _opened(pool_mnt, file)
-                            try:
-                                os.close(_opened(mnt, file))  # a regular file there too
-                                _bind_private(source, mnt, file, 0)
-                            finally:
-                                os.close(source)
+            yield stage_fd
             beneath.mkdir(parent, MOUNT_NAME, TARGET_MODE)
             with _dir(stage_fd, name) as tree, _dir(parent, MOUNT_NAME) as target:
                 _mount(str(as_path(tree)), str(as_path(target)), MS_BIND | MS_REC)
@@ -206,6 +195,26 @@ def bind(pool_dir: str | os.PathLike[str], parent: int, files: list[str], stage:
             beneath.rmdir(stage_fd, name)
     finally:
         os.close(stage_fd)
+
+
+def bind(pool_dir: str | os.PathLike[str], parent: int, files: list[str], stage: str, name: str) -> None:
+    """Make the tree the module docstring shows at ``MOUNT_NAME`` in the directory ``parent``,
+    ``files`` the names in the pool's mount to bind read-write. Built at ``name`` in the private
+    ``stage`` and bound whole at the target (``_staged``)."""
+    with _staged(stage, name, parent) as stage_fd:
+        with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+            _bind_private(pool, stage_fd, name, MS_RDONLY)
+            faults.reached(faults.STAGED)
+            with _dir(stage_fd, name) as top:
+                _bind_private(pool_mnt, top, MOUNT_DIR, MS_RDONLY)
+                with _dir(top, MOUNT_DIR) as mnt:
+                    for file in files:
+                        source = _opened(pool_mnt, file)
+                        try:
+                            os.close(_opened(mnt, file))  # a regular file there too
+                            _bind_private(source, mnt, file, 0)
+                        finally:
+                            os.close(source)
 
 
 def unbind(parent: int) -> bool:
@@ -267,48 +276,31 @@ def bind_share(
     """Make the share's tree the module docstring shows at ``MOUNT_NAME`` in ``parent``:
     ``manifest`` its manifest, ``files`` the names in the pool's mount of its segments. Built
     in the private ``stage`` on a tmpfs of its own and bound whole, as ``bind`` does."""
-    stage_fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        beneath.mkdir(stage_fd, name, 0o700)
-        try:
-            where = os.fsencode(as_path(stage_fd, name))
-            if _libc.mount(
-                b"offloadpool-csi-share", where, b"tmpfs", MS_NOSUID | MS_NODEV, SHARE_TREE_OPTIONS
-            ):
-                err = ctypes.get_errno()
-                raise RegionError(f"mounting a share's tree in {stage} failed: {os.strerror(err)}")
-            with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
-                with _dir(stage_fd, name) as top:
-                    beneath.write_file(top, MANIFEST_NAME, manifest, 0o644)
-                    _place(top, LEASE_NAME)
-                    lease = _opened(pool, LEASE_NAME)
-                    try:
-                        _bind_private(lease, top, LEASE_NAME, MS_RDONLY)
-                    finally:
-                        os.close(lease)
-                    faults.reached(faults.STAGED)
-                    beneath.mkdir(top, MOUNT_DIR, 0o755)
-                    with _dir(top, MOUNT_DIR) as mnt:
-                        for file in files:
-                            source = _opened(pool_mnt, file)
-                            try:
-                                _place(mnt, file)
-                                _bind_private(source, mnt, file, 0)
-                            finally:
-                                os.close(source)
-                _remount(stage_fd, name, MS_RDONLY)
-            beneath.mkdir(parent, MOUNT_NAME, TARGET_MODE)
-            with _dir(stage_fd, name) as tree, _dir(parent, MOUNT_NAME) as target:
-                _mount(str(as_path(tree)), str(as_path(target)), MS_BIND | MS_REC)
-            faults.reached(faults.BOUND)
-        except BaseException:
-            unbind(parent)
-            raise
-        finally:
-            _libc.umount2(os.fsencode(as_path(stage_fd, name)), MNT_DETACH | UMOUNT_NOFOLLOW)
-            beneath.rmdir(stage_fd, name)
-    finally:
-        os.close(stage_fd)
+    with _staged(stage, name, parent) as stage_fd:
+        where = os.fsencode(as_path(stage_fd, name))
+        if _libc.mount(b"offloadpool-csi-share", where, b"tmpfs", MS_NOSUID | MS_NODEV, SHARE_TREE_OPTIONS):
+            err = ctypes.get_errno()
+            raise RegionError(f"mounting a share's tree in {stage} failed: {os.strerror(err)}")
+        with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+            with _dir(stage_fd, name) as top:
+                beneath.write_file(top, MANIFEST_NAME, manifest, 0o644)
+                _place(top, LEASE_NAME)
+                lease = _opened(pool, LEASE_NAME)
+                try:
+                    _bind_private(lease, top, LEASE_NAME, MS_RDONLY)
+                finally:
+                    os.close(lease)
+                faults.reached(faults.STAGED)
+                beneath.mkdir(top, MOUNT_DIR, 0o755)
+                with _dir(top, MOUNT_DIR) as mnt:
+                    for file in files:
+                        source = _opened(pool_mnt, file)
+                        try:
+                            _place(mnt, file)
+                            _bind_private(source, mnt, file, 0)
+                        finally:
+                            os.close(source)
+            _remount(stage_fd, name, MS_RDONLY)
 
 
 def _place(dirfd: int, name: str) -> None:
