@@ -267,24 +267,7 @@ def csi_faults(real_node: RealNode, crds_installed: Any, shared_agent_root: Path
             f"csi.tolerations={json.dumps([TOLERATION])}",
             timeout=120,
         )
-        pool = {
-            "apiVersion": "offloadpool.io/v1alpha1",
-            "kind": "OffloadPool",
-            "metadata": {"name": f.pool},
-            "spec": {
-                "capacity": "16Mi",
-                "medium": "Memory",
-                "tolerations": [TOLERATION],
-                "consumers": {"namespaces": [f.consumer_ns]},
-            },
-        }
-        cp.kubectl("apply", "-f", "-", input=json.dumps(pool))
-
-        def pool_ready() -> dict | None:
-            status = (f.get("offloadpoolnodes", f"{f.pool}.{real_node.name}") or {}).get("status") or {}
-            return status if status.get("phase") == "Ready" else None
-
-        f.wait(f"OffloadPoolNode {f.pool}.{real_node.name} Ready", pool_ready, 180)
+        f.ready_memory_pool(f.pool, {"namespaces": [f.consumer_ns]})
         f.wait("the plugin registered", lambda: f.registrations() >= 1, 180)
         pool_mnt = f"{shared_agent_root / f.pool}/mnt"
         f.seen["pool mounts"] = sum(1 for m in mountinfo() if m.point == pool_mnt)

@@ -196,24 +196,7 @@ def test_csi_a_pod_of_an_allowed_namespace_gets_the_pool_another_is_refused(csi_
     carrying the plugin's refusal."""
     e2e, cp = csi_e2e, csi_e2e.cp
     assert e2e.seen.get("registered"), "the plugin did not register (see the test before)"
-    body = {
-        "apiVersion": "offloadpool.io/v1alpha1",
-        "kind": "OffloadPool",
-        "metadata": {"name": e2e.pool},
-        "spec": {
-            "capacity": "16Mi",
-            "medium": "Memory",
-            "tolerations": [TOLERATION],
-            "consumers": {"namespaces": [e2e.allowed_ns]},
-        },
-    }
-    cp.kubectl("apply", "-f", "-", input=json.dumps(body))
-
-    def pool_ready() -> dict | None:
-        status = (e2e.get("offloadpoolnodes", f"{e2e.pool}.{e2e.node.name}") or {}).get("status") or {}
-        return status if status.get("phase") == "Ready" else None
-
-    e2e.wait(f"OffloadPoolNode {e2e.pool}.{e2e.node.name} Ready", pool_ready, 180)
+    e2e.ready_memory_pool(e2e.pool, {"namespaces": [e2e.allowed_ns]})
     for ns in (e2e.allowed_ns, e2e.other_ns):
         cp.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_consumer(e2e, "consumer", e2e.pool)))
 
@@ -332,24 +315,7 @@ def test_csi_restricted_namespace_pod_gets_its_pool_through_the_webhook_and_writ
     e2e, cp = csi_e2e, csi_e2e.cp
     assert e2e.seen.get("registered"), "the plugin did not register (see the first test)"
     pool, ns = e2e.restricted_pool, e2e.restricted_ns
-    body = {
-        "apiVersion": "offloadpool.io/v1alpha1",
-        "kind": "OffloadPool",
-        "metadata": {"name": pool},
-        "spec": {
-            "capacity": "16Mi",
-            "medium": "Memory",
-            "tolerations": [TOLERATION],
-            "consumers": {"namespaces": [ns], "uid": 1000, "gid": 1000, "delivery": "CSI"},
-        },
-    }
-    cp.kubectl("apply", "-f", "-", input=json.dumps(body))
-
-    def pool_ready() -> dict | None:
-        status = (e2e.get("offloadpoolnodes", f"{pool}.{e2e.node.name}") or {}).get("status") or {}
-        return status if status.get("phase") == "Ready" else None
-
-    e2e.wait(f"OffloadPoolNode {pool}.{e2e.node.name} Ready", pool_ready, 180)
+    e2e.ready_memory_pool(pool, {"namespaces": [ns], "uid": 1000, "gid": 1000, "delivery": "CSI"})
     token = f"restricted-{uuid.uuid4().hex[:8]}"
     manifest = json.dumps(_restricted_engine(e2e, token))
 
