@@ -406,13 +406,7 @@ def claim(
     pool_dir = Path(pool_dir)
     owner = _clip(owner) if owner else default_owner()
     wanted = range(shares) if only is None else [only]
-    pfd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        mutex = beneath.open_dir(pfd, SHARES_NAME)
-    finally:
-        os.close(pfd)
-    try:
-        _lock(mutex, pool_dir, timeout)
+    with _mutex(pool_dir, timeout) as mutex:  # closing it drops the mutex
         held: list[str] = []
         free: list[tuple[int, int, str]] = []  # (index, fd held exclusively, last owner)
         try:
@@ -455,8 +449,6 @@ def claim(
         finally:
             for _, other, _ in free:
                 os.close(other)
-    finally:
-        os.close(mutex)  # drops the mutex
 
 
 def _lock(fd: int, pool_dir: Path, timeout: float) -> None:
