@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -133,19 +134,13 @@ def publish(config: CsiConfig, req: Publish) -> None:
                 if n > 1:
                     _publish_share(config, pool_dir, parent, req, n)
                     return
-                want = _record_of(req)
-                published.save(pool_dir, want)
-                faults.reached(faults.RECORDED)
-                found = bind.state(pool_dir, parent, files)
-                if found == bind.COMPLETE:
-                    return  # bound already: the kubelet's retry
-                if found == bind.PARTIAL:
-                    bind.unbind(parent)  # a plugin killed while binding: made again whole
-                try:
-                    bind.bind(pool_dir, parent, files, config.stage, req.volume_id)
-                except BaseException:
-                    published.drop(pool_dir, want.volume_id)
-                    raise
+                _record_and_bind(
+                    pool_dir,
+                    parent,
+                    _record_of(req),
+                    lambda: bind.state(pool_dir, parent, files),
+                    lambda: bind.bind(pool_dir, parent, files, config.stage, req.volume_id),
+                )
         except beneath.WrongEntry as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"target_path: {exc}: not followed") from None
         except FileNotFoundError:
@@ -171,18 +166,40 @@ def _publish_share(config: CsiConfig, pool_dir: Path, parent: int, req: Publish,
     if before is not None and before[1] != want:
         _unreserve(pool_dir, before[1])  # recorded for another share (its reservation lost)
     files, manifest = share_view(pool_dir, index)
+    _record_and_bind(
+        pool_dir,
+        parent,
+        want,
+        lambda: bind.share_state(pool_dir, parent, files),
+        lambda: bind.bind_share(pool_dir, parent, files, manifest, config.stage, req.volume_id),
+        lambda: _unreserve(pool_dir, want),
+    )
+
+
+def _record_and_bind(
+    pool_dir: Path,
+    parent: int,
+    want: published.Published,
+    state: Callable[[], str],
+    make: Callable[[], None],
+    undo: Callable[[], None] | None = None,
+) -> None:
+    """Record ``want`` first (a plugin killed after this finds the volume at restart), then make
+    its tree unless the kubelet's retry finds it whole (``state``); a half-made tree (a plugin
+    killed while binding) is made again whole. A failed bind drops the record, then ``undo``."""
     published.save(pool_dir, want)
     faults.reached(faults.RECORDED)
-    found = bind.share_state(pool_dir, parent, files)
+    found = state()
     if found == bind.COMPLETE:
         return  # bound already: the kubelet's retry
     if found == bind.PARTIAL:
         bind.unbind(parent)
     try:
-        bind.bind_share(pool_dir, parent, files, manifest, config.stage, req.volume_id)
+        make()
     except BaseException:
         published.drop(pool_dir, want.volume_id)
-        _unreserve(pool_dir, want)
+        if undo is not None:
+            undo()
         raise
 
 
