@@ -147,7 +147,17 @@ def test_demo_keep_leaves_a_ready_pool(region_root):
 def test_bench_populate_json_schema():
     """Shape of the benchmark's output only (speed belongs in the benchmark, not in tests)."""
     out = cli(
-        "bench", "populate", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi", "--json"
+        "bench",
+        "populate",
+        "--capacity",
+        "64Mi",
+        "--reps",
+        "1",
+        "--pairs",
+        "2",
+        "--media",
+        "Memory,HugePages-2Mi",
+        "--json",
     )
     result = json.loads(out.stdout)
     for name in (
@@ -180,3 +190,6 @@ def test_bench_populate_json_schema():
         assert m["ratio_vs_kernel"] == pytest.approx(
             m["offloadpool_gib_per_s"] / m["kernel_gib_per_s"], abs=1e-3
         )
+        assert m["paired"]["option"] in m["options_gib_per_s"] and len(m["paired"]["ratios"]) == 2
+        assert min(m["paired"]["ratios"]) <= m["paired_ratio_vs_kernel"] <= max(m["paired"]["ratios"])
+        assert len(m["paired"]["populate_ratios"]) == 2 and m["paired_populate_ratio_vs_kernel"] > 0

@@ -27,16 +27,17 @@ Strategies, all for the same capacity C, in one run (see docs/bench-populate.md)
 Ranks and workers are threads calling ``madvise(MADV_POPULATE_WRITE)`` through ctypes (no GIL
 held), each rank with its own mapping, as separate engine processes would have. Each case runs
 once untimed immediately before its timed run (the VM backs memory lazily: docs/bench-populate.md) and
-the cases are interleaved for ``reps`` rounds, each round starting one case later (A B C, B C A,
-C A B ...), so no case always follows the same one (what the one before it left in memory, freed
-pages to clear or huge pages to compact, lands on every case in turn); figures are medians with
-min/max. GiB/s is always C / seconds (the region's bytes, not bytes touched).
+the cases are interleaved for ``reps`` rounds in the orders of :func:`round_orders`, where a case
+follows a different case in every round (what the one before it left in memory, freed pages to
+clear or huge pages to compact, lands on every case in turn); figures are medians with min/max.
+GiB/s is always C / seconds (the region's bytes, not bytes touched).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import shutil
 import tempfile
@@ -84,9 +85,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="leave out the engine-style cases (engine_baseline ... vllm_0_33): only the media "
         "against the kernel's rate",
     )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=7,
+        help="after the rounds, offloadpool against each medium's kernel rate in this many pairs of "
+        "back-to-back runs (default 7; 0 = none)",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     p.add_argument("--markdown", help="write a markdown table to this file")
     p.add_argument("--png", help="write a bar chart to this file (needs matplotlib)")
+
+
+def round_orders(n: int, reps: int) -> list[list[int]]:
+    """The order of ``n`` cases in each of ``reps`` rounds: round r walks them with a stride
+    coprime to ``n`` (1, then the next, ...), starting r cases on.
+
+    Rotating one order (A B C, B C A, ...) changes which case opens a round but never which
+    case comes before another, and the case before leaves the memory in its own state: pages
+    just freed or still backed by the host, huge pages to compact. With stride s, the case
+    before case i is i - s, so a case has a new predecessor in every round, as long as there
+    are strides left (Euler's phi(n) of them; then they repeat).
+    """
+    strides = [s for s in range(1, n) if math.gcd(s, n) == 1] or [1]
+    return [[(r + i * strides[r % len(strides)]) % n for i in range(n)] for r in range(reps)]
 
 
 def _threads(jobs: list[Callable[[], None]]) -> float:
@@ -294,7 +316,8 @@ def reserved_pages(medium: str, cap: int) -> Iterator[None]:
 def offloadpool_case(
     root: Path, medium: str, cap: int, workers: int, populate_rates: list[float] | None = None
 ) -> float:
-    """One provision end to end (released untimed); its pre-fault's own rate to ``populate_rates``."""
+    """One provision end to end (released untimed); its pre-fault's own rate (its calls and
+    their mapping's teardown, ``PopulateStats.seconds``) to ``populate_rates``."""
     req = PoolRequest(name=f"bench-{medium.lower()}", capacity=cap, medium=medium, workers=workers)
     try:
         result = provision(req, root)
@@ -360,6 +383,40 @@ def kernel_case(base: Path, medium: str, cap: int, workers: int, option: str) ->
         shutil.rmtree(pool_dir, ignore_errors=True)
 
 
+def _fastest_option(medium: str, samples: dict[str, list[float]]) -> str | None:
+    """The kernel option of ``medium`` with the shortest median time in the rounds, if any."""
+    prefix = f"kernel_{medium}_"
+    times = {k[len(prefix) :]: summarize(v).median for k, v in samples.items() if k.startswith(prefix)}
+    return min(times, key=lambda o: times[o]) if times else None
+
+
+def paired_times(
+    kernel: Callable[[], float],
+    ours: Callable[[], float],
+    prepared: Callable[[], AbstractContextManager[Any]],
+    pairs: int,
+) -> list[tuple[float, float]]:
+    """``pairs`` (kernel seconds, offloadpool seconds), each pair two runs back to back.
+
+    Why pairs, after the rounds: the rounds pick the kernel rate as the best of a medium's
+    options, and the best of several noisy medians is biased upwards (on a machine whose runs
+    spread 2x, the maximum of three equal options beats any one of them). Measuring the
+    picked option again, fresh, removes that bias; putting each of its runs right next to one
+    of offloadpool's (kernel first in even pairs, offloadpool first in odd ones) cancels what
+    drifts over a run (the host's load, the memory's state) instead of averaging it. Each run
+    is warmed as in the rounds. A pair's ratio is the kernel's seconds over offloadpool's.
+    """
+    times = []
+    for i in range(pairs):
+        timed: dict[str, float] = {}
+        for name, case in (("kernel", kernel), ("ours", ours))[:: 1 if i % 2 == 0 else -1]:
+            with prepared():
+                case()  # warm, untimed
+                timed[name] = case()
+        times.append((timed["kernel"], timed["ours"]))
+    return times
+
+
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
@@ -384,13 +441,18 @@ def run(
     media: list[str],
     log: Callable[[str], None] = lambda s: None,
     engines: bool = True,
+    pairs: int = 0,
 ) -> dict:
-    """Run every case, interleaved, and return the JSON-ready result."""
+    """Run every case, interleaved, then ``pairs`` paired runs per medium
+    (:func:`paired_times`), and return the JSON-ready result."""
     if reps < 1:
         raise ValueError("reps must be >= 1")
+    if pairs < 0:
+        raise ValueError("pairs must be >= 0")
     workers = workers or len(os.sched_getaffinity(0))
     samples: dict[str, list[float]] = {}
     populate_rates: dict[str, list[float]] = {}  # per medium: provision's own pre-fault rate
+    paired: dict[str, dict[str, Any]] = {}  # per medium: the paired runs against its kernel rate
     unavailable: dict[str, str] = {}
     before = {p: hugepages.counters(p).total for p in (2 << 20, GiB) if hugepages.supported(p)}
     with _workspace() as base:
@@ -431,9 +493,8 @@ def run(
         cases["memset_bulk"] = ((lambda: memset_case(scratch, cap, workers, None)), _nothing)
         try:
             for rep in range(reps):
-                order = list(cases.items())
-                order = order[rep % len(order) :] + order[: rep % len(order)]
-                for name, (case, prepared) in order:
+                listed = list(cases.items())
+                for name, (case, prepared) in (listed[i] for i in round_orders(len(listed), reps)[rep]):
                     try:
                         with prepared():
                             case()  # warm, untimed, immediately before the timed run
@@ -446,6 +507,31 @@ def run(
                         continue
                     samples.setdefault(name, []).append(seconds)
                     log(f"rep {rep + 1}/{reps} {name}: {cap / GiB / seconds:.2f} GiB/s ({seconds:.3f} s)")
+            for medium in media if pairs else ():
+                our_case = cases.get(f"offloadpool_{medium}")
+                fastest = _fastest_option(medium, samples)
+                if our_case is None or fastest is None:
+                    continue
+                kernel, prepared = cases[f"kernel_{medium}_{fastest}"]
+                prefault_rates: list[float] = []  # the pre-fault's own rates
+                mine = functools.partial(offloadpool_case, root, medium, cap, workers, prefault_rates)
+                try:
+                    pair_times = paired_times(kernel, mine, prepared, pairs)
+                except (CapacityError, RegionError) as exc:
+                    unavailable[f"paired_{medium}"] = str(exc)
+                    continue
+                ratios = [k / o for k, o in pair_times]
+                timed_rates = prefault_rates[1::2]  # each timed run follows its warm run
+                populate_ratios = [
+                    r * k / (cap / GiB) for r, (k, _) in zip(timed_rates, pair_times, strict=True)
+                ]
+                paired[medium] = {
+                    "option": fastest,
+                    "ratios": [round(r, 3) for r in ratios],
+                    "populate_ratios": [round(r, 3) for r in populate_ratios],
+                }
+                log(f"paired {medium} vs {fastest}: " + " ".join(f"{r:.2f}" for r in ratios))
+                log("  its pre-fault alone: " + " ".join(f"{r:.2f}" for r in populate_ratios))
         finally:
             held.close()
             scratch.close()
@@ -462,7 +548,7 @@ def run(
             "spread_percent": round(rates.spread_percent, 1),
             "samples_s": [round(s, 4) for s in secs],
         }
-    media_result = _per_medium(strategies, populate_rates)
+    media_result = _per_medium(strategies, populate_rates, paired)
     ours = {k: v for k, v in strategies.items() if k.startswith("offloadpool_")}
     best = max(ours, key=lambda k: ours[k]["gib_per_s"]) if ours else None
     base_rate = strategies["engine_baseline"]["gib_per_s"] if engines else None
@@ -478,15 +564,20 @@ def run(
         "ratio_vs_memset_bulk": round(ours[best]["gib_per_s"] / bulk, 2) if best else None,
         "media": media_result,
         "unavailable": unavailable,
-        "params": {"capacity_bytes": cap, "ranks": ranks, "reps": reps, "workers": workers},
+        "params": {"capacity_bytes": cap, "ranks": ranks, "reps": reps, "workers": workers, "pairs": pairs},
         "machine": machine(),
         "hugepages_restored": before == after,
     }
 
 
-def _per_medium(strategies: dict[str, dict[str, Any]], populate_rates: dict[str, list[float]]) -> dict:
+def _per_medium(
+    strategies: dict[str, dict[str, Any]],
+    populate_rates: dict[str, list[float]],
+    paired: dict[str, dict[str, Any]] | None = None,
+) -> dict:
     """Per medium measured: its options' rates, its kernel rate (the best option's median), the
-    strategy ``region.populate`` takes there and offloadpool's ratio to the kernel rate."""
+    strategy ``region.populate`` takes there and offloadpool's ratio to the kernel rate; with
+    pairs, their ratios and median (``paired_ratio_vs_kernel``, the figure to quote)."""
     out: dict[str, dict[str, Any]] = {}
     for medium in MEDIA:
         ours = strategies.get(f"offloadpool_{medium}")
@@ -507,6 +598,17 @@ def _per_medium(strategies: dict[str, dict[str, Any]], populate_rates: dict[str,
             "populate_gib_per_s": round(pre, 3),
             "populate_ratio_vs_kernel": round(pre / options[best], 3),
         }
+        if paired and medium in paired:
+            ratios = paired[medium]["ratios"]
+            out[medium]["paired"] = {
+                **paired[medium],
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+            }
+            out[medium]["paired_ratio_vs_kernel"] = round(summarize(ratios).median, 3)
+            out[medium]["paired_populate_ratio_vs_kernel"] = round(
+                summarize(paired[medium]["populate_ratios"]).median, 3
+            )
     return out
 
 
@@ -561,7 +663,16 @@ def markdown(result: dict, command: str) -> str:
     lines.append("")
     lines += [
         f"{medium}: offloadpool / kernel rate = **{m['ratio_vs_kernel']}** "
-        f"(its pre-fault alone: {m['populate_gib_per_s']:.2f} GiB/s, {m['populate_ratio_vs_kernel']})  "
+        f"(its pre-fault alone: {m['populate_gib_per_s']:.2f} GiB/s, {m['populate_ratio_vs_kernel']})"
+        + (
+            f"; paired against `{m['paired']['option']}`, {len(m['paired']['ratios'])} pairs: "
+            f"**{m['paired_ratio_vs_kernel']}** "
+            f"({m['paired']['ratio_min']:.2f}-{m['paired']['ratio_max']:.2f}), "
+            f"its pre-fault alone **{m['paired_populate_ratio_vs_kernel']}**"
+            if "paired" in m
+            else ""
+        )
+        + "  "
         for medium, m in result.get("media", {}).items()
     ]
     return report.tail(lines, result["unavailable"])
@@ -609,12 +720,14 @@ def run_cli(args: argparse.Namespace) -> int:
         [m for m in args.media.split(",") if m],
         log=report.log,
         engines=args.engines,
+        pairs=args.pairs,
     )
     command = (
         f"offloadpool bench populate --capacity {args.capacity} --ranks {args.ranks} --reps {args.reps}"
         + report.flag("--workers", args.workers, 0)
         + report.flag("--media", args.media, ",".join(MEDIA))
         + ("" if args.engines else " --no-engines")
+        + report.flag("--pairs", args.pairs, 7)
     )
     text = markdown(result, command)
     if args.png:

@@ -36,8 +36,26 @@ def _first(path: str, key: str) -> str:
     return ""
 
 
+#: Free page reporting (virtio-balloon): a VM hands freed memory back to its host, which must
+#: back it again at the next touch. Its knobs say how soon (``min_free_ms`` exists only on
+#: some hypervisors' kernels), so a run records them.
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
+
+
+def _page_reporting() -> str:
+    """``knob=value`` for each knob this kernel has; empty when it does not report at all."""
+    out = []
+    for knob in ("page_reporting_order", "min_free_ms"):
+        try:
+            out.append(f"{knob}={(PAGE_REPORTING / knob).read_text().strip()}")
+        except OSError:
+            pass
+    return " ".join(out)
+
+
 def machine() -> dict:
-    """What the numbers were measured on (CPU, cores, memory, kernel, VM or not, THP, NUMA)."""
+    """What the numbers were measured on (CPU, cores, memory, kernel, VM or not, THP, NUMA,
+    free page reporting)."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     try:
         thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()
@@ -56,4 +74,5 @@ def machine() -> dict:
         "python": platform.python_version(),
         "shmem_thp": thp,
         "numa_nodes": nodes,
+        "free_page_reporting": _page_reporting(),
     }
