@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from fixtures.host import cli_argv, private_mounts_python
 from fixtures.wait import wait_for
-from offloadpool.region import hugepages, mounts
+from offloadpool.region import hugepages, mounts, vm
 from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.journal import JOURNAL_NAME, units
@@ -283,3 +284,33 @@ def test_a_shortfall_during_fallocate_is_a_capacity_error_that_leaks_nothing(reg
     total_after, free_after, _ = _hugepage_counts()
     if total_after == total_before:
         assert free_after >= free_before, "pages of the failed pre-fault were not given back"
+
+
+@pytest.mark.root  # mounts its own tmpfs
+@pytest.mark.parametrize("huge", ["always", "never"])
+def test_huge_page_bytes_from_the_page_tables_equal_smaps(tmp_path, huge):
+    """``vm.pmd_mapped_bytes`` (PAGEMAP_SCAN) must give what smaps' ShmemPmdMapped gives for
+    the same range, over all of a mapping and over a part starting mid-way, on a tmpfs whose
+    pages are huge and on one whose pages are not."""
+    size = 256 << 20
+    mounts.mount("tmpfs", tmp_path, f"huge={huge},size={2 * size}")
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    addr = 0
+    try:
+        os.ftruncate(fd, size)
+        addr = vm.map_shared(fd, size)
+        vm.populate_write(addr, size)
+        smaps = open("/proc/self/smaps").read()
+        section = smaps[smaps.index(f"{addr:x}-") :]
+        section = section[: section.index("VmFlags:")]
+        expected = int(re.search(r"ShmemPmdMapped:\s+(\d+) kB", section).group(1)) * 1024
+        assert vm.pmd_mapped_bytes(addr, size) == expected
+        assert (expected > 0) == (huge == "always")
+        half = size // 2
+        assert vm.pmd_mapped_bytes(addr + half, half) <= expected
+        assert vm.pmd_mapped_bytes(addr, half) + vm.pmd_mapped_bytes(addr + half, half) == expected
+    finally:
+        if addr:
+            vm.unmap(addr, size)
+        os.close(fd)
+        mounts.umount(tmp_path)

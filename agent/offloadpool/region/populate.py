@@ -101,11 +101,16 @@ _PMD_MAPPED = re.compile(r"^(?:ShmemPmdMapped|FilePmdMapped):\s+(\d+) kB", re.MU
 
 
 def _thp_bytes(addrs: list[tuple[int, int]]) -> int:
-    """Sum of ShmemPmdMapped/FilePmdMapped over our mappings (huge-page-backed tmpfs bytes).
+    """Bytes of our mappings mapped by huge pages (huge-page-backed tmpfs bytes): asked of the
+    page tables (``vm.pmd_mapped_bytes``), else the sum of ShmemPmdMapped/FilePmdMapped in
+    ``/proc/self/smaps``.
 
-    The file lists every mapping of the process; only our mappings' sections are searched
+    That file lists every mapping of the process; only our mappings' sections are searched
     (found by their start address), since parsing it all line by line costs more than a
     percent of a gigabyte's pre-fault."""
+    counted = [vm.pmd_mapped_bytes(addr, length) for addr, length in addrs]
+    if all(c is not None for c in counted):
+        return sum(c for c in counted if c is not None)
     try:
         with open("/proc/self/smaps") as fh:
             text = fh.read()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 
 from offloadpool.region.libc import LIBC, MAP_FAILED
@@ -20,8 +21,74 @@ MADV_REMOVE = 9  # free the range's pages of a shared file mapping (tmpfs, huget
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
+#: ``ioctl(/proc/self/pagemap, PAGEMAP_SCAN)`` (Linux >= 6.7): ``_IOWR('f', 16, pm_scan_arg)``.
+PAGEMAP_SCAN = 0xC0606610
+#: A page_region's category: mapped by a PMD-sized entry (a transparent huge page, or hugetlb).
+PAGE_IS_HUGE = 1 << 6
+
+
 class VMError(OSError):
     pass
+
+
+class _PageRegion(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
+
+
+class _ScanArg(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "size",
+            "flags",
+            "start",
+            "end",
+            "walk_end",
+            "vec",
+            "vec_len",
+            "max_pages",
+            "category_inverted",
+            "category_mask",
+            "category_anyof_mask",
+            "return_mask",
+        )
+    ]
+
+
+def pmd_mapped_bytes(addr: int, length: int) -> int | None:
+    """Bytes of [addr, addr+length) this process maps with PMD-sized entries; None where the
+    kernel lacks ``PAGEMAP_SCAN`` (< 6.7).
+
+    The same figure as the mapping's ``ShmemPmdMapped`` in ``/proc/self/smaps``, but the kernel
+    walks the range a page table entry at a time (one per 2 MiB here) instead of visiting every
+    4 KiB subpage of each huge page, as smaps does for a shared one: 1.5 ms against 22 ms for a
+    4 GiB MemoryTHP mapping (10 ms when all of it is huge), which was 2-3 % of that pool's
+    whole provision, at any size.
+    """
+    regions = (_PageRegion * 64)()
+    total, start, end = 0, addr, addr + length
+    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        while start < end:
+            arg = _ScanArg(
+                size=ctypes.sizeof(_ScanArg),
+                start=start,
+                end=end,
+                vec=ctypes.addressof(regions),
+                vec_len=len(regions),
+                category_mask=PAGE_IS_HUGE,
+                return_mask=PAGE_IS_HUGE,
+            )
+            try:
+                found = fcntl.ioctl(pagemap.fileno(), PAGEMAP_SCAN, arg)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
+                    return None
+                raise
+            total += sum(r.end - r.start for r in regions[:found])
+            if arg.walk_end <= start:  # no progress: never loop forever on a kernel's whim
+                return None
+            start = arg.walk_end
+    return total
 
 
 def map_shared(fd: int, length: int, offset: int = 0) -> int:
