@@ -86,7 +86,7 @@ class PopulateStats:
     total_bytes: int
     populated_bytes: int  # newly populated by this call
     skipped_bytes: int  # already recorded as populated by an earlier run
-    seconds: float  # the calls and the unmapping, not the smaps read after them
+    seconds: float  # the calls and the unmapping, not the coverage read between them
     workers: int
     mode: str  # the strategy that made the pages present (one of MODES but "auto")
     thp_bytes: int  # bytes mapped with PMD-sized pages at the end (tmpfs THP coverage)
@@ -255,8 +255,8 @@ def populate(
                 "populate",
             )
             seconds = time.perf_counter() - job.t0
-            # Only a huge= tmpfs can hold PMD-sized pages; reading /proc/self/smaps is O(every
-            # mapping of the process), so it is not done for the media that cannot.
+            # Only a huge= tmpfs can hold PMD-sized pages, so the coverage is not read for the
+            # media that cannot.
             thp = _thp_bytes(maps) if maps and plan.medium.huge not in (None, "never") else 0
             torn_down = time.perf_counter()
         # Tearing the mapping down is part of a pre-fault made through one (for 4 KiB pages a
