@@ -111,7 +111,10 @@ def _plan(medium: str, capacity: int, min_segment: int):
         ("HugePages-2Mi", "None", 4, 2, "fallocate"),
         ("HugePages-1Gi", "None", 2, 2, "fallocate"),
         ("MemoryTHP", "None", 4, 2, "madvise"),
-        ("Memory", "None", 4, 2, "madvise"),
+        ("Memory", "None", 4, 2, "fallocate+madvise"),
+        ("Memory", "Interleave", 4, 2, "madvise"),
+        ("Memory", "None", 1, 2, "madvise"),
+        ("Memory", "None", 1, 1, "fallocate+madvise"),
         # mbind steers the faults of a mapping; fallocate would ignore the placement
         ("HugePages-2Mi", "0", 4, 2, "madvise"),
         ("HugePages-2Mi", "Interleave", 4, 2, "madvise"),
@@ -125,7 +128,8 @@ def test_each_medium_gets_its_measured_strategy(medium, numa_policy, files, work
     p = _plan(medium, files * 4 * page, 4 * page)
     assert len(p.segments) == files
     assert strategy(p, "auto", numa_policy, workers) == chosen
-    assert STRATEGY_FOR[medium] == ("fallocate" if medium.startswith("HugePages") else "madvise")
+    measured = {"HugePages-2Mi": "fallocate", "HugePages-1Gi": "fallocate", "MemoryTHP": "madvise"}
+    assert STRATEGY_FOR[medium] == measured.get(medium, "fallocate+madvise")
     assert strategy(p, "madvise", numa_policy, workers) == "madvise"  # an explicit mode is kept
 
 

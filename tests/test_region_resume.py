@@ -33,7 +33,13 @@ def journal_bytes(pool_dir: Path) -> bytes:
 
 @pytest.mark.parametrize(
     "medium, mode",
-    [("HugePages-2Mi", "auto"), ("HugePages-2Mi", "madvise"), ("MemoryTHP", "auto"), ("Memory", "touch")],
+    [
+        ("HugePages-2Mi", "auto"),
+        ("HugePages-2Mi", "madvise"),
+        ("MemoryTHP", "auto"),
+        ("Memory", "auto"),
+        ("Memory", "touch"),
+    ],
 )
 def test_kill9_mid_populate_then_finish_without_zeroing(
     region_root, hugepage_baseline, processes, medium, mode

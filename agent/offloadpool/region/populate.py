@@ -10,10 +10,12 @@ chosen by ``offloadpool bench populate``, docs/bench-populate.md):
   from the pool and clears it, which is all a write fault does too, minus the page table
   entries of a mapping the pre-fault would only tear down again; the pages sit in the file's
   page cache, where every engine's mapping finds them. No mapping is made at all.
-* ``madvise``: ``madvise(MADV_POPULATE_WRITE)`` through a shared mapping of the file.
-* ``fallocate+madvise``: the file's pages allocated first, then faulted in (on tmpfs
-  ``fallocate`` alone leaves pages uncleared until their first fault, so it is never enough
-  there).
+* ``madvise`` (huge-page tmpfs): ``madvise(MADV_POPULATE_WRITE)`` through a shared mapping of
+  the file.
+* ``fallocate+madvise`` (4 KiB tmpfs): the file's pages allocated first, then faulted in
+  through a shared mapping, where each fault only clears and maps a page already in the page
+  cache (``fallocate`` alone leaves tmpfs pages uncleared until their first fault, so it is
+  never enough there).
 * ``touch``: every page write-faulted from Python (kernels without ``MADV_POPULATE_WRITE``).
 
 Population writes no data: present pages keep their contents, whatever the strategy. That is
@@ -45,24 +47,26 @@ AUTO, MADVISE, TOUCH, FALLOCATE, FALLOCATE_MADVISE = (
 )
 MODES = (AUTO, MADVISE, TOUCH, FALLOCATE, FALLOCATE_MADVISE)
 #: The pre-fault of each medium, by measurement (docs/bench-populate.md): on hugetlbfs the
-#: kernel's own clearing allocation; on tmpfs faulting through the mapping.
+#: kernel's own clearing allocation; on huge-page tmpfs faulting through the mapping; on 4 KiB
+#: tmpfs allocating the file's pages first, then faulting them in.
 STRATEGY_FOR: dict[str, str] = {
     HUGEPAGES_2MI: FALLOCATE,
     HUGEPAGES_1GI: FALLOCATE,
     MEMORY_THP: MADVISE,
-    MEMORY: MADVISE,
+    MEMORY: FALLOCATE_MADVISE,
 }
 
 
 def strategy(plan: Plan, mode: str, numa_policy: str, workers: int) -> str:
     """The strategy a pre-fault of ``plan`` uses: ``mode``, or for ``auto`` the medium's.
 
-    ``auto`` faults through the mapping instead of ``fallocate`` where that would be wrong or
-    slow: under a NUMA policy (``mbind`` steers the faults of the populating mapping; an
-    allocation by ``fallocate`` follows the populating thread's policy instead), and where two
-    workers would share a file (``fallocate`` holds the file's inode lock for the whole call,
-    so they would take turns). Refused before any memory is touched: ``fallocate`` alone on
-    tmpfs (its pages would stay uncleared until the engine's first fault).
+    ``auto`` only faults through the mapping (``madvise``) where a ``fallocate`` first would be
+    wrong or slow: under a NUMA policy (``mbind`` steers the faults of the populating mapping;
+    an allocation by ``fallocate`` need not follow it: on hugetlbfs it takes the populating
+    thread's policy), and where two workers would share a file (``fallocate`` holds the file's
+    inode lock for the whole call, so they would take turns). Refused before any memory is
+    touched: ``fallocate`` alone on tmpfs (its pages would stay uncleared until the engine's
+    first fault).
     """
     if mode not in MODES:
         raise RegionError(f"populate mode {mode!r} is not one of {MODES}")
@@ -74,7 +78,7 @@ def strategy(plan: Plan, mode: str, numa_policy: str, workers: int) -> str:
     if mode != AUTO:
         return mode
     chosen = STRATEGY_FOR[plan.medium.name]
-    if chosen == FALLOCATE and (
+    if chosen in (FALLOCATE, FALLOCATE_MADVISE) and (
         numa.parse_policy(numa_policy).kind != NUMA_NONE or len(plan.segments) < workers
     ):
         return MADVISE
