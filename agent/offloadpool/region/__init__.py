@@ -2,17 +2,17 @@
 
 Public API (docs/node-engine.md)::
 
-    from offloadpool.region.request import PoolRequest       # what one node must hold
-    from offloadpool.region.provision import provision       # make it Ready (or keep, finish, rebuild)
-    from offloadpool.region.status import pool_state, list_pools
-    from offloadpool.region.release import release           # give it back (lease permitting)
+    from offloadpool.region.request import PoolRequest            # what one node must hold
+    from offloadpool.region.lifecycle.provision import provision  # make it Ready (or keep, rebuild)
+    from offloadpool.region.lifecycle.status import pool_state, list_pools
+    from offloadpool.region.lifecycle.release import release      # give it back (lease permitting)
     from offloadpool.region.errors import CapacityError, RegionError, RequestError, LeaseHeld
 
-Modules, one concept each: ``planner`` (segment plan), ``capacity`` (fits?), ``hugepages``
-(kernel pools; ``hugepage_intent``: their changes survive a kill), ``mounts`` (mount(2)),
-``layout_files`` (segment/lease/compat files),
-``populate`` + ``vm`` + ``journal`` (parallel resumable pre-fault), ``numa`` (mbind),
-``record`` (the node's state.json), ``teardown``, ``holders`` (who maps, opens or leases a
-pool, in any mount namespace); ``manifest`` and ``lease`` are the contracts shared with the
-pinning helper.
+Four rooms, one concern each (docs/code-layout.md): ``memory`` (media, huge pages, mounts,
+NUMA, cgroup limits, the parallel pre-fault), ``files`` (places, names opened beneath a
+descriptor, the segment plan, manifest, record, journal, layout files, migration), ``holding``
+(the lease and its sidecar, who maps or opens a pool, CSI publications, shares) and
+``lifecycle`` (provision, scrub, teardown, release, status). ``request``, ``vocabulary`` and
+``errors`` are what every room shares; ``files.manifest`` and ``holding.lease`` are the
+contracts with the pinning helper.
 """

@@ -6,7 +6,7 @@ involved, so an OffloadPoolNode's reason (or the CLI's last line) says what to c
 
 from __future__ import annotations
 
-from offloadpool.region.lease import LeaseHeld
+from offloadpool.region.holding.lease import LeaseHeld
 
 __all__ = ["RegionError", "RequestError", "CapacityError", "LeaseHeld", "fmt_bytes"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from offloadpool.region.errors import RequestError
-from offloadpool.region.names import pool_name_error
+from offloadpool.region.files.names import pool_name_error
 from offloadpool.region.vocabulary import (
     HUGEPAGES_2MI,
     LAYOUTS,
@@ -44,10 +44,10 @@ DEFAULT_VLLM_SEGMENTS: Final = 32
 #: truth: the engine allows no more than a pool can ask for).
 MAX_FILES_LIMIT: Final = 32
 #: When the node zeroes a pool's memory before handing it out again: ``SCRUB_POLICIES``
-#: (``offloadpool.region.scrub`` applies them).
+#: (``offloadpool.region.lifecycle.scrub`` applies them).
 DEFAULT_SCRUB: Final = SCRUB_ON_CONSUMER_CHANGE
 #: Independent shares a node's pool is split into (``spec.partitions``): 1 is one pool for one
-#: engine; each share holds ``capacity / partitions`` (``offloadpool.region.shares``).
+#: engine; each share holds ``capacity / partitions`` (``offloadpool.region.holding.shares``).
 DEFAULT_PARTITIONS: Final = 1
 #: Most shares per node: more engines than this per node has no use, and each share is a few
 #: names and files the node makes and an engine scans when it claims one.
@@ -68,10 +68,10 @@ class PoolRequest:
     ``Interleave`` (pages spread across all nodes), ``Spread`` (region i on node i mod N),
     ``GPU`` (region i on the node of the node's i-th NVIDIA GPU), a node list such as ``"0"``
     or ``"0,1"`` / ``"0-1"`` (bind there), or one node per region, ``"ranks:0,0,1,1"``
-    (``region.numa``).
+    (``region.memory.numa``).
 
     ``compat_engine_id`` exposes the region under stock vLLM's own file names; its files are
-    then split exactly as vLLM splits them (``region.vllm_compat``): ``compat_segments`` is
+    then split exactly as vLLM splits them (``region.files.vllm_compat``): ``compat_segments`` is
     vLLM's ``num_segments`` (32 for CPUOffloadingSpec, 1 for TieringOffloadingSpec) and
     ``compat_row_bytes`` vLLM's row (``kv_bytes_per_chunk``), needed when that makes more than
     one file.
@@ -83,7 +83,7 @@ class PoolRequest:
     them shapes the memory.
 
     ``partitions`` splits the node's ``capacity`` into that many independent shares, each laid
-    out as a whole pool of ``capacity / partitions`` for one engine (``region.shares``).
+    out as a whole pool of ``capacity / partitions`` for one engine (``region.holding.shares``).
     """
 
     name: str
@@ -168,7 +168,7 @@ class PoolRequest:
                 "compat.vllm exposes one region under stock vLLM's own file names, which one "
                 "engine maps; it cannot be combined with partitions > 1 (one share per engine)"
             )
-        from offloadpool.region import numa  # local: numa loads the C library
+        from offloadpool.region.memory import numa  # local: numa loads the C library
 
         numa.check_regions(
             numa.parse_policy(self.numa),
@@ -180,7 +180,7 @@ class PoolRequest:
 
         Ownership, mode, the compat file name, the worker count, the generation and who the
         memory is for (scrub policy, namespaces, pool uid) are left out: they can change on a
-        live region (applied in place, zeroed first where ``region.scrub`` says so) without
+        live region (applied in place, zeroed first where ``region.lifecycle.scrub`` says so) without
         rebuilding it.
         """
         shape = {k: getattr(self, k) for k in SHAPE_FIELDS}

@@ -7,7 +7,7 @@ tree and fails on a second spelling). The engine owns them because it is the one
 everything else may import: it stays standard-library only, and ``offloadpool.api`` builds its
 pydantic types from the ``Literal`` types below, so the CRD, the models and the engine cannot
 drift apart on a name. What a medium means to the kernel (file system, page size) is in
-``offloadpool.region.media``.
+``offloadpool.region.memory.media``.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ LayoutName = Literal["Replicated", "PerRank", "Interleaved"]
 LAYOUTS: Final[tuple[str, ...]] = get_args(LayoutName)
 
 # -- NUMA placement of the pages (the engine also takes a node list such as "0,1" and a per-region
-#    list such as "ranks:0,0,1,1": ``region.numa``) --
+#    list such as "ranks:0,0,1,1": ``region.memory.numa``) --
 NUMA_NONE: Final = "None"
 NUMA_INTERLEAVE: Final = "Interleave"
 NUMA_SPREAD: Final = "Spread"
-#: region i on the NUMA node of the node's i-th NVIDIA GPU in PCI bus order (``region.numa``)
+#: region i on the NUMA node of the node's i-th NVIDIA GPU in PCI bus order (``region.memory.numa``)
 NUMA_GPU: Final = "GPU"
 NumaPolicyName = Literal["None", "Interleave", "Spread", "GPU"]
 NUMA_POLICIES: Final[tuple[str, ...]] = get_args(NumaPolicyName)
@@ -77,13 +77,13 @@ DELIVERIES: Final[tuple[str, ...]] = get_args(DeliveryName)
 #: admission webhook sets it (``api.pods``), the engine side reads it (``vllm.geometry``)
 ENV_POOL_DIR: Final = "OFFLOADPOOL_POOL_DIR"
 #: the pod's uid (the downward API's ``metadata.uid``), set by the webhook for a pool of several
-#: shares: every worker of a pod claims the same share (``region.shares.default_owner``)
+#: shares: every worker of a pod claims the same share (``region.holding.shares.default_owner``)
 ENV_POD_UID: Final = "OFFLOADPOOL_POD_UID"
 
 # -- phases ------------------------------------------------------------------------------------
 # One set of words for where a pool stands on a node. The engine's provisioning record
-# (``region.record``) steps Provisioning -> Populating -> Ready, and Draining while it is torn
-# down; ``region.status`` adds Scrubbing (memory being zeroed) and Absent (nothing there); the
+# (``region.files.record``) steps Provisioning -> Populating -> Ready, and Draining while it is torn
+# down; ``region.lifecycle.status`` adds Scrubbing (memory being zeroed) and Absent (nothing there); the
 # agent reports them as its OffloadPoolNode's phase, adding Pending (nothing done yet) and
 # Released (memory given back). A manifest is Ready (attachable) or Draining.
 #: the agent has not started on the pool yet
@@ -102,10 +102,10 @@ DRAINING: Final = "Draining"
 RELEASED: Final = "Released"
 #: the last attempt failed; the message says why
 FAILED: Final = "Failed"
-#: nothing of the pool on this node (``region.status`` only)
+#: nothing of the pool on this node (``region.lifecycle.status`` only)
 ABSENT: Final = "Absent"
 #: Ready memory no OffloadPool owns: its pool was deleted with reclaimPolicy Retain
-#: (``region.status`` only, from the record's note)
+#: (``region.lifecycle.status`` only, from the record's note)
 ORPHANED: Final = "Orphaned"
 
 NodePhaseName = Literal[
@@ -113,14 +113,14 @@ NodePhaseName = Literal[
 ]
 #: an OffloadPoolNode's ``status.phase`` (the CRD's enum; the agent's phase metric)
 NODE_PHASES: Final[tuple[str, ...]] = get_args(NodePhaseName)
-#: the provisioning record's phases (``region.record``)
+#: the provisioning record's phases (``region.files.record``)
 RECORD_PHASES: Final = (PROVISIONING, POPULATING, READY, DRAINING, FAILED)
-#: what ``region.status`` reads from disk and the kernel
+#: what ``region.lifecycle.status`` reads from disk and the kernel
 STATE_PHASES: Final = (ABSENT, PROVISIONING, POPULATING, SCRUBBING, READY, ORPHANED, FAILED)
 #: a manifest's ``state``: Ready means attachable
 MANIFEST_STATES: Final = (READY, DRAINING)
 
-# How a share of a partitioned pool is claimed (``region.shares``): a csi volume's reservation
+# How a share of a partitioned pool is claimed (``region.holding.shares``): a csi volume's reservation
 # for a pod, or an engine's flock on the share's lease.
 ShareViaName = Literal["CSI", "Engine"]
 VIA_CSI: Final = "CSI"

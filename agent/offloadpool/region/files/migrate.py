@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offloadpool.region import beneath, layout_files, places
-from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
-from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.files import beneath, layout_files, places
+from offloadpool.region.files import record as records
+from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.vocabulary import READY
 
 

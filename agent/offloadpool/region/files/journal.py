@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from offloadpool.region import beneath, places
-from offloadpool.region.manifest import Segment
+from offloadpool.region.files import beneath, places
+from offloadpool.region.files.manifest import Segment
 
 JOURNAL_NAME = "populate.journal"
 MIN_UNIT = 2 << 20

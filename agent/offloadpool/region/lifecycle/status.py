@@ -11,14 +11,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import beneath, holders, mounts, places, shares
-from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
-from offloadpool.region.journal import populated_bytes, units
-from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.names import pool_name_error
-from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.files import beneath, places
+from offloadpool.region.files import record as records
+from offloadpool.region.files.journal import populated_bytes, units
+from offloadpool.region.files.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.files.names import pool_name_error
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.holding import holders, shares
+from offloadpool.region.memory import mounts
 from offloadpool.region.vocabulary import (
     ABSENT,
     FAILED,
@@ -109,7 +111,7 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         in_progress=busy,
         shares=_shares(pool_dir, req.partitions),
     )
-    if rec.scrub_pending:  # withheld from engines until its memory is zero (region.scrub)
+    if rec.scrub_pending:  # withheld from engines until its memory is zero (region.lifecycle.scrub)
         waits = "" if busy else "; waits for its holders to leave (provision again once they have)"
         message = rec.scrub_pending + waits
         return replace(common, phase=SCRUBBING, populated_bytes=plan.total_bytes, message=message)

@@ -10,20 +10,24 @@ a pool directory to the engine library, so ``attach(share_dir)`` and everything 
     <pool>/shares/<i>/mnt             a link to ``../../mnt``: the share's segment paths
 
 **Claims.** An engine takes a share when it attaches (``claim``): under a short flock on the
-``shares`` directory (so the workers of one engine, arriving together, agree) it takes the
-share already held by its own owner, else a free one, and holds a shared flock on that share's
-lease for as long as it is attached. The first worker writes the owner into the lease file;
-the kernel drops the flock when the last process of the engine exits, so a share is freed when
-its pod ends (or its engine crashes), with nothing to clean up. An engine's owner is its pod
-(``OFFLOADPOOL_POD_UID``, set by the webhook), so every worker of a pod gets the same share and
-two pods never do. When every share is held, the claim is refused naming the holders.
+``shares`` directory (the engines' own mutex, so the workers of one engine, arriving together,
+agree; no node-side process ever takes it) it takes the share already held by its own owner,
+else a free one, and holds a shared flock on that share's lease for as long as it is attached.
+The first worker writes the owner into the lease file; the kernel drops the flock when the
+last process of the engine exits, so a share is freed when its pod ends (or its engine
+crashes), with nothing to clean up. An engine's owner is its pod (``OFFLOADPOOL_POD_UID``, set
+by the webhook), so every worker of a pod gets the same share and two pods never do. When
+every share is held, the claim is refused naming the holders.
 
 **Reservations.** A pod given the pool through a ``csi`` volume is given one share by the
 node's CSI plugin, which binds only that share's files at the pod's target (``offloadpool.csi``):
 the plugin writes ``shares/<i>/csi`` (root's, in a root-owned directory, so no pod can forge or
-remove it) naming the pod, under the same claim mutex, and removes it when the volume is
-unpublished. An engine's ``claim`` treats a share reserved for another owner as held, so no
-share is given twice across the two deliveries; ``states`` reports it claimed by the pod.
+remove it) naming the pod, and removes it when the volume is unpublished. The node's mutex for
+reservations is ``<root>/.state/<pool>/shares.lock`` (``MUTEX_NAME``, root-only: no pod can
+take it, so a publish never waits on a pod). Against engines, one share's lease is the
+arbiter: a reservation is written while the node holds that lease exclusively, and an engine
+reads the reservation only once it holds the lease (exclusively, and again once shared), so
+no share is given twice across the two deliveries; ``states`` reports it claimed by the pod.
 
 Shares separate engines' memory, not pods from each other: a pod that is given the pool can
 open every share's files, as it could open the whole pool's before (same uid, gid and mode).
@@ -44,17 +48,23 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from offloadpool.region import beneath, places
-from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.files import beneath, bounded, places
+from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_ENGINE, ShareViaName
 
 SHARES_NAME = "shares"
-#: a share's reservation for a pod given it through a csi volume (root's; see the docstring)
+#: a share's reservation for a pod given it through a csi volume or a DRA claim (root's; see
+#: the docstring): one record for both deliveries, under one mutex
 RESERVATION_NAME = "csi"
+#: a reservation's owner when a DRA claim was given the share (``claim/<claim uid>``; the pod's
+#: engine claims it under the same owner, ``OWNER_ENV``); a csi volume's owner is its pod's uid
+CLAIM_OWNER_PREFIX = "claim/"
 #: where a share's ``mnt`` points: the pool's mount, two levels up, inside any bind mount
 LINK_TARGET = f"../../{MOUNT_NAME}"
 #: the environment variables an engine's owner is read from, in this order
 OWNER_ENV = "OFFLOADPOOL_SHARE_OWNER"
+#: the node's reservation mutex, in the pool's root-only state directory (never the pool's)
+MUTEX_NAME = "shares.lock"
 #: most bytes of a claim record read (it is written by an engine: hostile to everyone else)
 RECORD_LIMIT = 1024
 #: longest owner shown or compared
@@ -63,6 +73,11 @@ OWNER_LIMIT = 128
 
 class ShareRefused(RuntimeError):
     """No share can be claimed (all held by other engines, or the one asked for is)."""
+
+
+def claim_owner(claim_uid: str) -> str:
+    """The owner a DRA claim reserves a share under."""
+    return f"{CLAIM_OWNER_PREFIX}{claim_uid}"
 
 
 def share_rel(index: int) -> str:
@@ -203,6 +218,11 @@ class ShareState:
         return VIA_CSI if self.reserved_for else (VIA_ENGINE if self.holders else None)
 
     @property
+    def by_claim(self) -> bool:
+        """Reserved for a DRA claim (the scheduler allocated it: it stays in the slice)."""
+        return self.reserved_for.startswith(CLAIM_OWNER_PREFIX)
+
+    @property
     def holder(self) -> str:
         """Who has the share, in one word: the csi volume's pod, else the engine's owner."""
         return self.reserved_for or self.owner
@@ -211,7 +231,7 @@ class ShareState:
 def states(pool_dir: Path, shares: int, proc: str = "/proc") -> list[ShareState]:
     """Every share of the pool, claimed or free: the kernel's flocks on their leases (engines)
     and the csi plugin's reservations (pods given a share through a csi volume)."""
-    from offloadpool.region.holders import file_id, lease_lockers  # holders imports lease, not us
+    from offloadpool.region.holding.holders import file_id, lease_lockers  # holders imports lease, not us
 
     out = []
     reserved = reservations(pool_dir, shares)
@@ -249,6 +269,13 @@ def _reservation(sdir: int, index: int) -> str:
     return _parse(data).get("owner", "") or "?"
 
 
+def _reserved_by(index: int, who: str) -> str:
+    """Who holds a reserved share, in words: a DRA claim (``claim_owner``) or a csi volume's pod."""
+    if who.startswith(CLAIM_OWNER_PREFIX):
+        return f"share {index} by DRA claim {who.removeprefix(CLAIM_OWNER_PREFIX)!r}"
+    return f"share {index} by csi volume of pod {who!r}"
+
+
 def reservations(pool_dir: Path, shares: int) -> dict[int, str]:
     """Share index -> the pod a csi volume reserved it for, for every reserved share."""
     try:
@@ -264,53 +291,68 @@ def reservations(pool_dir: Path, shares: int) -> dict[int, str]:
 
 
 def reserve(
-    pool_dir: Path, shares: int, owner: str, *, prefer: int | None = None, timeout: float = 30.0
+    pool_dir: Path,
+    shares: int,
+    owner: str,
+    *,
+    prefer: int | None = None,
+    only: int | None = None,
+    timeout: float = 30.0,
 ) -> int:
-    """Reserve a share for the pod ``owner`` (its uid) and return its index: the one reserved
-    for it already, else ``prefer`` when free (a kubelet's retry of a recorded publish), else a
-    free one — neither reserved nor claimed by an engine. Under the claim mutex, so an engine's
-    ``claim`` and this never give one share twice. ShareRefused names the holders when every
-    share is taken."""
+    """Reserve a share for ``owner`` (a pod's uid, or ``claim_owner`` of a DRA claim) and return
+    its index: the one reserved for it already, else ``prefer`` when free (a kubelet's retry of
+    a recorded publish), else a free one — neither reserved nor claimed by an engine; with
+    ``only``, that share or none (the share the scheduler allocated to a claim). Under the
+    node's mutex (root-only), holding each free share's lease exclusively until the reservation
+    is written, so an engine's ``claim`` and this never give one share twice. ShareRefused
+    names the holders when every share is taken."""
     owner = _clip(owner)
-    with _mutex(pool_dir, timeout) as sdir:
+    with _node_mutex(pool_dir, timeout) as sdir:
         taken: dict[int, str] = {}
-        free: list[int] = []
-        for i in range(shares):
-            who = _reservation(sdir, i)
-            if who == owner:
-                return i
-            if who:
-                taken[i] = f"share {i} by csi volume of pod {who!r}"
-                continue
-            fd = beneath.open_file(sdir, f"{i}/{LEASE_NAME}", os.O_RDONLY)
-            try:
+        free: dict[int, int] = {}  # index -> its lease, held exclusively until we are done
+        try:
+            for i in range(shares):
+                who = _reservation(sdir, i)
+                if who == owner and (only is None or i == only):
+                    return i
+                if only is not None and i != only:
+                    continue
+                if who:
+                    taken[i] = _reserved_by(i, who)
+                    continue
+                fd = beneath.open_file(sdir, f"{i}/{LEASE_NAME}", os.O_RDONLY)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     record = _parse(os.pread(fd, RECORD_LIMIT, 0))
+                    os.close(fd)
                     who = f"{record['owner']!r} (pid {record['pid']})" if record else "an unnamed holder"
                     taken[i] = f"share {i} by engine {who}"
                     continue
-            finally:
-                os.close(fd)  # drops the probe's flock
-            free.append(i)
-        if not free:
-            raise ShareRefused(
-                f"no free share in pool {str(pool_dir)!r} for pod {owner!r}: "
-                + "; ".join(taken[i] for i in sorted(taken))
-                + f" ({shares} shares; one is freed when its csi volume is unpublished or every "
-                "process of its engine has exited)"
-            )
-        index = prefer if prefer in free else free[0]
-        data = json.dumps({"owner": owner, "pid": os.getpid(), "since": round(time.time(), 3)}).encode()
-        beneath.write_file(sdir, f"{index}/{RESERVATION_NAME}", data, 0o644)
-        return index
+                except BaseException:
+                    os.close(fd)
+                    raise
+                free[i] = fd
+            if not free:
+                raise ShareRefused(
+                    f"no free share in pool {str(pool_dir)!r} for {owner!r}: "
+                    + "; ".join(taken[i] for i in sorted(taken))
+                    + f" ({shares} shares; one is freed when its csi volume is unpublished, its DRA "
+                    "claim unprepared, or every process of its engine has exited)"
+                )
+            index = prefer if prefer in free else min(free)
+            data = _claim_record(owner)
+            beneath.write_file(sdir, f"{index}/{RESERVATION_NAME}", data, 0o644)
+            return index
+        finally:
+            for fd in free.values():
+                os.close(fd)  # drops the lease: an engine taking it now sees the reservation
 
 
 def unreserve(pool_dir: Path, index: int, owner: str, *, timeout: float = 30.0) -> bool:
     """Drop share ``index``'s reservation if it is ``owner``'s; False when it was not."""
     try:
-        with _mutex(pool_dir, timeout) as sdir:
+        with _node_mutex(pool_dir, timeout) as sdir:
             if _reservation(sdir, index) != _clip(owner):
                 return False
             return beneath.unlink(sdir, f"{index}/{RESERVATION_NAME}")
@@ -318,17 +360,42 @@ def unreserve(pool_dir: Path, index: int, owner: str, *, timeout: float = 30.0) 
         return False
 
 
-@contextmanager
-def _mutex(pool_dir: Path, timeout: float) -> Iterator[int]:
-    """The ``shares`` directory, opened beneath the pool directory and flocked (the claim
-    mutex) for as long as the block runs."""
+def _shares_dir(pool_dir: Path) -> int:
+    """The ``shares`` directory, opened beneath the pool directory."""
     pfd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        sdir = beneath.open_dir(pfd, SHARES_NAME)
+        return beneath.open_dir(pfd, SHARES_NAME)
     finally:
         os.close(pfd)
+
+
+@contextmanager
+def _node_mutex(pool_dir: Path, timeout: float) -> Iterator[int]:
+    """The node's reservation mutex (an flock on ``MUTEX_NAME`` in the pool's root-only state
+    directory: no pod is given it) held for as long as the block runs, and the ``shares``
+    directory. FileNotFoundError when the pool has no state directory or no shares."""
+    with places.state_fd(pool_dir) as state:
+        if state is None:
+            raise FileNotFoundError(errno.ENOENT, f"{pool_dir} has no state directory")
+        lock = beneath.open_file(state, MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        _lock(sdir, pool_dir, timeout)
+        _lock(lock, places.state_dir(pool_dir) / MUTEX_NAME, timeout)
+        sdir = _shares_dir(pool_dir)
+        try:
+            yield sdir
+        finally:
+            os.close(sdir)
+    finally:
+        os.close(lock)
+
+
+@contextmanager
+def _mutex(pool_dir: Path, timeout: float) -> Iterator[int]:
+    """The ``shares`` directory, flocked for as long as the block runs: the engines' own claim
+    mutex (a pod can open the directory, so only engines, never the node, wait for it)."""
+    sdir = _shares_dir(pool_dir)
+    try:
+        _lock(sdir, pool_dir / SHARES_NAME, timeout)
         yield sdir
     finally:
         os.close(sdir)
@@ -358,11 +425,16 @@ def _clip(text: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text[:OWNER_LIMIT])
 
 
+def _claim_record(owner: str) -> bytes:
+    """Who holds a share, as a claim or a reservation records it."""
+    return json.dumps({"owner": owner, "pid": os.getpid(), "since": round(time.time(), 3)}).encode()
+
+
 def _parse(data: bytes) -> dict[str, str]:
     """A claim record's owner and pid as text; empty when it is not one."""
     try:
-        record = json.loads(data.decode())
-    except (UnicodeDecodeError, ValueError):
+        record = bounded.loads(data, RECORD_LIMIT)
+    except bounded.Malformed:
         return {}
     if not isinstance(record, dict) or not isinstance(record.get("owner"), str):
         return {}
@@ -411,10 +483,6 @@ def claim(
         free: list[tuple[int, int, str]] = []  # (index, fd held exclusively, last owner)
         try:
             for i in wanted:
-                reserved = _reservation(mutex, i)
-                if reserved and reserved != owner:
-                    held.append(f"share {i} by csi volume of pod {reserved!r}")
-                    continue
                 fd = beneath.open_file(mutex, f"{i}/{LEASE_NAME}", os.O_RDWR)
                 record = _parse(os.pread(fd, RECORD_LIMIT, 0))
                 try:
@@ -431,28 +499,42 @@ def claim(
                     who = f"{record['owner']!r} (pid {record['pid']})" if record else "an unnamed holder"
                     held.append(f"share {i} by {who}")
                     continue
+                # read only now, holding the lease: a reservation is written under it
+                reserved = _reservation(mutex, i)
+                if reserved and reserved != owner:
+                    os.close(fd)
+                    held.append(_reserved_by(i, reserved))
+                    continue
                 free.append((i, fd, record.get("owner", "")))
-            if not free:
-                raise ShareRefused(
-                    f"no free share in pool {str(pool_dir)!r} for {owner!r}: "
-                    + ("; ".join(held) or "none")
-                    + f" ({shares} share{'s' if shares != 1 else ''}; a share is freed when "
-                    "every process of its engine has exited)"
-                )
             free.sort(key=lambda f: f[2] != owner)  # the share this owner held last, first
-            i, fd, _ = free.pop(0)
-            data = json.dumps({"owner": owner, "pid": os.getpid(), "since": round(time.time(), 3)}).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
-            fcntl.flock(fd, fcntl.LOCK_SH)  # others of this owner join; we still hold the mutex
-            return Claim(pool_dir, i, fd, owner)
+            while free:
+                i, fd, _ = free.pop(0)
+                data = json.dumps(
+                    {"owner": owner, "pid": os.getpid(), "since": round(time.time(), 3)}
+                ).encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, data, 0)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # others of this owner join; we still hold the mutex
+                # the change to shared may let a reservation in between: read it again
+                reserved = _reservation(mutex, i)
+                if reserved and reserved != owner:
+                    os.close(fd)
+                    held.append(_reserved_by(i, reserved))
+                    continue
+                return Claim(pool_dir, i, fd, owner)
+            raise ShareRefused(
+                f"no free share in pool {str(pool_dir)!r} for {owner!r}: "
+                + ("; ".join(held) or "none")
+                + f" ({shares} share{'s' if shares != 1 else ''}; a share is freed when "
+                "every process of its engine has exited)"
+            )
         finally:
             for _, other, _ in free:
                 os.close(other)
 
 
-def _lock(fd: int, pool_dir: Path, timeout: float) -> None:
-    """The claim mutex (an flock on the ``shares`` directory), waited for up to ``timeout``."""
+def _lock(fd: int, where: Path, timeout: float) -> None:
+    """A mutex (an flock on ``where``, opened as ``fd``), waited for up to ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -461,8 +543,7 @@ def _lock(fd: int, pool_dir: Path, timeout: float) -> None:
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 raise ShareRefused(
-                    f"another process held the share claims of {pool_dir} for {timeout:g} s; "
-                    "a claim takes milliseconds, so something holds the flock on "
-                    f"{pool_dir / SHARES_NAME} without claiming"
+                    f"another process held {where} for {timeout:g} s; a claim takes "
+                    "milliseconds, so something holds that flock without claiming"
                 ) from None
             time.sleep(0.01)

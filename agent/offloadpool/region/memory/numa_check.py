@@ -22,10 +22,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import gpus
-from offloadpool.region.libc import LIBC
-from offloadpool.region.manifest import Manifest, Region
-from offloadpool.region.numa import MAX_NODE
+from offloadpool.region.files.manifest import Manifest, Region
+from offloadpool.region.memory import gpus
+from offloadpool.region.memory.libc import LIBC
+from offloadpool.region.memory.numa import MAX_NODE
 
 log = logging.getLogger(__name__)
 

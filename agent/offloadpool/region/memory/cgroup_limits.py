@@ -29,7 +29,7 @@ from functools import cache
 from pathlib import Path
 
 from offloadpool.region.errors import CapacityError, fmt_bytes
-from offloadpool.region.media import Medium
+from offloadpool.region.memory.media import Medium
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 UNLIMITED = 1 << 62  # v1 reports "no limit" as a huge page-aligned number, v2 as "max"

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from offloadpool.region import beneath
 from offloadpool.region.errors import RegionError, RequestError
-from offloadpool.region.names import pool_name_error
+from offloadpool.region.files import beneath
+from offloadpool.region.files.names import pool_name_error
 
 STATE_DIR_NAME = ".state"
 POOL_DIR_MODE = 0o755

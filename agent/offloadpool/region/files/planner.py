@@ -22,7 +22,7 @@ Rules (docs/node-engine.md, "What one `provision` call does"), and why:
   hugetlbfs medium can serve only a one-file region (vLLM maps several with MAP_FIXED at 4 KiB).
 * A pool of ``partitions`` shares is that many pools of ``capacity / partitions`` side by side
   in the one mount: share p's files are ``p<p>-r<i>-s<k>``, its regions follow share p-1's
-  (``region.shares`` gives each share its own directory and manifest). One share keeps the
+  (``region.holding.shares`` gives each share its own directory and manifest). One share keeps the
   names of a pool without shares.
 """
 
@@ -31,10 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from offloadpool.region import vllm_compat
 from offloadpool.region.errors import RequestError, fmt_bytes
-from offloadpool.region.manifest import MOUNT_NAME, Layout, Region, Segment
-from offloadpool.region.media import Medium, medium
+from offloadpool.region.files import vllm_compat
+from offloadpool.region.files.manifest import MOUNT_NAME, Layout, Region, Segment
+from offloadpool.region.memory.media import Medium, medium
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK
 

@@ -8,9 +8,9 @@ the record and the request):
 * the consumers changed so that someone new can reach the memory (another uid or gid, mode
   bits or namespaces added: who may open the files or get the mount; bits or namespaces only
   removed hand it to no one new), or the pool was re-created over a retained region (another
-  OffloadPool uid) —
-  unless the policy is ``Never``; such a scrub is *owed*: the pool is not handed out until it
-  is done, however long its holders stay;
+  OffloadPool uid) — whatever the policy says, ``Never`` included (``Never`` only keeps the
+  memory for the same consumer coming back); such a scrub is *owed*: the pool is not handed out
+  until it is done, however long its holders stay;
 * policy ``Always``: the region is handed out again after its holders left (every provision
   that reuses it with nothing attached; the agent provisions again when its count of attached
   engines drops to 0). With holders attached the tenancy goes on and nothing is zeroed.
@@ -29,7 +29,7 @@ idempotent) or zeroed memory. An owed scrub that finds holders leaves the pool w
 same way and raises ``ScrubPending`` (a ``PoolInUse``): the engines attached keep their
 mappings, nothing new can attach, and the agent reports the pool in use as for a reshape.
 
-Zeroing runs on the pre-fault's machinery (``region.parallel``): W threads, each a contiguous
+Zeroing runs on the pre-fault's machinery (``region.memory.parallel``): W threads, each a contiguous
 share of the logical region, so workers start in different files; calls through ctypes, so the
 GIL is released; progress as it goes. The result is what a fresh pre-fault leaves: every byte zero,
 every page present (no fault moved to the engine), the mount and files unchanged. Methods, per
@@ -51,18 +51,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import layout_files, mounts, numa, parallel, places, vm
-from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError, fmt_bytes
-from offloadpool.region.holders import PoolInUse, exclusive_unused
-from offloadpool.region.journal import Unit, units
-from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.manifest import MANIFEST_NAME, MOUNT_NAME
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.planner import Plan
-from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.files import layout_files, places
+from offloadpool.region.files import record as records
+from offloadpool.region.files.journal import Unit, units
+from offloadpool.region.files.manifest import MANIFEST_NAME, MOUNT_NAME
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.files.planner import Plan
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.holding.holders import PoolInUse, exclusive_unused
+from offloadpool.region.holding.lease import LeaseHeld
+from offloadpool.region.memory import mounts, numa, parallel, vm
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.vocabulary import NUMA_NONE, READY, SCRUB_ALWAYS, SCRUB_NEVER, SCRUBBING
+from offloadpool.region.vocabulary import NUMA_NONE, READY, SCRUB_ALWAYS, SCRUBBING
 
 PhaseCallback = Callable[[str], None]
 METHODS = ("memset", "punch", "remove")
@@ -172,13 +173,13 @@ def scrub_needed(rec: records.Record, req: PoolRequest) -> Due | None:
     """Whether the memory in ``rec`` must be zeroed before ``req`` gets it, and why.
 
     An interrupted scrub is always owed (whatever the policy says now: it was owed to someone
-    else's data). Fields known on one side only (a pool uid from a pool file without one)
-    are not compared.
+    else's data), and so is memory another pool (``metadata.uid``) or a wider set of consumers
+    could reach, whatever the policy: ``Never`` only means "not when the same consumer comes
+    back". Fields known on one side only (a pool uid from a pool file without one) are not
+    compared.
     """
     if rec.scrub_pending:
         return Due(rec.scrub_pending)
-    if req.scrub == SCRUB_NEVER:
-        return None
     last = last_consumer(rec)
     if last is None:
         return None
@@ -406,7 +407,8 @@ def holder_due(rec: records.Record, req: PoolRequest, holder: str) -> Due | None
     published again (the kubelet's retry, a kubelet restart) is the same holder.
     ``OnConsumerChange`` zeroes when the pool's consumers change (``scrub_needed``, at the
     agent's provision): the pods of the namespaces a pool names are its one consumer, as
-    engines sharing a hostPath are. ``Never`` keeps the bytes."""
+    engines sharing a hostPath are. ``Never`` keeps the bytes (for the same consumer only:
+    ``scrub_needed`` zeroes for another pool or wider consumers whatever the policy)."""
     if req.scrub != SCRUB_ALWAYS:
         return None
     last = (rec.consumer or {}).get(HOLDER_KEY)

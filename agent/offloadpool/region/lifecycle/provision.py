@@ -13,7 +13,10 @@ One call does whichever of these the pool needs, judged from what is on disk:
 * **Different shape** → only if nothing holds the pool (the exclusive lease can be taken and no
   process, in any mount namespace, maps or has open its files; see ``holders``): tear down and
   rebuild; otherwise raise LeaseHeld (PoolInUse naming the holders), the change stays pending
-  and the memory is untouched. Finishing an interrupted build needs the same.
+  and the memory is untouched. Finishing an interrupted build needs the same. The holders are
+  looked at before the capacity check (and the cgroup limits it reads): a growth the node or
+  the agent's pod could not fit yet waits for its holder like any change (LeaseHeld), and fails
+  with the shortfall only once nothing holds the pool; that refusal leaves the record as it was.
 
 A fresh build that fails (capacity, mount) is torn down, so nothing half-built is left; an
 interrupted one (signal, kill) is left for the next run to finish.
@@ -34,31 +37,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import (
-    beneath,
-    capacity,
-    hugepage_intent,
-    hugepages,
-    layout_files,
-    migrate,
-    mounts,
-    numa,
-    places,
-    scrub,
-    shares,
-)
-from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
-from offloadpool.region.holders import exclusive_unused
-from offloadpool.region.journal import populated_bytes, units
-from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.manifest import LEASE_NAME, MOUNT_NAME, Manifest, ManifestError
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.planner import Plan
-from offloadpool.region.planner import plan as make_plan
-from offloadpool.region.populate import DEFAULT_CHUNK, Progress, populate
+from offloadpool.region.files import beneath, layout_files, migrate, places
+from offloadpool.region.files import record as records
+from offloadpool.region.files.journal import populated_bytes, units
+from offloadpool.region.files.manifest import LEASE_NAME, MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.files.planner import Plan
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.holding import shares
+from offloadpool.region.holding.holders import exclusive_unused
+from offloadpool.region.holding.lease import LeaseHeld
+from offloadpool.region.lifecycle import scrub
+from offloadpool.region.lifecycle.teardown import teardown
+from offloadpool.region.memory import capacity, hugepage_intent, hugepages, mounts, numa
+from offloadpool.region.memory.populate import DEFAULT_CHUNK, Progress, populate
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.teardown import teardown
 from offloadpool.region.vocabulary import DRAINING, FAILED, POPULATING, PROVISIONING, READY
 
 PhaseCallback = Callable[[str], None]
@@ -224,9 +218,9 @@ def provision(
         credit = old.capacity
         if old.medium == req.medium and plan.medium.hugetlb:
             old_pages = old.capacity // plan.page_size
-    capacity.check(plan, credit_bytes=credit, credit_pages=old_pages)
-
     fresh = not places.exists(pool_dir)
+    if fresh:
+        capacity.check(plan, credit_bytes=credit, credit_pages=old_pages)  # before anything is created
     places.make_dirs(pool_dir)
     try:
         with places.lock(pool_dir):
@@ -238,6 +232,14 @@ def provision(
                     raise
                 raise RegionError(f"{unsafe}; the pool is held, so it is not rebuilt: {held}") from None
             try:
+                if not fresh:
+                    # A pool that is there is checked only once nothing holds it: a change that
+                    # waits for an engine (LeaseHeld) must not fail the node on a limit it would
+                    # need only once the engine has let go; the old region is left as it is.
+                    try:
+                        capacity.check(plan, credit_bytes=credit, credit_pages=old_pages)
+                    except CapacityError as short:
+                        raise _Untouched(short) from short
                 return _build(
                     _Call(req, plan, pool_dir, numa_nodes, say, t0),
                     _PrefaultOptions(progress, workers, rate_limit, chunk_bytes),
@@ -245,6 +247,8 @@ def provision(
                 )
             finally:
                 lease.close()
+    except _Untouched as untouched:
+        raise untouched.error from None  # nothing was touched: the record stays as it was
     except (RegionError, OSError) as exc:
         if fresh and places.exists(pool_dir):
             teardown(pool_dir)  # nothing half-built is left behind
@@ -254,6 +258,14 @@ def provision(
                 failed.phase, failed.message = FAILED, str(exc)
                 records.save(pool_dir, failed)
         raise
+
+
+class _Untouched(Exception):
+    """A check before the build refused (``error``): nothing on the node was changed."""
+
+    def __init__(self, error: CapacityError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _unsafe_entry(

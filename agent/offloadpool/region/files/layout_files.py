@@ -18,11 +18,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from offloadpool.region import beneath, mounts, places, vllm_compat
 from offloadpool.region.errors import RegionError, fmt_bytes
-from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.planner import Plan
+from offloadpool.region.files import beneath, places, vllm_compat
+from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.files.planner import Plan
+from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
 
 
@@ -106,15 +107,37 @@ def ensure_lease_file(pool_dir: Path, req: PoolRequest) -> None:
         own(fd, req)
 
 
+def _compat_drift(pfd: int, wanted: list[str], plan: Plan) -> list[tuple[str, str]]:
+    """Each of vLLM's names (``wanted``, one per segment) that is not a hard link of its segment,
+    with what it is instead: the one rule ``sync_compat`` repairs by and ``handed_out_problem``
+    reports by. Nothing is followed (``lstat`` of the name itself)."""
+    drift = []
+    for name, seg in zip(wanted, plan.segments, strict=False):  # no names without compat
+        here = beneath.lstat(pfd, name)
+        segment = beneath.lstat(pfd, seg.file)
+        if segment is None:
+            raise RegionError(f"segment {seg.file} is missing")
+        if here is None:
+            drift.append((name, "missing"))
+        elif (here.st_dev, here.st_ino) != (segment.st_dev, segment.st_ino):
+            drift.append((name, f"{beneath.kind(here.st_mode)}, not a link of segment {seg.file}"))
+    return drift
+
+
+def _wanted_compat(plan: Plan, req: PoolRequest) -> list[str]:
+    return compat_names(req.compat_engine_id, len(plan.segments)) if req.compat_engine_id else []
+
+
 def sync_compat(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
     """Hard-link segment i as vLLM's file i (``vllm_offload_<id>.mmap``, ``.mmap.1`` …), drop
     stale links, and return the name of file 0 (the manifest's ``compat_file``).
 
-    Hard links, not copies or symlinks: the same memory under vLLM's names, visible through a
-    hostPath file mount, and the segment names the pinning helper maps stay as they are. A
-    name that is not a link of its segment (another shape's, or anything a pod put there) is
-    removed as a name (``unlinkat``) and made again."""
-    wanted = compat_names(req.compat_engine_id, len(plan.segments)) if req.compat_engine_id else []
+    Hard links, not copies or symlinks: the same memory under vLLM's names, given to pods as
+    ``subPath`` mounts of the pool directory, and the segment names the pinning helper maps
+    stay as they are. A name that is not a link of its segment (another shape's, or anything a
+    pod put there: a symlink, a file of its own) is removed as a name (``unlinkat``) and made
+    again."""
+    wanted = _wanted_compat(plan, req)
     with places.pool_fd(pool_dir) as pfd:
         try:
             for name in beneath.listdir(pfd, MOUNT_NAME):
@@ -123,18 +146,13 @@ def sync_compat(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
                     left = places.remove_entry(pfd, rel)
                     if left is not None:
                         raise RegionError(f"{pool_dir / rel}: {left}")
-            for name, seg in zip(wanted, plan.segments, strict=False):  # no names without compat
-                here = beneath.lstat(pfd, name)
-                segment = beneath.lstat(pfd, seg.file)
-                if segment is None:
-                    raise RegionError(f"segment {pool_dir / seg.file} is missing")
-                if here is not None and (here.st_dev, here.st_ino) != (segment.st_dev, segment.st_ino):
+            segments = {name: seg for name, seg in zip(wanted, plan.segments, strict=False)}
+            for name, what in _compat_drift(pfd, wanted, plan):
+                if what != "missing":
                     left = places.remove_entry(pfd, name)  # another shape's segment, or a pod's
                     if left is not None:
                         raise RegionError(f"{pool_dir / name}: {left}")
-                    here = None
-                if here is None:
-                    beneath.link(pfd, seg.file, name)
+                beneath.link(pfd, segments[name].file, name)
         except beneath.WrongEntry as exc:
             raise places.UnsafeEntry(pool_dir, exc) from None
     return wanted[0] if wanted else None
@@ -145,9 +163,9 @@ def check_entries(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
 
     Raises UnsafeEntry for a name of the wrong kind (a link, a fifo, a device, a directory
     where a file belongs, a file with other links): that is never followed, and the caller
-    rebuilds the pool when nothing holds it, or fails it."""
+    rebuilds the pool when nothing holds it, or fails it. vLLM's names are not checked here:
+    whatever a pod made of one, ``sync_compat`` removes it as a name and links it again."""
     links = segment_links(req)
-    compat = set(compat_names(req.compat_engine_id, len(plan.segments))) if req.compat_engine_id else set()
     with places.pool_fd(pool_dir) as pfd:
         try:
             for rel in (LEASE_NAME, MANIFEST_NAME):
@@ -165,11 +183,6 @@ def check_entries(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
                     os.close(fd)
                 if size != seg.bytes:
                     return f"segment {seg.file} is {size} bytes, planned {seg.bytes}"
-            for rel in sorted(compat):
-                st = beneath.lstat(pfd, rel)
-                if st is not None:  # missing or another inode: sync_compat makes it
-                    fd = beneath.open_file(pfd, rel, links=links)
-                    os.close(fd)
             planned = {Path(s.file).name for s in plan.segments}
             extra = [
                 name
@@ -182,6 +195,32 @@ def check_entries(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
             return f"{exc.filename or 'an entry'} is missing"
     if extra:
         return f"unexpected files in the pool mount: {sorted(extra)}"
+    return None
+
+
+def handed_out_problem(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
+    """What a pod changed of what a Ready pool hands out, in one line; None when nothing.
+
+    The check a provision makes before it keeps a pool (``check_entries``: every name of the
+    right kind, no segment replaced or re-linked) and the rule ``sync_compat`` repairs vLLM's
+    names by, without repairing anything: the agent runs it at every heartbeat of a Ready pool
+    and provisions again when it finds something, which repairs vLLM's names in place and
+    rebuilds (or fails, naming the entry) a pool whose segments were touched. A pod that
+    replaced a name with a link is then never handed it: the kubelet resolves a compat file as
+    a subPath beneath the pool directory (refusing a link out of it) at each container start,
+    and by the next heartbeat the name is the segment's again.
+
+    Raises ``places.UnsafeEntry`` for a name of the wrong kind, as ``check_entries`` does."""
+    problem = check_entries(pool_dir, plan, req)
+    if problem is not None:
+        return problem
+    with places.pool_fd(pool_dir) as pfd:
+        try:
+            drift = _compat_drift(pfd, _wanted_compat(plan, req), plan)
+        except beneath.WrongEntry as exc:
+            raise places.UnsafeEntry(pool_dir, exc) from None
+    if drift:
+        return "; ".join(f"{pool_dir / name} is {what}" for name, what in drift)
     return None
 
 

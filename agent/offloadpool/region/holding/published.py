@@ -1,4 +1,5 @@
-"""Volumes the CSI node plugin published from a pool: ``<root>/.state/<pool>/csi/<volume>.json``.
+"""Volumes the CSI node plugin published from a pool, and DRA claims the DRA plugin prepared
+from it: ``<root>/.state/<pool>/csi/<volume>.json``, one record for both deliveries.
 
 A pod given a pool through a ``csi`` volume holds it from the kubelet's ``NodePublishVolume``
 until its ``NodeUnpublishVolume``, whether or not its engine maps the memory yet. The plugin
@@ -6,6 +7,12 @@ writes a record here before it bind-mounts the pool and drops it after the unmou
 exists whenever a mount may; ``holders`` counts each record as a holder, and release, reshaping
 and deletion wait for it as for a process. Root-only like the rest of the state directory (a pod
 that could write it could free the pool under another pod, or keep it forever).
+
+A DRA claim's record (``offloadpool.dra``) is the same record: ``volume_id`` ``dra-<claim uid>``
+(``dra_volume_id``; the kubelet names an inline volume ``csi-<hash>``), ``pod_uid`` the owner
+its share is reserved under (``shares.claim_owner``), ``pod_namespace`` and ``pod_name`` the
+claim's, ``target_path`` the directory its tree is bound in. Each plugin's restart settles its
+own records (``is_dra``) and keeps the other's.
 
 Standard library only: the engine's ``holders`` reads it. Every record is parsed strictly; one
 that is not a record is still a holder (``UNREADABLE``): the node side never frees memory on the
@@ -20,7 +27,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, fields
 
-from offloadpool.region import beneath, places
+from offloadpool.region.files import beneath, bounded, places
 from offloadpool.region.request import MAX_PARTITIONS
 
 DIR_NAME = "csi"
@@ -28,6 +35,13 @@ DIR_MODE = 0o700
 SUFFIX = ".json"
 #: the kubelet names an inline volume ``csi-<sha256>``; anything a file name can hold safely
 VOLUME_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: the volume id of a DRA claim's record: ``dra-<claim uid>``
+DRA_PREFIX = "dra-"
+
+
+def dra_volume_id(claim_uid: str) -> str:
+    """The record's name for the DRA claim ``claim_uid``."""
+    return f"{DRA_PREFIX}{claim_uid}"
 
 
 @dataclass(frozen=True)
@@ -41,13 +55,21 @@ class Published:
     #: the pod's name as the kubelet gave it (``podInfoOnMount``); "" in a record written
     #: without it, which still parses
     pod_name: str = ""
-    #: the share of a partitioned pool the pod was given (``region.shares``); None: the pool
+    #: the share of a partitioned pool the pod was given (``region.holding.shares``); None: the pool
     share: int | None = None
+
+    @property
+    def is_dra(self) -> bool:
+        """A DRA claim's record (the DRA plugin's), not a csi volume's."""
+        return self.volume_id.startswith(DRA_PREFIX)
 
     def describe(self) -> str:
         """``csi volume csi-1a2b of pod team-a/engine-0 (uid 5f0c…)``: the pod by name, as
         ``kubectl`` shows it, and by uid, which the name may be reused after; and its share."""
         share = "" if self.share is None else f" (share {self.share})"
+        if self.is_dra:
+            uid = self.volume_id.removeprefix(DRA_PREFIX)
+            return f"DRA claim {self.pod_namespace}/{self.pod_name} (uid {uid}){share}"
         if self.pod_name:
             pod = f"{self.pod_namespace}/{self.pod_name} (uid {self.pod_uid})"
             return f"csi volume {self.volume_id} of pod {pod}{share}"
@@ -65,8 +87,8 @@ def volume_id_error(volume_id: object) -> str | None:
 
 def _parse(data: bytes) -> Published | None:
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        doc = bounded.loads(data)
+    except bounded.Malformed:
         return None
     optional = {"pod_name", "share"}
     names = [f.name for f in fields(Published)]

@@ -8,7 +8,7 @@ it steers the faults of the pre-fault itself, which is where every page gets all
 Policies (``PoolRequest.numa``): ``None`` (kernel default: local to the faulting thread),
 ``Interleave`` (round-robin over all online nodes), ``Spread`` (region i bound to the i-th
 online node, for PerRank layouts whose ranks sit on different sockets), ``GPU`` (region i bound
-to the node of the node's i-th NVIDIA GPU, ``region.gpus``), an explicit node list ``"0"``,
+to the node of the node's i-th NVIDIA GPU, ``region.memory.gpus``), an explicit node list ``"0"``,
 ``"0,2"``, ``"0-1"`` (bind every region to those nodes), or one node per region
 ``"ranks:0,0,1,1"`` (region i bound to the i-th: ``spec.prefault.numaNodes``).
 
@@ -26,8 +26,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import gpus
 from offloadpool.region.errors import RegionError, RequestError
+from offloadpool.region.memory import gpus
 from offloadpool.region.vocabulary import NUMA_GPU, NUMA_INTERLEAVE, NUMA_NONE, NUMA_SPREAD
 
 MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND, MPOL_INTERLEAVE = 0, 1, 2, 3

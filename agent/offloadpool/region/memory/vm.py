@@ -12,7 +12,7 @@ import errno
 import fcntl
 import os
 
-from offloadpool.region.libc import LIBC, MAP_FAILED
+from offloadpool.region.memory.libc import LIBC, MAP_FAILED
 
 PROT_READ, PROT_WRITE = 0x1, 0x2
 MAP_SHARED = 0x01

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from offloadpool.region.manifest import LEASE_NAME
+from offloadpool.region.files.manifest import LEASE_NAME
 
 
 class Stop(Exception):

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import beneath, places
+from offloadpool.region.files import beneath, bounded, places
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import PROVISIONING, RECORD_PHASES
 
@@ -46,7 +46,7 @@ class Record:
     consumer: dict[str, Any] | None = None
     #: why the memory must be zeroed before it is handed out again; "" when it need not be.
     #: Set before the manifest is withdrawn and cleared only once every byte is zero, so a
-    #: killed scrub is redone by the next provision (``offloadpool.region.scrub``).
+    #: killed scrub is redone by the next provision (``offloadpool.region.lifecycle.scrub``).
     scrub_pending: str = ""
     #: the last scrub's figures (reason, seconds, GiB/s, method)
     scrub: dict[str, Any] = field(default_factory=dict)
@@ -97,8 +97,8 @@ def parse(data: bytes) -> Record | None:
     """The record in ``data``, or None when it is not one (bad JSON, a field of the wrong type,
     a phase or request that does not exist, a count below zero)."""
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+        doc = bounded.loads(data)
+    except bounded.Malformed:
         return None
     if not isinstance(doc, dict):
         return None

@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from offloadpool.region import places
-from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
-from offloadpool.region.holders import Holder, describe, exclusive_unused, find_holders
-from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.teardown import teardown
+from offloadpool.region.files import places
+from offloadpool.region.files import record as records
+from offloadpool.region.holding.holders import Holder, describe, exclusive_unused, find_holders
+from offloadpool.region.holding.lease import LeaseHeld
+from offloadpool.region.lifecycle.teardown import teardown
 
 FORCE_CONSEQUENCES = (
     "forced release: {n} attached engine(s) keep mapping memory that no pool accounts for; it is "

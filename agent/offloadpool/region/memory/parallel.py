@@ -18,11 +18,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from offloadpool.region import beneath, numa, places, vm
 from offloadpool.region.errors import CapacityError, fmt_bytes
-from offloadpool.region.journal import Unit
-from offloadpool.region.manifest import Segment
-from offloadpool.region.planner import Plan
+from offloadpool.region.files import beneath, places
+from offloadpool.region.files.journal import Unit
+from offloadpool.region.files.manifest import Segment
+from offloadpool.region.files.planner import Plan
+from offloadpool.region.memory import numa, vm
 
 #: ``progress(done_bytes, total_bytes)``, called by any worker thread as runs complete.
 Progress = Callable[[int, int], None]

@@ -1,6 +1,6 @@
 """Parallel, resumable pre-fault of a pool's segment files.
 
-Worker threads (``region.parallel``) each take a contiguous share of the logical region and
+Worker threads (``region.memory.parallel``) each take a contiguous share of the logical region and
 walk it in runs of at most ``chunk_bytes`` within one file; each run is made present, then
 recorded in the journal and reported as progress, so a pre-fault killed part way is resumed
 where it stopped. How a run is made present is the medium's strategy (:data:`STRATEGY_FOR`,
@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import numa, parallel, vm
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
-from offloadpool.region.journal import Journal, Unit, units
-from offloadpool.region.parallel import DEFAULT_CHUNK, Progress
-from offloadpool.region.planner import Plan
+from offloadpool.region.files.journal import Journal, Unit, units
+from offloadpool.region.files.planner import Plan
+from offloadpool.region.memory import numa, parallel, vm
+from offloadpool.region.memory.parallel import DEFAULT_CHUNK, Progress
 from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, MEMORY_THP, NUMA_NONE
 
 AUTO, MADVISE, TOUCH, FALLOCATE, FALLOCATE_MADVISE = (

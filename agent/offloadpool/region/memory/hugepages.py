@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import hugepage_intent, locks
-from offloadpool.region import record as records
+from offloadpool.region.files import record as records
+from offloadpool.region.memory import hugepage_intent, locks
 
 LOCK_PATH = "/run/lock/offloadpool-hugepages.lock"
 ROOT_LOCK_NAME = ".hugepages.lock"

@@ -2,16 +2,21 @@
 
 Order matters: the manifest goes first (no new engine attaches to a pool being removed), then
 the mount (which frees every page of every file at once; if some process still has a file open
-or mapped the unmount fails with EBUSY and the manifest is put back: nothing changed), then the
+or mapped the unmount fails with EBUSY and the manifests are put back byte for byte: nothing
+changed), then the
 huge pages this node added to the kernel pool (announced in the huge page intent first, so a kill
 cannot give them back twice), then the names the node made.
 
 Only those names are removed, one by one, each as a name (``unlinkat``/``rmdir``, never through
-a link): the manifest (the shares' with it), the shares' directories (``region.shares``), the
+a link): the manifest (the shares' with it), the shares' directories (``region.holding.shares``), the
 lease, the plan's segment and compat names, ``mnt``, the names an
-older offloadpool kept in the pool directory, then the record, the journal and the state
-directory. Nothing is removed recursively: whatever else is found (a pod's files, a directory
-where a file belongs) is left and reported, and the directory holding it stays.
+older offloadpool kept in the pool directory, then the record, the journal, the shares'
+reservation mutex and the state directory. Nothing is removed recursively: whatever else is
+found (a pod's files, a directory where a file belongs) is left and reported, and the
+directory holding it stays.
+
+Teardown parses nothing a pod can write: how many shares the pool has comes from the node's
+record (root-only); the manifests are kept as bytes to be put back, never read as JSON.
 """
 
 from __future__ import annotations
@@ -22,14 +27,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from offloadpool.region import beneath, hugepage_intent, hugepages, mounts, places, shares
-from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
-from offloadpool.region.journal import JOURNAL_NAME
-from offloadpool.region.layout_files import compat_names
-from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.planner import plan as make_plan
+from offloadpool.region.files import beneath, places
+from offloadpool.region.files import record as records
+from offloadpool.region.files.journal import JOURNAL_NAME
+from offloadpool.region.files.layout_files import compat_names
+from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.holding import shares
+from offloadpool.region.memory import hugepage_intent, hugepages, mounts
 from offloadpool.region.vocabulary import DRAINING
 
 
@@ -45,23 +51,20 @@ def teardown(
     What could not be removed is appended to ``left``, one line each.
     """
     rec = records.load(pool_dir)
-    try:
-        manifest = load_manifest(pool_dir)
-    except ManifestError:
-        manifest = None
+    count = _shares_of(rec)
+    manifests = [MANIFEST_NAME, *(f"{shares.share_rel(i)}/{MANIFEST_NAME}" for i in range(count))]
     with _pool(pool_dir) as pfd:
+        kept = _keep(pfd, manifests) if pfd is not None else {}
         if pfd is not None:
             _remove(pfd, MANIFEST_NAME, left)
-    if manifest is not None:
-        shares.withdraw(pool_dir, manifest.shares)
+    if count > 1:
+        shares.withdraw(pool_dir, count)
     mnt = pool_dir / MOUNT_NAME
     if mounts.mount_at(mnt) is not None:
         try:
             mounts.umount(mnt, lazy=lazy)  # frees every page of every file in it
         except RegionError:
-            if manifest is not None:  # still intact: put it back as it was
-                shares.write(pool_dir, manifest, manifest.uid, manifest.gid, manifest.mode)
-                manifest.write(pool_dir)
+            _put_back(pool_dir, kept)  # still intact: as it was, byte for byte
             raise
     if rec is not None:
         rec.phase = DRAINING
@@ -77,6 +80,41 @@ def teardown(
                 given = _give_back_hugepages(pool_dir, rec)
     _remove_made(pool_dir, rec, keep_dir=keep_dir, left=left)
     return given
+
+
+def _shares_of(rec: records.Record | None) -> int:
+    """The shares the node's record says the pool has (1 without a record or a plan)."""
+    if rec is None:
+        return 1
+    try:
+        return max(1, rec.pool_request().partitions)
+    except (RegionError, TypeError, ValueError):
+        return 1
+
+
+def _keep(pfd: int, names: list[str]) -> dict[str, bytes]:
+    """The bytes of each manifest among ``names``, as they are (never parsed: a pod can write
+    them, and teardown must not depend on what they hold); one that is not a plain file within
+    ``beneath.MAX_READ`` bytes is not kept (the next provision writes it again)."""
+    kept = {}
+    for rel in names:
+        try:
+            kept[rel] = beneath.read_file(pfd, rel)
+        except OSError:  # none, a link, a fifo, too long (beneath.WrongEntry), ...
+            continue
+    return kept
+
+
+def _put_back(pool_dir: Path, kept: dict[str, bytes]) -> None:
+    """Write back the manifests ``_keep`` read, after an unmount that failed (nothing changed)."""
+    with _pool(pool_dir) as pfd:
+        if pfd is None:
+            return
+        for rel, data in kept.items():
+            try:
+                beneath.write_file(pfd, rel, data)
+            except OSError:  # its directory went meanwhile: the next provision writes it
+                continue
 
 
 def _give_back_hugepages(pool_dir: Path, rec: records.Record) -> int:
@@ -133,7 +171,7 @@ def _remove_made(
                 _remove(pfd, LEASE_NAME, left)
     with places.state_fd(pool_dir) as sfd:
         if sfd is not None:
-            for name in (JOURNAL_NAME, records.RECORD_NAME, *_temp_names(sfd)):
+            for name in (JOURNAL_NAME, records.RECORD_NAME, shares.MUTEX_NAME, *_temp_names(sfd)):
                 _remove(sfd, name, left)
     if keep_dir:
         return

@@ -15,7 +15,7 @@ Segment paths in the manifest are relative to the pool directory (``mnt/r0-s000`
 same pool directory can be bind-mounted anywhere inside a pod.
 
 A pool of several shares (``shares`` > 1) lists every share's regions, and gives each share a
-directory of its own that looks like a pool directory (``region.shares``)::
+directory of its own that looks like a pool directory (``region.holding.shares``)::
 
     shares/<i>/manifest.json   share i's regions alone (``share`` = i), attachable as a pool
     shares/<i>/lease           the share's claim: an flock, and who holds it (written by the engine)
@@ -26,9 +26,10 @@ exactly as before, and an older library refuses a partitioned pool (an unknown f
 than map every share as one region.
 
 A pod can write the pool directory, so the manifest is hostile input to whoever reads it: it is
-read without following links (``beneath``), at most ``beneath.MAX_READ`` bytes, and every field
-is checked for its type and range, every file name for being a plain name in ``mnt/``, before
-any of it is used.
+read without following links (``beneath``), decoded only within bounds (``bounded``: at most
+``beneath.MAX_READ`` bytes, nesting and number length bounded), and every field is checked for
+its type and range, every file name for being a plain name in ``mnt/``, before any of it is
+used: whatever it holds, ``load`` raises ManifestError and nothing else.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from offloadpool.region import beneath
+from offloadpool.region.files import beneath, bounded
 from offloadpool.region.vocabulary import INTERLEAVED, LAYOUTS, MANIFEST_STATES, MEDIA, PER_RANK, READY
 
 FORMAT = "offloadpool.io/region-manifest"
@@ -262,9 +263,9 @@ def load(pool_dir: str | os.PathLike[str]) -> Manifest:
     except beneath.WrongEntry as exc:
         raise ManifestError(f"region manifest {Path(pool_dir) / exc.name} {exc.reason}: not read") from None
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"region manifest {path} is not valid JSON: {exc}") from exc
+        data = bounded.loads(text)
+    except bounded.Malformed as exc:
+        raise ManifestError(f"region manifest {path} {exc}: not read") from None
     if not isinstance(data, dict):
         raise ManifestError(f"region manifest {path} is not a JSON object")
     return Manifest.from_dict(data)

@@ -13,8 +13,8 @@ import fcntl
 import os
 from pathlib import Path
 
-from offloadpool.region import beneath
-from offloadpool.region.manifest import LEASE_NAME
+from offloadpool.region.files import beneath
+from offloadpool.region.files.manifest import LEASE_NAME
 
 
 class LeaseHeld(RuntimeError):

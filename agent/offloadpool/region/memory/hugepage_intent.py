@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from offloadpool.region.errors import RegionError
-from offloadpool.region.record import Record
+from offloadpool.region.files import bounded
+from offloadpool.region.files.record import Record
 
 STATE_DIR = ".state"
 INTENT_NAME = "hugepages.intent"
@@ -187,7 +188,7 @@ def load(root: str | os.PathLike[str]) -> Intent | None:
         with os.fdopen(fd, "rb") as fh:
             raw = fh.read(4096)
     try:
-        fields = json.loads(raw)
+        fields = bounded.loads(raw)
         if not isinstance(fields, dict) or set(fields) != set(Intent.__dataclass_fields__):
             raise ValueError(f"fields {sorted(fields) if isinstance(fields, dict) else type(fields)}")
         return Intent(**fields)

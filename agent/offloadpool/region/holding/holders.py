@@ -32,9 +32,10 @@ import signal
 import stat
 from dataclasses import dataclass
 
-from offloadpool.region import beneath, places, published
-from offloadpool.region.lease import Lease, LeaseHeld, lease_path
-from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.files import beneath, places
+from offloadpool.region.files.manifest import MOUNT_NAME
+from offloadpool.region.holding import published
+from offloadpool.region.holding.lease import Lease, LeaseHeld, lease_path
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
 
@@ -105,7 +106,7 @@ def describe_volumes(volumes: list[published.Published]) -> str:
 
 
 def csi_holders(pool_dir: str | os.PathLike[str]) -> list[published.Published]:
-    """The pool's volumes published to pods by the CSI node plugin (``region.published``): each
+    """The pool's volumes published to pods by the CSI node plugin (``region.holding.published``): each
     holds the pool from the kubelet's publish to its unpublish, mapped or not."""
     return published.load_all(pool_dir)
 

@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region.holders import command_name, memory_files, parse_dev, self_pid
-from offloadpool.region.manifest import MOUNT_NAME
+from offloadpool.region.files.manifest import MOUNT_NAME
+from offloadpool.region.holding.holders import command_name, memory_files, parse_dev, self_pid
 
 #: a stock vLLM region file, as its maps line names it: ``…/vllm_offload_<id>.mmap[.N][ (deleted)]``
 _VLLM_FILE = re.compile(r"/vllm_offload_(?P<id>.+?)\.mmap(?:\.\d+)?(?: \(deleted\))?$")

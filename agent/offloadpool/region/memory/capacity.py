@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offloadpool.region import cgroup_limits, hugepages
 from offloadpool.region.errors import CapacityError, fmt_bytes
-from offloadpool.region.planner import Plan
+from offloadpool.region.files.planner import Plan
+from offloadpool.region.memory import cgroup_limits, hugepages
 
 GiB = 1 << 30
 
