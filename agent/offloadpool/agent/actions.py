@@ -24,14 +24,14 @@ from offloadpool.agent.status_writer import StatusWriter
 from offloadpool.api.constants import clip_message
 from offloadpool.api.media import is_hugetlbfs
 from offloadpool.api.node import NodeShare
-from offloadpool.region import record as records
-from offloadpool.region import shares
 from offloadpool.region.errors import CapacityError, RegionError
-from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files import record as records
+from offloadpool.region.holding import shares
+from offloadpool.region.holding.lease import LeaseHeld
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.scrub import ScrubPending
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.scrub import ScrubPending
 from offloadpool.region.vocabulary import (
     DRAINING,
     FAILED,
@@ -128,13 +128,24 @@ class NodeActions:
         there), unless this process made it already and it is Ready: then only report."""
         req = d.request
         assert req is not None
+        changed = None
         if self.applied and self.applied.request == req and self.status.phase == READY and self.status.exists:
-            attached = self._attached
-            self._refresh()
-            if req.scrub != SCRUB_ALWAYS or not attached or self._attached:
-                return self.heartbeat_seconds
-            # scrub Always: the last holder left; provision again now, which zeroes the memory
-            # before anything attaches next (region.scrub)
+            # what a pod may have changed of what the pool hands out (a compat name replaced by
+            # a link, a segment replaced): checked at every heartbeat, repaired by provisioning
+            # again (vLLM's names relinked in place; touched segments rebuild or fail the pool)
+            changed = self.region.handed_out_problem(req)
+            if changed is None:
+                attached = self._attached
+                self._refresh()
+                if req.scrub != SCRUB_ALWAYS or not attached or self._attached:
+                    return self.heartbeat_seconds
+                # scrub Always: the last holder left; provision again now, which zeroes the
+                # memory before anything attaches next (region.lifecycle.scrub)
+            else:
+                log.warning("pool entries changed on the node: %s; provisioning again to repair", changed)
+                self.events.post(
+                    self.pool_node, "Warning", "EntryChanged", clip_message(f"{changed}: repairing")
+                )
         self.released = False
         self._scrubbed = False
         try:
@@ -185,6 +196,8 @@ class NodeActions:
         self._failures = 0
         if result.reused:
             message = f"validated the existing region ({total} bytes); nothing re-populated"
+            if changed is not None:
+                message += f"; repaired what a pod changed ({changed})"
             if self._scrubbed:
                 message += "; zeroed first for its new consumers (scrub)"
         else:
@@ -196,6 +209,12 @@ class NodeActions:
                 message += f"; {result.skipped_bytes} bytes were already populated by an interrupted run"
             if result.rebuilt:
                 message += "; the previous region was torn down first"
+        # a reused region was not populated now: its rate is the one measured when it was made,
+        # kept in the node's record (a restarted agent has no other memory of it)
+        rate = round(float(result.gib_per_s), 3) if not result.reused else None
+        if result.reused:
+            recorded = self.region.populate_rate()
+            rate = round(recorded, 3) if recorded else self.status.current.populate_gib_per_second
         placement = (m.extra or {}).get("numa_nodes") or []  # per region, as the node recorded it
         numa_nodes = sorted({n for region in placement for n in region})
         self._phase(
@@ -207,9 +226,7 @@ class NodeActions:
             bytes_total=total,
             bytes_populated=total,
             progress=100,
-            populate_gib_per_second=round(float(result.gib_per_s), 3)
-            if not result.reused
-            else self.status.current.populate_gib_per_second,
+            populate_gib_per_second=rate,
             huge_page_coverage=float(result.hugepage_coverage_percent),
             numa_nodes=numa_nodes or None,
             numa_placement=placement if numa_nodes else None,
@@ -229,6 +246,39 @@ class NodeActions:
             observed_generation=self.region.generation(),
         )
         return self.heartbeat_seconds
+
+    def await_replacement(self, d: Decision) -> float:
+        """The pool asks for another medium or capacity than this agent's pod was made for:
+        apply nothing under limits that are not the request's. A holder makes it LeaseHeld (the
+        rollout skips the node, the operator never restarts an agent under an engine); else the
+        operator replaces this pod and its successor applies the change. The region there stays
+        as it is, Ready and advertised; nothing there yet is Pending."""
+        req = d.request
+        assert req is not None
+        held = self.region.held()
+        old = self.region.local()
+        fields: dict[str, Any] = {}
+        if old is not None:
+            fields = dict(bytes_total=old[1], bytes_populated=old[1], progress=100)
+        if held is not None:
+            reason, message = "LeaseHeld", f"generation {req.generation} pending: {held}"
+        else:
+            reason, message = d.reason, d.message
+        self._phase(
+            READY if old is not None else PENDING,
+            reason=reason,
+            message=message,
+            pending_generation=req.generation,
+            observed_generation=old[0] if old else None,
+            engines_attached=self.region.engines_attached(),
+            **fields,
+        )
+        if held is not None:
+            self.metrics.error("LeaseHeld")
+            self.events.post(
+                self.pool_node, "Normal", "LeaseHeld", f"generation {req.generation} waits: {held}"
+            )
+        return self.retry_seconds
 
     def release_region(self, d: Decision) -> float:
         """Give the memory back (the pool deleted, reclaimPolicy Delete), unless an engine

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from offloadpool.api.agent_env import (
     HEARTBEAT_ENV,
+    HTTP_ADDRESS_ENV,
     HTTP_PORT_ENV,
     KUBECONFIG_ENV,
     LOG_LEVEL_ENV,
@@ -25,6 +27,7 @@ from offloadpool.api.agent_env import (
     POOL_NAME_ENV,
     RETRY_ENV,
     ROOT_ENV,
+    SIZED_FOR_ENV,
     WORKERS_ENV,
 )
 from offloadpool.api.constants import AGENT_HTTP_PORT, HOST_ROOT, node_object_name
@@ -56,6 +59,19 @@ class AgentConfig:
     http_port: int = AGENT_HTTP_PORT
     """Port of /healthz, /readyz and /metrics (``--http-port``, ``HTTP_PORT_ENV``; 0:
     any free port)."""
+    http_address: str = "0.0.0.0"
+    """Address that port binds (``--http-address``, ``HTTP_ADDRESS_ENV``; the operator passes its
+    ``--agent-http-address``): the default is every IPv4 address of the pod's own network
+    namespace (its pod IP, where the kubelet probes and Prometheus scrapes, and loopback); "::"
+    for IPv6, a single address to narrow it."""
+    http_timeout_seconds: float = 10.0
+    """A connection to that port that sends no request for this long is closed, and each read or
+    write of a request gives up after it (no flag: the probes' own timeout is 5 s)."""
+    http_max_connections: int = 64
+    """Open connections to that port at most: beyond it the one that waited longest without a
+    request is closed, so a probe always gets in (no flag)."""
+    http_workers: int = 4
+    """Threads answering requests on that port; waiting connections hold none (no flag)."""
     heartbeat_seconds: float = 10.0
     """Seconds between Lease renewals, and the longest a step waits without an event
     (``--heartbeat-seconds``, ``HEARTBEAT_ENV``): as the kubelet renews its node
@@ -71,6 +87,9 @@ class AgentConfig:
     workers: int = 0
     """Pre-fault workers, replacing the pool's ``spec.prefault.workers`` (``--workers``,
     ``WORKERS_ENV``); 0: the pool's spec, else the engine's default."""
+    sized_for: str = ""
+    """The medium and capacity the agent's pod was made for (``SIZED_FOR_ENV``, set by the
+    operator's DaemonSet; no flag); empty: unknown, every generation is applied."""
     kubeconfig: str | None = None
     """A kubeconfig file (``--kubeconfig``, ``KUBECONFIG_ENV``); None: in-cluster credentials
     first, then the default kubeconfig."""
@@ -99,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
         "--http-port",
         type=int,
         help=f"port of /healthz, /readyz, /metrics (env {HTTP_PORT_ENV}, default {d.http_port})",
+    )
+    p.add_argument(
+        "--http-address",
+        help=f"address the HTTP port binds (env {HTTP_ADDRESS_ENV}, default {d.http_address})",
     )
     p.add_argument(
         "--heartbeat-seconds",
@@ -157,6 +180,11 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         raise ConfigError("heartbeat and retry periods must be positive")
     if workers < 0:
         raise ConfigError(f"workers must be >= 0, got {workers}")
+    address = str(pick(args.http_address, HTTP_ADDRESS_ENV, d.http_address))
+    try:
+        socket.getaddrinfo(address, None, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        raise ConfigError(f"{HTTP_ADDRESS_ENV} {address!r} is not an IP address") from None
     level = str(pick(args.log_level, LOG_LEVEL_ENV, d.log_level)).upper()
     kubeconfig = pick(args.kubeconfig, KUBECONFIG_ENV, d.kubeconfig)
     return AgentConfig(
@@ -165,9 +193,11 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         namespace=namespace,
         root=root,
         http_port=port,
+        http_address=address,
         heartbeat_seconds=heartbeat,
         retry_seconds=retry,
         workers=workers,
+        sized_for=str(env.get(SIZED_FOR_ENV, d.sized_for)),
         kubeconfig=None if kubeconfig is None else str(kubeconfig),
         log_level=level,
     )

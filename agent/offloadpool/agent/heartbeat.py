@@ -3,7 +3,7 @@
 The Lease is named like the OffloadPoolNode (``<pool>.<node>``), in the agent's namespace, owned
 by the pool, and its ``renewTime`` is how the operator tells a live agent from a silent one. It
 is the agents' heartbeat, never to be confused with the engine's lease (the flock an inference
-process holds on a pool: ``offloadpool.region.lease``). A status write shows the agent alive
+process holds on a pool: ``offloadpool.region.holding.lease``). A status write shows the agent alive
 too (the operator takes the later of the Lease's ``renewTime`` and the status' ``heartbeat``),
 so the heartbeat is sent only when neither went through in the last half period.
 """

@@ -1,8 +1,9 @@
 """Kubernetes access for the agent: the API client and the names of the objects it touches.
 
-The agent talks to exactly four things: its OffloadPool (read/watch, by name), its own
+The agent talks to exactly five things: its OffloadPool (read/watch, by name), its own
 OffloadPoolNode (create when missing, read/watch by name, write status), its heartbeat Lease
-in its namespace (create, renew), and Events (create).
+in its namespace (create, renew), Events (create), and its pool's ResourceSlice on its node
+(read, create, replace, delete by name: ``agent.slices``).
 Keeping the calls here keeps RBAC easy to audit against what the code does.
 """
 
@@ -15,7 +16,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from urllib3.util.retry import Retry
 
-from offloadpool.api import base
+from offloadpool.api import base, dra
 from offloadpool.api.constants import (
     API_VERSION,
     GROUP,
@@ -146,6 +147,38 @@ class KubeAccess:
             if exc.status == 404:
                 return None
             raise
+
+    # -- the pool's ResourceSlice on this node (``agent.slices``) -------------------------------
+    def get_slice(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_cluster_custom_object(
+                dra.RESOURCE_GROUP, dra.RESOURCE_VERSION, dra.SLICE_PLURAL, name
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_cluster_custom_object(
+            dra.RESOURCE_GROUP, dra.RESOURCE_VERSION, dra.SLICE_PLURAL, body
+        )
+
+    def replace_slice(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT with the read object's resourceVersion: a 409 when it changed meanwhile."""
+        return self.custom.replace_cluster_custom_object(
+            dra.RESOURCE_GROUP, dra.RESOURCE_VERSION, dra.SLICE_PLURAL, name, body
+        )
+
+    def delete_slice(self, name: str) -> None:
+        """Delete it; one already gone is deleted."""
+        try:
+            self.custom.delete_cluster_custom_object(
+                dra.RESOURCE_GROUP, dra.RESOURCE_VERSION, dra.SLICE_PLURAL, name
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def patch_status(self, status: dict[str, Any]) -> dict[str, Any] | None:
         """Merge-patch our OffloadPoolNode's status subresource; None if the object is gone."""

@@ -3,8 +3,9 @@
 One thread runs the loop. Each step takes the pool and this node's OffloadPoolNode from the
 watch cache (``observation``: two watch threads by name only wake the loop early), creates the
 OffloadPoolNode of a new pool (``pool_node_creation``), decides (``reconcile.decide``, pure),
-acts on the node and reports it (``actions``), then sends the heartbeat (``heartbeat``) unless a
-status write just showed the agent alive. The loop wakes every heartbeat period, so a missed
+acts on the node and reports it (``actions``), makes the pool's ResourceSlice say what the
+node holds now (``slices``), then sends the heartbeat (``heartbeat``) unless a status write just
+showed the agent alive. The loop wakes every heartbeat period, so a missed
 watch event costs at most one heartbeat, and after a failure every retry period; a refused
 create or heartbeat brings the next step sooner (``retry_soon``). A token the API server stops
 accepting ends the loop (``credential``). Everything a step needs is composed here once.
@@ -31,8 +32,9 @@ from offloadpool.agent.observation import REREAD_PERIODS, Observation
 from offloadpool.agent.pool_node_creation import PoolNodeCreation
 from offloadpool.agent.reconcile import Action, decide
 from offloadpool.agent.retry_soon import RetrySoon
+from offloadpool.agent.slices import Slices
 from offloadpool.agent.status_writer import StatusWriter
-from offloadpool.api.constants import NODE_PLURAL, POOL_PLURAL, clip_message
+from offloadpool.api.constants import NODE_PLURAL, POOL_PLURAL, clip_message, split_node_object_name
 from offloadpool.api.conversion import SpecError
 from offloadpool.region.vocabulary import READY
 
@@ -52,6 +54,7 @@ class Agent:
         retry_seconds: float = AgentConfig.retry_seconds,
         watch_timeout_seconds: int = AgentConfig.watch_timeout_seconds,
         workers: int = 0,
+        sized_for: str = "",
         watches: bool = True,
         reread_seconds: float | None = None,
     ) -> None:
@@ -61,6 +64,7 @@ class Agent:
         self.retry_seconds = retry_seconds
         self.watch_timeout_seconds = watch_timeout_seconds
         self.workers = workers
+        self.sized_for = sized_for
         self.watches = watches
         # With watches, a step takes the pool and the OffloadPoolNode from their last events
         # and reads them from the API server only this often (a missed event costs at most
@@ -103,6 +107,12 @@ class Agent:
             events=NodeEvents(access),
             heartbeat_seconds=heartbeat_seconds,
             retry_seconds=retry_seconds,
+        )
+        self.slices = Slices(
+            access,
+            self.region,
+            split_node_object_name(access.node_object)[1],
+            reread_seconds=reread_seconds,
         )
         self.thread: threading.Thread | None = None
 
@@ -185,7 +195,7 @@ class Agent:
         actions = self.actions
         actions.pool_node = pool_node
         try:
-            decision = decide(pool, pool_node, self.region.generation(), self.workers)
+            decision = decide(pool, pool_node, self.region.generation(), self.workers, self.sized_for)
         except SpecError as exc:
             return actions.fail("InvalidSpec", str(exc))
         act = {
@@ -193,7 +203,11 @@ class Agent:
             Action.WAIT: actions.idle,
             Action.PROVISION: actions.provision_region,
             Action.KEEP: actions.keep,
+            Action.AWAIT_AGENT: actions.await_replacement,
             Action.RELEASE: actions.release_region,
             Action.RETAIN: actions.retain,
         }[decision.action]
-        return act(decision)
+        try:
+            return act(decision)
+        finally:
+            self.slices.sync(self.status.phase, pool_node if pool is not None else None)

@@ -58,9 +58,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         retry_seconds=cfg.retry_seconds,
         watch_timeout_seconds=cfg.watch_timeout_seconds,
         workers=cfg.workers,
+        sized_for=cfg.sized_for,
     )
-    server = HealthServer(cfg.http_port, metrics.registry, agent.live, agent.ready).start()
-    log.info("serving /healthz /readyz /metrics on port %d", server.port)
+    server = HealthServer(
+        cfg.http_port,
+        metrics.registry,
+        agent.live,
+        agent.ready,
+        host=cfg.http_address,
+        timeout_seconds=cfg.http_timeout_seconds,
+        max_connections=cfg.http_max_connections,
+        workers=cfg.http_workers,
+    ).start()
+    log.info("serving /healthz /readyz /metrics on %s port %d", cfg.http_address, server.port)
     agent.start()
     while not stop.wait(1.0):
         if agent.thread is not None and not agent.thread.is_alive():

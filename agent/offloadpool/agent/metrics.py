@@ -13,10 +13,12 @@ from prometheus_client import (
     Enum,
     Gauge,
     GCCollector,
+    Info,
     PlatformCollector,
     ProcessCollector,
 )
 
+from offloadpool import __version__
 from offloadpool.region.vocabulary import NODE_PHASES, PENDING
 
 
@@ -31,6 +33,11 @@ class AgentMetrics:
             GCCollector(registry=self.registry)
         labels = {"pool": pool, "node": node}
         r = self.registry
+        # offloadpool_agent_build_info{version=...} 1: which release runs (mid-upgrade, some
+        # nodes run the old one).
+        Info("offloadpool_agent_build", "The offloadpool version of this agent", registry=r).info(
+            {"version": __version__}
+        )
         self._populate_seconds = Gauge(
             "offloadpool_populate_seconds",
             "Seconds the last provision of the region took",

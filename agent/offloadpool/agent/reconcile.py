@@ -13,9 +13,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from offloadpool.api import agent_env
 from offloadpool.api.conversion import pool_request
 from offloadpool.api.spec import DEFAULT_RECLAIM
-from offloadpool.api.status import ROLLOUT_PENDING
+from offloadpool.api.status import AGENT_REPLACEMENT_PENDING, ROLLOUT_PENDING
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import RECLAIM_RETAIN
 
@@ -24,6 +25,8 @@ class Action(enum.Enum):
     WAIT = "wait"  # nothing to act on yet (no OffloadPoolNode): check again later
     PROVISION = "provision"  # make the region match this request (a no-op when it already does)
     KEEP = "keep"  # leave the region as it is; a newer generation waits for the operator
+    #: the pod's limits were made for another capacity: keep the region, wait for a new pod
+    AWAIT_AGENT = "await-agent"
     RELEASE = "release"  # pool deleted, reclaimPolicy Delete: give the memory back
     RETAIN = "retain"  # pool deleted, reclaimPolicy Retain: leave memory, report Released
     IDLE = "idle"  # the pool is gone: nothing to report to
@@ -52,6 +55,7 @@ def decide(
     pool_node: dict[str, Any] | None,
     local_generation: int | None,
     workers_override: int = 0,
+    sized_for: str = "",
 ) -> Decision:
     """One step of the agent's control loop.
 
@@ -64,7 +68,11 @@ def decide(
     - nothing on the node yet, or the region is at the pool's generation: PROVISION (validates
       and reuses a region that matches, so a restarted agent does not re-populate);
     - region at an older generation: PROVISION when the operator's ``targetGeneration`` allows
-      (the lease is checked when acting: held means pending), else KEEP and report pending.
+      (the lease is checked when acting: held means pending), else KEEP and report pending;
+    - ``sized_for`` (what the agent's pod was made for, ``agent_env.SIZED_FOR_ENV``) names
+      another medium or capacity than the request: AWAIT_AGENT instead of PROVISION, since the
+      pod's limits are not this request's (the operator replaces the pod once nothing holds the
+      pool; a holder is reported as LeaseHeld when acting).
     """
     if pool is None:
         return Decision(Action.IDLE, reason="PoolGone", message="the OffloadPool no longer exists")
@@ -87,9 +95,14 @@ def decide(
     request = pool_request(pool, workers_override)
     desired = request.generation
     target = _get(pool_node, "spec", "targetGeneration")
+    outdated = bool(sized_for) and sized_for != agent_env.sized_for(request.medium, request.capacity)
     if local_generation is None or local_generation == desired:
+        if outdated and local_generation is None:  # at the pool's generation: reuse, nothing to apply
+            return _await_agent(request, sized_for)
         return Decision(Action.PROVISION, request)
     if target is None or int(target) >= desired:
+        if outdated:
+            return _await_agent(request, sized_for)
         return Decision(Action.PROVISION, request, pending_generation=desired)
     # not "pending" in the contract's sense (that means: held by an engine); the operator knows
     # it has not advanced this node yet, the reason only tells a human
@@ -98,4 +111,18 @@ def decide(
         request,
         reason=ROLLOUT_PENDING,
         message=f"generation {desired} waits for the operator's rollout (this node may apply {target})",
+    )
+
+
+def _await_agent(request: PoolRequest, sized_for: str) -> Decision:
+    return Decision(
+        Action.AWAIT_AGENT,
+        request,
+        reason=AGENT_REPLACEMENT_PENDING,
+        message=(
+            f"generation {request.generation} ({agent_env.sized_for(request.medium, request.capacity)}) "
+            f"waits for a new agent pod: this one's requests and limits were made for {sized_for}; "
+            "the operator replaces it once no engine holds the pool"
+        ),
+        pending_generation=request.generation,
     )

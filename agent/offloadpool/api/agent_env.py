@@ -21,10 +21,23 @@ POD_NAMESPACE_ENV = "POD_NAMESPACE"
 ROOT_ENV = "OFFLOADPOOL_ROOT"
 #: The agent's one HTTP port (/healthz, /readyz, /metrics).
 HTTP_PORT_ENV = "OFFLOADPOOL_HTTP_PORT"
+#: The address that port binds: the operator passes its ``--agent-http-address`` in it.
+HTTP_ADDRESS_ENV = "OFFLOADPOOL_HTTP_ADDRESS"
 #: Seconds between Lease renewals and steps: the operator passes its ``--agent-heartbeat`` in it.
 HEARTBEAT_ENV = "OFFLOADPOOL_HEARTBEAT_SECONDS"
 #: Seconds between retries after a failure.
 RETRY_ENV = "OFFLOADPOOL_RETRY_SECONDS"
+#: What the pod's requests and limits were made for: the pool's medium and capacity in bytes,
+#: ``<medium>/<bytes>`` (``sized_for``). An agent whose pool now asks for another never applies
+#: it under limits made for the old one: it waits for the operator to replace its pod.
+SIZED_FOR_ENV = "OFFLOADPOOL_SIZED_FOR"
+
+
+def sized_for(medium: str, capacity: int) -> str:
+    """The ``SIZED_FOR_ENV`` value of a pod made for ``capacity`` bytes of ``medium``."""
+    return f"{medium}/{capacity}"
+
+
 #: Pre-fault workers, replacing the pool's ``spec.prefault.workers`` when not 0.
 WORKERS_ENV = "OFFLOADPOOL_WORKERS"
 #: DEBUG, INFO, WARNING.

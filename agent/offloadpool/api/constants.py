@@ -14,11 +14,11 @@ from __future__ import annotations
 
 # A pool's name (a DNS label of at most ``MAX_POOL_NAME`` characters, some reserved): the rule
 # is the engine's own, since the node side checks every name it is given before it makes a path.
-from offloadpool.region.names import MAX_POOL_NAME as MAX_POOL_NAME
-from offloadpool.region.names import POOL_NAME_PATTERN as POOL_NAME_PATTERN
-from offloadpool.region.names import RESERVED_POOL_NAMES as RESERVED_POOL_NAMES
-from offloadpool.region.names import RESERVED_POOL_PREFIXES as RESERVED_POOL_PREFIXES
-from offloadpool.region.names import pool_name_error as _name_error
+from offloadpool.region.files.names import MAX_POOL_NAME as MAX_POOL_NAME
+from offloadpool.region.files.names import POOL_NAME_PATTERN as POOL_NAME_PATTERN
+from offloadpool.region.files.names import RESERVED_POOL_NAMES as RESERVED_POOL_NAMES
+from offloadpool.region.files.names import RESERVED_POOL_PREFIXES as RESERVED_POOL_PREFIXES
+from offloadpool.region.files.names import pool_name_error as _name_error
 
 GROUP = "offloadpool.io"
 VERSION = "v1alpha1"
@@ -38,6 +38,12 @@ CRD_NAMES = {kind: f"{plural}.{GROUP}" for kind, plural in PLURALS.items()}
 #: Label the operator sets on a Node while the pool is Ready there (value ``ready``).
 POOL_LABEL_PREFIX = f"pool.{GROUP}/"
 POOL_LABEL_READY = "ready"
+#: Label the operator sets on every Node where some pool is Ready (value ``true``), removed with
+#: the last pool's label: one fixed key (a node affinity cannot match a key prefix) that keeps the
+#: operator off the nodes whose privileged agents could read its token (the chart's default
+#: ``operator.affinity``).
+POOL_NODE_LABEL = f"node.{GROUP}/pools"
+POOL_NODE_VALUE = "true"
 #: Label the operator puts on objects it renders for a pool (DaemonSet, its pods).
 POOL_NAME_LABEL = f"{GROUP}/pool"
 FINALIZER = f"{GROUP}/release"
@@ -45,6 +51,11 @@ FINALIZER = f"{GROUP}/release"
 #: The host directory holding every pool's directory (``<root>/<pool>/``) on a node: the
 #: agents' hostPath, the webhook's pod volumes, and the CLI's default (``agent_env.ROOT_ENV``).
 HOST_ROOT = "/var/lib/offloadpool"
+#: The kubelet's directory on a node (its ``--root-dir``): every pod's volumes (``pods/``), the
+#: plugins' sockets and their registry (``plugins/``, ``plugins_registry/``), the pod-resources
+#: socket. The CSI plugin serves below it; the guard webhook refuses hostPaths reaching it. A
+#: kubelet with another root is named to both (the chart's ``csi.kubeletDir``).
+KUBELET_DIR = "/var/lib/kubelet"
 #: The agent's one HTTP port (/healthz, /readyz, /metrics).
 AGENT_HTTP_PORT = 9475
 

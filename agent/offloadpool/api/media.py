@@ -1,7 +1,7 @@
 """Media, layouts, policies, deliveries, node phases and page sizes, as the API models type them.
 
 Every name is the engine's (``offloadpool.region.vocabulary``) and every page size too
-(``offloadpool.region.media``): the page size is the granule a pool's memory comes in on a
+(``offloadpool.region.memory.media``): the page size is the granule a pool's memory comes in on a
 medium (capacity a whole number of pages, a segment at least one page). Memory uses the base
 page; MemoryTHP (tmpfs huge=always) keeps 2 MiB granules so every segment can be backed by
 transparent huge pages end to end. The CRD's CEL rules hard-code the same numbers;
@@ -10,9 +10,9 @@ tests/test_api_models.py checks they agree with the node engine.
 
 from __future__ import annotations
 
-from offloadpool.region import media as engine_media
 from offloadpool.region import vocabulary as words
-from offloadpool.region.media import is_hugetlbfs as is_hugetlbfs
+from offloadpool.region.memory import media as engine_media
+from offloadpool.region.memory.media import is_hugetlbfs as is_hugetlbfs
 
 Medium = words.MediumName
 LayoutType = words.LayoutName

@@ -15,8 +15,8 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from offloadpool.region.holding.shares import OWNER_LIMIT, ShareState
 from offloadpool.region.request import MAX_PARTITIONS
-from offloadpool.region.shares import OWNER_LIMIT, ShareState
 from offloadpool.region.vocabulary import ShareViaName
 
 from .base import SpecModel, StatusModel, Timestamp

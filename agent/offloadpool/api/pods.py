@@ -8,8 +8,8 @@ and functions only (no pydantic), like ``constants``.
 
 from __future__ import annotations
 
-from offloadpool.region import vllm_compat
-from offloadpool.region.manifest import LEASE_NAME, MOUNT_NAME
+from offloadpool.region.files import vllm_compat
+from offloadpool.region.files.manifest import LEASE_NAME, MOUNT_NAME
 from offloadpool.region.vocabulary import ENV_POD_UID as ENV_POD_UID
 from offloadpool.region.vocabulary import ENV_POOL_DIR as ENV_POOL_DIR
 
@@ -40,6 +40,9 @@ ENV_RANKS = "OFFLOADPOOL_RANKS"
 ENV_SLOT_BYTES = "OFFLOADPOOL_SLOT_BYTES"
 ENV_CAPACITY_BYTES = "OFFLOADPOOL_CAPACITY_BYTES"
 ENV_VLLM_ENGINE_ID = "OFFLOADPOOL_VLLM_ENGINE_ID"
+#: The share of a partitioned pool a DRA claim was given (its CDI spec sets it; informational:
+#: the pod sees that share alone, as a plain pool, at ``OFFLOADPOOL_POOL_DIR``).
+ENV_SHARE = "OFFLOADPOOL_SHARE"
 
 #: The CSI node plugin's driver name: the CSIDriver object, the plugin's registration and every
 #: pod's inline ``csi`` volume say it (``spec.consumers.delivery: CSI``).

@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from offloadpool.region import numa, vllm_compat
+from offloadpool.region.files import vllm_compat
+from offloadpool.region.memory import numa
 from offloadpool.region.request import (
     DEFAULT_LAYOUT,
     DEFAULT_MAX_FILES,
@@ -107,7 +108,7 @@ class PrefaultSpec(SpecModel):
     workers: int = Field(default=DEFAULT_PREFAULT_WORKERS, ge=0, le=MAX_PREFAULT_WORKERS)
     numa: NumaPolicy = DEFAULT_NUMA
     #: PerRank only: rank r's region on NUMA node ``numa_nodes[r]`` (one entry per rank); whether
-    #: each node exists is the node's to say (``offloadpool.region.numa``).
+    #: each node exists is the node's to say (``offloadpool.region.memory.numa``).
     numa_nodes: list[Annotated[int, Field(ge=0, le=MAX_NUMA_NODE)]] | None = Field(
         default=None, max_length=MAX_RANKS
     )
@@ -153,7 +154,7 @@ class ConsumersSpec(SpecModel):
     gid: int = Field(default=DEFAULT_GID, ge=0, le=MAX_ID)
     mode: str = Field(default=DEFAULT_MODE, pattern=r"^0[0-7]{3}$")
     #: When the node zeroes the memory before another consumer can map it
-    #: (``offloadpool.region.scrub``); OnConsumerChange also covers a pool re-created over a
+    #: (``offloadpool.region.lifecycle.scrub``); OnConsumerChange also covers a pool re-created over a
     #: retained region. None (unset) means ``DEFAULT_SCRUB``, applied in the conversion and not
     #: by the CRD: a stored default would appear in every existing pool at an upgrade, and the
     #: agents of the release before refuse a field they do not know.
@@ -194,7 +195,7 @@ class ConsumersSpec(SpecModel):
 class VllmCompatSpec(SpecModel):
     """Stock vLLM: the region under vLLM's own names, ``vllm_offload_<engineId>.mmap`` and
     ``….mmap.1`` …, split into files exactly as vLLM 0.33.0's ``SharedOffloadRegion`` splits it
-    (``offloadpool.region.vllm_compat``), so unmodified vLLM adopts it as an existing region."""
+    (``offloadpool.region.files.vllm_compat``), so unmodified vLLM adopts it as an existing region."""
 
     engine_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     #: vLLM's row (``CPUOffloadingSpec.kv_bytes_per_chunk``); needed when vLLM makes several files.
@@ -229,7 +230,7 @@ class OffloadPoolSpec(SpecModel):
     consumers: ConsumersSpec = Field(default_factory=ConsumersSpec)
     reclaim_policy: ReclaimPolicy = DEFAULT_RECLAIM
     compat: CompatSpec | None = None
-    #: independent shares per node, one engine on each (``offloadpool.region.shares``)
+    #: independent shares per node, one engine on each (``offloadpool.region.holding.shares``)
     partitions: int = Field(default=DEFAULT_PARTITIONS, ge=1, le=MAX_PARTITIONS)
 
     # -- the CRD's cross-field CEL rules, restated -----------------------------------------

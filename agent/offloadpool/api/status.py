@@ -38,6 +38,9 @@ POOL_PHASES: Final = (READY, PROGRESSING, DEGRADED, DELETING, NO_NODES)
 ROLLOUT_HALTED: Final = "RolloutHalted"
 #: The new generation waits on nodes where an engine holds the lease.
 ROLLOUT_PENDING: Final = "RolloutPending"
+#: A node's new generation waits for its agent pod to be replaced with the DaemonSet's current
+#: requests and limits (an OffloadPoolNode's reason; the operator replaces the pod).
+AGENT_REPLACEMENT_PENDING: Final = "AgentReplacementPending"
 #: A deletion waits for nodes to release the memory.
 WAITING_FOR_RELEASE: Final = "WaitingForRelease"
 

@@ -10,12 +10,12 @@ from rich.console import Console
 from offloadpool.api.conversion import pool_request
 from offloadpool.api.quantity import parse_quantity
 from offloadpool.cli.pool_file import pool_from_flags, read_document
-from offloadpool.cli.render import dump, populate_bar, shares_table, status_table, summary
-from offloadpool.region.places import checked_name
-from offloadpool.region.provision import ProvisionResult, provision
-from offloadpool.region.release import release
+from offloadpool.cli.render import dump, populate_bar, print_whole, shares_table, status_table, summary
+from offloadpool.region.files.places import checked_name
+from offloadpool.region.lifecycle.provision import ProvisionResult, provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import list_pools, pool_state
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import list_pools, pool_state
 
 POOL_FLAGS = (
     "name",
@@ -62,7 +62,7 @@ def provision_cmd(args: argparse.Namespace) -> int:
     if args.json:
         dump(result_dict(result))
     else:
-        console.print(summary(result, args.node))
+        print_whole(console, summary(result, args.node))
     return 0
 
 
@@ -75,10 +75,10 @@ def status_cmd(args: argparse.Namespace) -> int:
         dump({"root": args.root, "pools": [s.to_dict() for s in states]})
     else:
         console = Console()
-        console.print(status_table(states) if states else f"no pools under {args.root}")
+        print_whole(console, status_table(states) if states else f"no pools under {args.root}")
         per_share = shares_table(states)
         if per_share is not None:
-            console.print(per_share)
+            print_whole(console, per_share)
     return 0
 
 

@@ -14,13 +14,13 @@ from rich.console import Console
 
 from offloadpool.api.quantity import parse_quantity
 from offloadpool.cli.render import populate_bar, status_table, summary
-from offloadpool.region import capacity, mounts
 from offloadpool.region.errors import CapacityError, RequestError
-from offloadpool.region.planner import plan
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files.planner import plan
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import capacity, mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 from offloadpool.region.vocabulary import HUGEPAGES_2MI, MEMORY_THP
 
 

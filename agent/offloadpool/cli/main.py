@@ -8,6 +8,7 @@
     offloadpool bench startup [--capacity SIZE] [--reps N] [--backend B] [--json]
     offloadpool bench scrub [--capacity SIZE] [--reps N] [--media M,...] [--json]
     offloadpool hold-lease POOL_DIR [--ready-file PATH]   (the webhook's lease sidecar)
+    offloadpool version                                    (also: offloadpool --version)
 
 Exit codes: 0 done, 1 error (message on stderr), 2 bad usage/input (a NAME that cannot name a
 pool included: it is refused before any path is made of it), 3 the pool is held by an engine (the
@@ -65,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     settings = CliConfig.from_environment()
     root = settings.root
+    from offloadpool import __version__
+
     parser = argparse.ArgumentParser(prog="offloadpool", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"offloadpool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("version", help="print the version that runs (the agent's and operator's too)")
 
     p = sub.add_parser("provision", help="provision (or validate, or finish) a pool on this node")
     p.add_argument("-f", "--file", help="OffloadPool YAML")
@@ -117,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser(
         "hold-lease", help="hold a pool's shared lease until SIGTERM (the pod's lease sidecar)"
     )
-    from offloadpool.region.hold import add_arguments as add_hold_arguments
+    from offloadpool.region.holding.hold import add_arguments as add_hold_arguments
 
     add_hold_arguments(h)
     return parser
@@ -127,16 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["hold-lease"]:
         # The lease sidecar of every inference pod: standard library only, nothing else imported.
-        from offloadpool.region.hold import main as hold_main
+        from offloadpool.region.holding.hold import main as hold_main
 
         return hold_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "version":
+        from offloadpool import __version__
+
+        print(f"offloadpool {__version__}")
+        return 0
     from rich.console import Console
 
     err = Console(stderr=True)
     from offloadpool.region.errors import CapacityError, RegionError
-    from offloadpool.region.lease import LeaseHeld
-    from offloadpool.region.manifest import ManifestError
+    from offloadpool.region.files.manifest import ManifestError
+    from offloadpool.region.holding.lease import LeaseHeld
 
     try:
         if args.command == "provision":

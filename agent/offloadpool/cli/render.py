@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -21,14 +22,26 @@ from rich.table import Table
 from rich.text import Text
 
 from offloadpool.region.errors import fmt_bytes
-from offloadpool.region.provision import ProvisionResult
-from offloadpool.region.status import PoolState
+from offloadpool.region.lifecycle.provision import ProvisionResult
+from offloadpool.region.lifecycle.status import PoolState
 from offloadpool.region.vocabulary import READY, SCRUBBING
 
 
 def dump(obj: Any) -> None:
     """Print ``obj`` as indented JSON (``--json``), anything not JSON as its string."""
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def print_whole(console: Console, renderable: RenderableType) -> None:
+    """Print ``renderable`` on ``console``; off a terminal (a pipe, a file, ``kubectl exec``
+    without ``-t``) as wide as it needs to be, so no column is cut or dropped at rich's default
+    80 columns. On a terminal it fits the terminal, wrapping the message column."""
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    needed = Measurement.get(console, console.options.update_width(1 << 16), renderable).maximum
+    console.width = max(needed, console.width)  # print(width=) caps at the console's own width
+    console.print(renderable)
 
 
 def gib(n: int | float) -> str:

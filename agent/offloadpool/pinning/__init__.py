@@ -15,7 +15,7 @@ from offloadpool.pinning.backends.base import PinBackend
 from offloadpool.pinning.errors import AttachError, BackendError, BackendUnavailable, PinError
 from offloadpool.pinning.pin import PinCancelled, PinRange, PinStats
 from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, DEFAULT_MAX_RANGES, PinGeometry, plan_pin_ranges
-from offloadpool.region.manifest import ManifestError
+from offloadpool.region.files.manifest import ManifestError
 
 __all__ = [
     "AttachError",

@@ -13,7 +13,7 @@ A failure at any step undoes the earlier ones: nothing stays mapped, open or lea
 The attachment holds the lease until ``close()``; if the engine dies, the kernel drops it.
 
 A pool of several shares (``spec.partitions``) is attached through one of them: the pool's
-lease is taken, a share is claimed for this engine (``offloadpool.region.shares.claim``: the
+lease is taken, a share is claimed for this engine (``offloadpool.region.holding.shares.claim``: the
 share its other workers hold, else a free one) and that share's directory is attached as a
 pool. Attaching a share's directory itself claims that share. Either way the attachment holds
 the pool's lease and the claim until ``close()``.
@@ -46,10 +46,11 @@ from offloadpool.pinning.plan import (
     plan_pin_ranges,
     split_at,
 )
-from offloadpool.region import numa_check, shares
-from offloadpool.region.lease import Lease, LeaseHeld
-from offloadpool.region.manifest import LEASE_NAME, Manifest, Region, load
-from offloadpool.region.media import is_hugetlbfs
+from offloadpool.region.files.manifest import LEASE_NAME, Manifest, Region, load
+from offloadpool.region.holding import shares
+from offloadpool.region.holding.lease import Lease, LeaseHeld
+from offloadpool.region.memory import numa_check
+from offloadpool.region.memory.media import is_hugetlbfs
 from offloadpool.region.vocabulary import INTERLEAVED, PER_RANK, READY
 
 DEFAULT_LEASE_TIMEOUT = 60.0
@@ -502,13 +503,13 @@ def attach(
     which this rank's data is its slot of every row (see ``Attachment.row_geometry``).
     A pool of several shares: this engine's share (see the module docstring); ``owner`` names
     the engine (every worker of one engine must give the same; default
-    ``offloadpool.region.shares.default_owner()``, the pod).
+    ``offloadpool.region.holding.shares.default_owner()``, the pod).
     Raises ``ManifestError``/``AttachError`` (a subclass) before anything is mapped.
 
     Once mapped, where the region's pages are is checked against the node's recorded
     placement and ``gpu_numa_node`` (the NUMA node of this rank's GPU, e.g.
-    ``region.gpus.gpu_numa_node(bus_id)``; None: the nodes of the CPUs this process may run
-    on): a mismatch is logged as a warning, never refused (``region.numa_check``).
+    ``region.memory.gpus.gpu_numa_node(bus_id)``; None: the nodes of the CPUs this process may run
+    on): a mismatch is logged as a warning, never refused (``region.memory.numa_check``).
     """
     pool_dir = Path(pool_dir)
     head = load(pool_dir)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from offloadpool.region.manifest import ManifestError
+from offloadpool.region.files.manifest import ManifestError
 
 
 class AttachError(ManifestError):

@@ -11,7 +11,7 @@ import ctypes
 import mmap as _mmap
 import os
 
-from offloadpool.region.libc import LIBC, MAP_FAILED
+from offloadpool.region.memory.libc import LIBC, MAP_FAILED
 
 PROT_NONE = 0
 PROT_READ = _mmap.PROT_READ

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from offloadpool.pinning.plan import PinGeometry
-from offloadpool.region.manifest import Manifest
+from offloadpool.region.files.manifest import Manifest
 from offloadpool.region.vocabulary import ENV_POOL_DIR, PER_RANK
 
 

@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 from offloadpool.pinning import Attachment, PinGeometry, PinStats, attach
-from offloadpool.region import gpus
+from offloadpool.region.memory import gpus
 
 logger = init_logger(__name__)
 

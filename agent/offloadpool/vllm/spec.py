@@ -23,9 +23,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu import spec as cpu_spec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from offloadpool.region import shares
-from offloadpool.region.manifest import Manifest
-from offloadpool.region.manifest import load as load_manifest
+from offloadpool.region.files.manifest import Manifest
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.holding import shares
 from offloadpool.vllm import geometry
 from offloadpool.vllm.region import PoolRegion, worker_gpu_numa_node
 
@@ -38,7 +38,7 @@ def _with_cpu_bytes(config: OffloadingConfig, cpu_bytes: int) -> OffloadingConfi
 
 def _tier_manifest(head: Manifest) -> Manifest:
     """What one engine gets of the pool: a partitioned pool's engine attaches one share (every
-    share alike, ``region.shares``), so its tier is a share's regions, not the whole pool's."""
+    share alike, ``region.holding.shares``), so its tier is a share's regions, not the whole pool's."""
     return shares.share_manifest(head, 0) if head.shares > 1 else head
 
 
