@@ -11,7 +11,7 @@ The mount tree at ``<target>``::
     <target>/mnt/<f>  each segment file, and each of stock vLLM's names of one, bound
                       read-write by itself: the engine opens and maps it read-write
 
-A share of a partitioned pool (``region.shares``) is published as a pool of its own: the top
+A share of a partitioned pool (``region.holding.shares``) is published as a pool of its own: the top
 is a small tmpfs the plugin makes, holding the share's manifest as a plain pool's (written at
 publish: a share cannot be reshaped or withdrawn while a volume holds it), the pool's lease
 (bound read-only, so the engine's flock is on the pool's lease) and ``mnt`` holding that
@@ -40,11 +40,11 @@ from contextlib import contextmanager
 
 from offloadpool.csi import faults
 from offloadpool.csi.target import MOUNT_NAME, as_path, file_id
-from offloadpool.region import beneath, places
 from offloadpool.region.errors import RegionError
-from offloadpool.region.manifest import LEASE_NAME, MANIFEST_NAME
-from offloadpool.region.manifest import MOUNT_NAME as MOUNT_DIR
-from offloadpool.region.mounts import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_REC, UMOUNT_NOFOLLOW
+from offloadpool.region.files import beneath, places
+from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME
+from offloadpool.region.files.manifest import MOUNT_NAME as MOUNT_DIR
+from offloadpool.region.memory.mounts import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_REC, UMOUNT_NOFOLLOW
 
 MS_RDONLY = 0x1
 MS_REMOUNT = 0x20

@@ -10,11 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from offloadpool.api.agent_env import NODE_NAME_ENV
-from offloadpool.api.constants import HOST_ROOT
+from offloadpool.api.constants import HOST_ROOT, KUBELET_DIR
 from offloadpool.api.pods import CSI_DRIVER
 
-#: where the kubelet keeps its pods' volumes (``<dir>/pods/<uid>/volumes/...``) and its plugins
-KUBELET_DIR = "/var/lib/kubelet"
 #: the driver's name, as the CSIDriver object and every pod's ``csi.driver`` say it
 DRIVER_NAME = CSI_DRIVER
 

@@ -1,4 +1,4 @@
-"""Publish and unpublish: the access check, the hold (``region.published``) and the bind mount.
+"""Publish and unpublish: the access check, the hold (``region.holding.published``) and the bind mount.
 
 Order, so that a plugin killed at any point leaves nothing the next call cannot settle:
 publish zeroes the memory for a new holder when the pool's scrub policy says so
@@ -9,20 +9,24 @@ its record); unpublish unmounts before it drops the record. Both run under the p
 (``places.lock``), which a release or a reshape also takes: a pool cannot be released between
 the publish's check that it is Ready and its record.
 
+Locks are per volume and per pool (``serial``), never process-wide: a pool whose lock is
+held never delays another pool's publish, and no lock a pod can take is waited for here.
+
 A partitioned pool (``spec.partitions``): the pod is given one share, reserved for its uid
-under the shares' claim mutex (``region.shares.reserve``: the share it holds already, on a
-retry or through another volume, else a free one; never one an engine or another pod holds),
-before its record (which names the share), and only that share's files are bound, as a plain
-pool. Unpublish drops the reservation after the record's unmount, when no other volume of the
-pod holds the share; ``rebuild`` makes the reservations again from the records it keeps and
-drops the rest.
+under the node's reservation mutex (``region.holding.shares.reserve``, root-only: the share
+it holds already, on a retry or through another volume, else a free one; never one an engine
+or another pod holds), before its record (which names the share), and only that share's files
+are bound, as a plain pool. Unpublish drops the reservation after the record's unmount, when
+no other volume of the pod holds the share; ``rebuild`` makes the reservations again from the
+records it keeps and drops the rest.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,20 +37,49 @@ from offloadpool.csi import target as targets
 from offloadpool.csi.config import CsiConfig
 from offloadpool.csi.refusal import Refused
 from offloadpool.csi.volume import Publish, Unpublish
-from offloadpool.region import beneath, places, published, scrub, shares, vllm_compat
-from offloadpool.region import record as records
 from offloadpool.region.errors import RegionError
-from offloadpool.region.manifest import MOUNT_NAME, ManifestError
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.planner import plan as make_plan
-from offloadpool.region.status import pool_state
+from offloadpool.region.files import beneath, places, vllm_compat
+from offloadpool.region.files import record as records
+from offloadpool.region.files.manifest import MOUNT_NAME, ManifestError
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.holding import published, shares
+from offloadpool.region.lifecycle import scrub
+from offloadpool.region.lifecycle.status import pool_state
 from offloadpool.region.vocabulary import READY
 
-#: one publish or unpublish at a time in this process (the kubelet retries concurrently)
-_serial = threading.Lock()
+
+class Serial:
+    """One publish or unpublish at a time per key in this process (the kubelet retries
+    concurrently): per volume and per pool, never process-wide, so a pool whose lock is held (a
+    provision, a scrub, a release) never delays another pool's publish. A key's lock lives
+    while someone holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextmanager
+    def __call__(self, key: str) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._locks.get(key, (threading.Lock(), 0))
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                users = self._locks[key][1] - 1
+                if users:
+                    self._locks[key] = (lock, users)
+                else:
+                    del self._locks[key]
 
 
-def _ready(root: str, pool: str) -> None:
+serial = Serial()
+
+
+def ready(root: str, pool: str) -> None:
     state = pool_state(root, pool)
     if state.phase != READY:
         why = f": {state.message}" if state.message else ""
@@ -115,9 +148,9 @@ def _record_of(req: Publish, share: int | None = None) -> published.Published:
 def publish(config: CsiConfig, req: Publish) -> None:
     """Bind the pool at the target for the pod, once its namespace may have it (idempotent)."""
     pool_dir = places.pool_dir(config.root, req.pool)
-    _ready(config.root, req.pool)  # before the lock: the lock makes the pool's state directory
-    with _serial, places.lock(pool_dir):
-        _ready(config.root, req.pool)
+    ready(config.root, req.pool)  # before the lock: the lock makes the pool's state directory
+    with serial(f"volume/{req.volume_id}"), serial(f"pool/{req.pool}"), places.lock(pool_dir):
+        ready(config.root, req.pool)
         allowed = allowed_namespaces(pool_dir)
         if allowed is not None and req.pod_namespace not in allowed:
             raise Refused(
@@ -134,7 +167,7 @@ def publish(config: CsiConfig, req: Publish) -> None:
                 if n > 1:
                     _publish_share(config, pool_dir, parent, req, n)
                     return
-                _record_and_bind(
+                record_and_bind(
                     pool_dir,
                     parent,
                     _record_of(req),
@@ -164,19 +197,19 @@ def _publish_share(config: CsiConfig, pool_dir: Path, parent: int, req: Publish,
         raise RegionError(f"the shares of {pool_dir} are not there as the node made them: {exc}") from None
     want = _record_of(req, index)
     if before is not None and before[1] != want:
-        _unreserve(pool_dir, before[1])  # recorded for another share (its reservation lost)
+        unreserve(pool_dir, before[1])  # recorded for another share (its reservation lost)
     files, manifest = share_view(pool_dir, index)
-    _record_and_bind(
+    record_and_bind(
         pool_dir,
         parent,
         want,
         lambda: bind.share_state(pool_dir, parent, files),
         lambda: bind.bind_share(pool_dir, parent, files, manifest, config.stage, req.volume_id),
-        lambda: _unreserve(pool_dir, want),
+        lambda: unreserve(pool_dir, want),
     )
 
 
-def _record_and_bind(
+def record_and_bind(
     pool_dir: Path,
     parent: int,
     want: published.Published,
@@ -203,7 +236,7 @@ def _record_and_bind(
         raise
 
 
-def _unreserve(pool_dir: os.PathLike[str] | str, pub: published.Published) -> None:
+def unreserve(pool_dir: os.PathLike[str] | str, pub: published.Published) -> None:
     """Drop ``pub``'s share reservation unless another volume of its pod still holds it."""
     if pub.share is None:
         return
@@ -225,7 +258,7 @@ def _no_conflict(config: CsiConfig, pool: str, want: published.Published) -> Non
             f"volume {want.volume_id} is published from pool {found[0]} at {found[1].target_path} "
             f"for pod {found[1].pod_uid}",
         )
-    for other in _all(config):
+    for other in all_records(config.root):
         if other[1].target_path == want.target_path and other[1].volume_id != want.volume_id:
             raise Refused(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -233,9 +266,9 @@ def _no_conflict(config: CsiConfig, pool: str, want: published.Published) -> Non
             )
 
 
-def _all(config: CsiConfig) -> list[tuple[str, published.Published]]:
-    """Every published volume under the root, with its pool's name."""
-    state = os.path.join(config.root, places.STATE_DIR_NAME)
+def all_records(root: str) -> list[tuple[str, published.Published]]:
+    """Every record under the root (csi volumes' and DRA claims'), with its pool's name."""
+    state = os.path.join(root, places.STATE_DIR_NAME)
     try:
         names = sorted(os.listdir(state))
     except (FileNotFoundError, NotADirectoryError):
@@ -243,7 +276,7 @@ def _all(config: CsiConfig) -> list[tuple[str, published.Published]]:
     out: list[tuple[str, published.Published]] = []
     for name in names:
         try:
-            pool_dir = places.pool_dir(config.root, name)
+            pool_dir = places.pool_dir(root, name)
         except ValueError:
             continue
         out.extend((name, pub) for pub in published.load_all(pool_dir))
@@ -252,13 +285,13 @@ def _all(config: CsiConfig) -> list[tuple[str, published.Published]]:
 
 def unpublish(config: CsiConfig, req: Unpublish) -> None:
     """Unmount the volume and drop its record; a volume this node does not know is done."""
-    with _serial:
+    with serial(f"volume/{req.volume_id}"):
         found = published.find(config.root, req.volume_id)
         if found is None or found[1].target_path != req.target.path:
             _remove_empty_target(req)
             return
         pool_dir = places.pool_dir(config.root, found[0])
-        with places.lock(pool_dir):
+        with serial(f"pool/{found[0]}"), places.lock(pool_dir):
             try:
                 with targets.parent_fd(req.target) as parent:
                     bind.unbind(parent)
@@ -270,7 +303,7 @@ def unpublish(config: CsiConfig, req: Unpublish) -> None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"target_path: {exc}: not followed") from None
             except RegionError as exc:
                 raise Refused(grpc.StatusCode.INTERNAL, str(exc)) from None
-            _unreserve(pool_dir, found[1])
+            unreserve(pool_dir, found[1])
             published.drop(pool_dir, req.volume_id)
 
 
@@ -284,30 +317,31 @@ def _remove_empty_target(req: Unpublish) -> None:
 
 
 def rebuild(config: CsiConfig) -> list[published.Published]:
-    """At start: keep the records whose whole tree is still mounted at their target; unmount
-    a tree a plugin killed while binding left half made, and drop its record and the records
+    """At start: keep the csi volumes' records whose whole tree is still mounted at their
+    target; unmount a tree a plugin killed while binding left half made, and drop its record and the records
     with no mount (a plugin killed between its record and its mount, a mount the node lost at
     a reboot): the kubelet's retry publishes them again. The published volumes that hold
     their pools now."""
     kept = []
-    with _serial:
-        for pool, pub in _all(config):
-            pool_dir = places.pool_dir(config.root, pool)
-            with places.lock(pool_dir):
-                if _bound(config, pool_dir, pub):
-                    kept.append(pub)
-                else:
-                    published.drop(pool_dir, pub.volume_id)
-        for pool in _pools(config):
-            pool_dir = places.pool_dir(config.root, pool)
-            with places.lock(pool_dir):
-                _reserve_again(pool_dir)
+    for pool, pub in all_records(config.root):
+        if pub.is_dra:
+            continue  # the DRA plugin's to settle (``offloadpool.dra``); its reservation is kept below
+        pool_dir = places.pool_dir(config.root, pool)
+        with serial(f"volume/{pub.volume_id}"), serial(f"pool/{pool}"), places.lock(pool_dir):
+            if _bound(config, pool_dir, pub):
+                kept.append(pub)
+            else:
+                published.drop(pool_dir, pub.volume_id)
+    for pool in pool_names(config.root):
+        pool_dir = places.pool_dir(config.root, pool)
+        with serial(f"pool/{pool}"), places.lock(pool_dir):
+            reserve_again(pool_dir)
     return kept
 
 
-def _pools(config: CsiConfig) -> list[str]:
+def pool_names(root: str) -> list[str]:
     """Every pool with a state directory under the root."""
-    state = os.path.join(config.root, places.STATE_DIR_NAME)
+    state = os.path.join(root, places.STATE_DIR_NAME)
     try:
         names = sorted(os.listdir(state))
     except (FileNotFoundError, NotADirectoryError):
@@ -315,14 +349,14 @@ def _pools(config: CsiConfig) -> list[str]:
     out = []
     for name in names:
         try:
-            places.pool_dir(config.root, name)
+            places.pool_dir(root, name)
         except ValueError:
             continue
         out.append(name)
     return out
 
 
-def _reserve_again(pool_dir: Path) -> None:
+def reserve_again(pool_dir: Path) -> None:
     """The pool's share reservations as its kept records say: each record's share reserved
     for its pod (again, if a plugin was killed before it reserved or after it dropped it), and
     every reservation no record names dropped (a plugin killed between unreserving and

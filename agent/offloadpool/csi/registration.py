@@ -27,8 +27,21 @@ SUPPORTED_VERSIONS = ("1.0.0",)
 
 
 class Registration(pluginregistration_pb2_grpc.RegistrationServicer):
-    def __init__(self, endpoint: str) -> None:
+    """One plugin's registration: the CSI plugin's by default; the DRA plugin (``offloadpool.dra``)
+    serves the same with its own type and versions."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        plugin_type: str = PLUGIN_TYPE,
+        name: str = DRIVER_NAME,
+        versions: tuple[str, ...] = SUPPORTED_VERSIONS,
+    ) -> None:
         self.endpoint = endpoint
+        self.plugin_type = plugin_type
+        self.name = name
+        self.versions = versions
         self._lock = threading.Lock()
         self._status: tuple[bool, str] | None = None
 
@@ -42,10 +55,10 @@ class Registration(pluginregistration_pb2_grpc.RegistrationServicer):
         """The CSI socket as the kubelet must dial it: a host path (the DaemonSet mounts the
         kubelet's directory at the same path)."""
         return pluginregistration_pb2.PluginInfo(
-            type=PLUGIN_TYPE,
-            name=DRIVER_NAME,
+            type=self.plugin_type,
+            name=self.name,
             endpoint=self.endpoint,
-            supported_versions=list(SUPPORTED_VERSIONS),
+            supported_versions=list(self.versions),
         )
 
     def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
@@ -54,7 +67,7 @@ class Registration(pluginregistration_pb2_grpc.RegistrationServicer):
         with self._lock:
             self._status = (request.plugin_registered, request.error)
         if request.plugin_registered:
-            print(f"registered with the kubelet as {DRIVER_NAME}", flush=True)
+            print(f"registered with the kubelet as {self.name} ({self.plugin_type})", flush=True)
         else:
             print(f"the kubelet refused the registration: {request.error}", file=sys.stderr, flush=True)
         return pluginregistration_pb2.RegistrationStatusResponse()

@@ -26,7 +26,7 @@ from offloadpool.csi.identity import Identity
 from offloadpool.csi.node import Node
 from offloadpool.csi.proto import csi_pb2_grpc, pluginregistration_pb2_grpc
 from offloadpool.csi.registration import Registration
-from offloadpool.region.published import Published
+from offloadpool.region.holding.published import Published
 
 
 @dataclass
@@ -57,12 +57,35 @@ def _unlink(path: str) -> None:
 SOCKET_PATH_MAX = 107
 
 
-def _listen(server: grpc.Server, path: str) -> None:
+#: The sockets and the CSI socket's own directory: root's only. The kubelet (root) dials them;
+#: whoever else could connect could publish any pool to a target of its choosing.
+SOCKET_MODE = 0o600
+SOCKET_DIR_MODE = 0o700
+
+
+def _listen(server: grpc.Server, path: str, *, own_dir: bool) -> None:
+    """Serve ``server`` on the unix socket ``path``, made root-only: created under a umask that
+    leaves no one else a bit (no window where it is another's), then moded again by name (the
+    directory is root's). ``own_dir``: the directory is the plugin's alone (``plugins/<driver>``),
+    made root's, 0700; the registration socket's is the kubelet's, shared, and left as it is."""
     if len(os.fsencode(path)) > SOCKET_PATH_MAX:
         raise ValueError(f"socket path {path!r} is longer than {SOCKET_PATH_MAX} bytes")
-    os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=SOCKET_DIR_MODE, exist_ok=True)
+    if own_dir:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, SOCKET_DIR_MODE)
+        finally:
+            os.close(fd)
     _unlink(path)  # a socket a killed plugin left: its name must be free to bind
-    server.add_insecure_port(f"unix://{path}")
+    old = os.umask(0o777 & ~SOCKET_MODE)
+    try:
+        server.add_insecure_port(f"unix://{path}")
+    finally:
+        os.umask(old)
+    os.chmod(path, SOCKET_MODE)
 
 
 def serve(config: CsiConfig, *, workers: int = 4) -> Plugin:
@@ -72,12 +95,12 @@ def serve(config: CsiConfig, *, workers: int = 4) -> Plugin:
     csi = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
     csi_pb2_grpc.add_IdentityServicer_to_server(Identity(), csi)
     csi_pb2_grpc.add_NodeServicer_to_server(Node(config), csi)
-    _listen(csi, config.endpoint)
+    _listen(csi, config.endpoint, own_dir=True)
     csi.start()
     registrar = Registration(config.endpoint)
     registration = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(registrar, registration)
-    _listen(registration, config.registration)
+    _listen(registration, config.registration, own_dir=False)
     registration.start()
     return Plugin(config, csi, registration, registrar, kept)
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from offloadpool.region import beneath
+from offloadpool.region.files import beneath
 
 MOUNT_NAME = "mount"
 CSI_PLUGIN_DIR = "kubernetes.io~csi"

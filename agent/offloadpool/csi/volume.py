@@ -15,8 +15,8 @@ from typing import Any
 from offloadpool.api.pods import CSI_POOL_ATTRIBUTE
 from offloadpool.csi import target as targets
 from offloadpool.csi.refusal import invalid
-from offloadpool.region.names import pool_name_error
-from offloadpool.region.published import volume_id_error
+from offloadpool.region.files.names import pool_name_error
+from offloadpool.region.holding.published import volume_id_error
 
 #: the volume attribute naming the pool (``volumeAttributes: {pool: kv}``)
 POOL_ATTRIBUTE = CSI_POOL_ATTRIBUTE

@@ -1,0 +1,5 @@
+import sys
+
+from offloadpool.dra.server import main
+
+sys.exit(main())
