@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from offloadpool.pinning import PinGeometry, PinStats, attach, get_backend
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import PER_RANK, REPLICATED
 

@@ -8,10 +8,10 @@ Strategies, all for the same capacity C, in one run (see docs/bench-populate.md)
 * ``segmented`` - the region in k = min(32, C / 1 GiB) files, ranks sharded across them;
 * ``per_rank`` - one file of C/R per rank, each rank pre-faults its own;
 * ``vllm_0_33`` - what vLLM 0.33.0's ``SharedOffloadRegion`` does at start (non-replicated
-  layout): its split (``region.vllm_compat``: k = min(32, C / 1 GiB) files on whole rows of R
+  layout): its split (``region.files.vllm_compat``: k = min(32, C / 1 GiB) files on whole rows of R
   slots of ``VLLM_SLOT``), and each rank pre-faults only its own slot of every row, one
   ``madvise`` per slot, starting at a different file per rank, 4 KiB pages;
-* ``offloadpool_<medium>`` - :func:`offloadpool.region.provision.provision` (reserve, mount,
+* ``offloadpool_<medium>`` - :func:`offloadpool.region.lifecycle.provision.provision` (reserve, mount,
   create, populate with the default worker count, manifest), for every medium this node has;
 * ``kernel_<medium>_<option>`` - the kernel's own rate of clearing that medium's pages: the
   medium mounted as a provision mounts it, the same files, W threads over the same shares, and
@@ -50,15 +50,16 @@ from typing import Any
 
 from offloadpool.bench import report
 from offloadpool.bench.stats import machine, summarize
-from offloadpool.region import hugepages, mounts, parallel, vllm_compat, vm
-from offloadpool.region import populate as prefault
 from offloadpool.region.errors import CapacityError, RegionError
-from offloadpool.region.journal import units
-from offloadpool.region.manifest import MOUNT_NAME
-from offloadpool.region.media import medium as lookup_medium
-from offloadpool.region.planner import plan as make_plan
-from offloadpool.region.provision import mount_options, provision
-from offloadpool.region.release import release
+from offloadpool.region.files import vllm_compat
+from offloadpool.region.files.journal import units
+from offloadpool.region.files.manifest import MOUNT_NAME
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.lifecycle.provision import mount_options, provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.memory import hugepages, mounts, parallel, vm
+from offloadpool.region.memory import populate as prefault
+from offloadpool.region.memory.media import medium as lookup_medium
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, MEMORY_THP
 
@@ -298,7 +299,7 @@ def reserved_pages(medium: str, cap: int) -> Iterator[None]:
     contiguous gigabytes, which a busy machine may not have again later: they are taken once
     for the whole run instead.
     """
-    from offloadpool.region.media import medium as lookup
+    from offloadpool.region.memory.media import medium as lookup
 
     med = lookup(medium)
     if not med.hugetlb:
@@ -338,7 +339,7 @@ def offloadpool_case(
 
 
 def _option_job(option: str, fd: int, addr: int, offset: int, length: int, page: int) -> None:
-    """One run of a share made present by ``option`` (the calls ``region.populate`` makes)."""
+    """One run of a share made present by ``option`` (the calls ``region.memory.populate`` makes)."""
     if option in (prefault.FALLOCATE, prefault.FALLOCATE_MADVISE):
         vm.allocate(fd, offset, length)
     if option in (prefault.MADVISE, prefault.FALLOCATE_MADVISE):
@@ -351,7 +352,7 @@ def kernel_case(base: Path, medium: str, cap: int, workers: int, option: str) ->
     """The kernel's own rate for ``medium`` with ``option``: the medium mounted as a provision
     mounts it (untimed), the plan's files (untimed), then W threads over the pre-fault's shares
     in its runs and the unmapping of what they mapped, timed (a pre-fault through a mapping
-    must tear it down again, as ``region.populate`` does); unmounted afterwards, untimed, which
+    must tear it down again, as ``region.memory.populate`` does); unmounted afterwards, untimed, which
     gives every page back."""
     req = PoolRequest(name=f"kernel-{medium.lower()}", capacity=cap, medium=medium, workers=workers)
     plan = make_plan(req)
@@ -595,7 +596,7 @@ def _per_medium(
     outside: dict[str, list[float]] | None = None,
 ) -> dict:
     """Per medium measured: its options' rates, its kernel rate (the best option's median), the
-    strategy ``region.populate`` takes there and offloadpool's ratio to the kernel rate; with
+    strategy ``region.memory.populate`` takes there and offloadpool's ratio to the kernel rate; with
     pairs, their ratios and median (``paired_ratio_vs_kernel``, the figure to quote); the
     median time a timed provision spent outside its pre-fault (``outside_prefault_ms``)."""
     out: dict[str, dict[str, Any]] = {}
@@ -661,7 +662,7 @@ def markdown(result: dict, command: str) -> str:
         f"(best: {result['best_offloadpool']})",
         "",
         "Per medium: every pre-fault option the kernel offers (bare calls, W threads), the kernel rate "
-        "(its best option) and offloadpool's provision against it; **chosen** = `region.populate`'s "
+        "(its best option) and offloadpool's provision against it; **chosen** = `region.memory.populate`'s "
         "strategy for the medium (`STRATEGY_FOR`).",
         "",
         "| medium | strategy | GiB/s (median) | min-max GiB/s | vs kernel rate |",

@@ -4,23 +4,29 @@ For each medium, one pool of capacity C is provisioned (as the agent does) and k
 whole run; the cases, interleaved (A B C D A B C D ...) for ``reps`` rounds, each run once
 untimed right before its timed run (docs/bench-populate.md says why), are:
 
-* ``prefault`` - the pool's own pre-fault (``region.populate``) of empty files: every page is
+* ``prefault`` - the pool's own pre-fault (``region.memory.populate``) of empty files: every page is
   punched out of the files and the journal dropped first (untimed), so the kernel allocates and
   zeroes every page again, as in a fresh provision;
-* ``scrub_memset`` / ``scrub_punch`` / ``scrub_remove`` - ``region.scrub.zero`` of the full pool
+* ``scrub_memset`` / ``scrub_punch`` / ``scrub_remove`` - ``region.lifecycle.scrub.zero`` of the full pool
   with each method: zeros written through the mapping; ``fallocate(PUNCH_HOLE)`` then
-  ``MADV_POPULATE_WRITE``; ``MADV_REMOVE`` then ``MADV_POPULATE_WRITE``.
+  ``MADV_POPULATE_WRITE``; ``MADV_REMOVE`` then ``MADV_POPULATE_WRITE``;
+* ``bare_write`` - the limit a scrub is held to: the same worker count of plain threads, each
+  ``memset``-ing zeros over one contiguous share of the pool's files, mapped shared (mapping
+  and unmapping counted, as the scrub's are), none of the project's machinery (no units,
+  runs, tally or progress). ``fastest_scrub_vs_bare_write`` is the chosen method's median rate
+  over it: the scrub's cost for doing what the node must around the writes.
 
 Every case uses the same worker count (the pre-fault's default: the cores, at most 4 per file)
 and must leave the pool fully populated (the mount's used blocks are checked after every timed
 run). GiB/s is C / seconds. The fastest scrub method per file system is what
-``region.scrub.METHOD_FOR`` uses.
+``region.lifecycle.scrub.METHOD_FOR`` uses.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -30,16 +36,18 @@ from typing import Any
 from offloadpool.bench import report
 from offloadpool.bench.populate import _workspace, reserved_pages
 from offloadpool.bench.stats import machine, summarize
-from offloadpool.region import scrub, vm
 from offloadpool.region.errors import CapacityError, RegionError
-from offloadpool.region.journal import JOURNAL_NAME
-from offloadpool.region.manifest import MOUNT_NAME
-from offloadpool.region.parallel import default_workers
-from offloadpool.region.planner import Plan
-from offloadpool.region.planner import plan as make_plan
-from offloadpool.region.populate import populate
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files import places
+from offloadpool.region.files.journal import JOURNAL_NAME
+from offloadpool.region.files.manifest import MOUNT_NAME
+from offloadpool.region.files.planner import Plan
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.lifecycle import scrub
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.memory import vm
+from offloadpool.region.memory.parallel import default_workers
+from offloadpool.region.memory.populate import populate
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import HUGEPAGES_2MI, MEMORY, MEMORY_THP
 
@@ -69,7 +77,53 @@ def _empty(pool_dir: Path, plan: Plan) -> None:
             vm.punch_hole(fd, 0, seg.bytes)
         finally:
             os.close(fd)
-    (pool_dir / JOURNAL_NAME).unlink(missing_ok=True)
+    # The journal is the node's, in the pool's state directory (not the pool directory).
+    with places.state_fd(pool_dir) as sfd:
+        if sfd is not None:
+            places.remove_entry(sfd, JOURNAL_NAME)
+
+
+def _pieces(plan: Plan, workers: int) -> list[list[tuple[int, int, int]]]:
+    """``workers`` contiguous shares of the pool's bytes (page-rounded), each as (segment,
+    offset, length) pieces: the bare write's split, independent of the scrub's units."""
+    total, page = plan.total_bytes, plan.page_size
+    bounds = [min(total, -(-total * w // workers // page) * page) for w in range(workers + 1)]
+    out: list[list[tuple[int, int, int]]] = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        share, start = [], 0
+        for i, seg in enumerate(plan.segments):
+            a, b = max(lo, start), min(hi, start + seg.bytes)
+            if a < b:
+                share.append((i, a - start, b - a))
+            start += seg.bytes
+        out.append(share)
+    return out
+
+
+def _bare_write(pool_dir: Path, plan: Plan, workers: int) -> float:
+    """Seconds for ``workers`` plain threads to zero the pool through shared mappings."""
+    fds = [os.open(pool_dir / seg.file, os.O_RDWR | os.O_CLOEXEC) for seg in plan.segments]
+    try:
+        t0 = time.perf_counter()
+        addrs = [vm.map_shared(fd, seg.bytes) for fd, seg in zip(fds, plan.segments, strict=True)]
+        try:
+
+            def write(share: list[tuple[int, int, int]]) -> None:
+                for segment, offset, length in share:
+                    vm.memset(addrs[segment] + offset, 0, length)
+
+            threads = [threading.Thread(target=write, args=(s,)) for s in _pieces(plan, workers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for addr, seg in zip(addrs, plan.segments, strict=True):
+                vm.unmap(addr, seg.bytes)
+        return time.perf_counter() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _cases(pool_dir: Path, plan: Plan, workers: int) -> dict[str, Callable[[], float]]:
@@ -82,7 +136,11 @@ def _cases(pool_dir: Path, plan: Plan, workers: int) -> dict[str, Callable[[], f
     def scrubbing(method: str) -> Callable[[], float]:
         return lambda: scrub.zero(pool_dir, plan, workers=workers, method=method).seconds
 
-    return {"prefault": prefault, **{f"scrub_{m}": scrubbing(m) for m in scrub.METHODS}}
+    return {
+        "prefault": prefault,
+        **{f"scrub_{m}": scrubbing(m) for m in scrub.METHODS},
+        "bare_write": lambda: _bare_write(pool_dir, plan, workers),
+    }
 
 
 def run(
@@ -136,6 +194,9 @@ def run(
             "workers": used_workers[medium],
             "fastest_scrub": best.removeprefix("scrub_"),
             "fastest_scrub_vs_prefault": round(scrubs[best]["gib_per_s"] / rows["prefault"]["gib_per_s"], 2),
+            "fastest_scrub_vs_bare_write": round(
+                scrubs[best]["gib_per_s"] / rows["bare_write"]["gib_per_s"], 2
+            ),
         }
     return {
         "media": result,
@@ -153,16 +214,17 @@ def markdown(result: dict, command: str) -> str:
         "interleaved (medians; min-max).",
         result["machine"],
         ["medium", "case"],
-        ["GiB/s (median)", "min-max GiB/s", "seconds (median)", "vs prefault"],
+        ["GiB/s (median)", "min-max GiB/s", "seconds (median)", "vs prefault", "vs bare write"],
     )
     for medium, m in result["media"].items():
         base = m["cases"]["prefault"]["gib_per_s"]
+        bare = m["cases"]["bare_write"]["gib_per_s"]
         for name, s in m["cases"].items():
             mark = " **(chosen)**" if name == f"scrub_{m['fastest_scrub']}" else ""
             lines.append(
                 f"| {medium} ({m['workers']} threads) | {name}{mark} | {s['gib_per_s']:.2f} "
                 f"| {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} | {s['seconds']:.3f} "
-                f"| {s['gib_per_s'] / base:.2f}x |"
+                f"| {s['gib_per_s'] / base:.2f}x | {s['gib_per_s'] / bare:.2f}x |"
             )
     return report.tail(lines, result["unavailable"])
 

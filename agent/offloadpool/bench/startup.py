@@ -2,7 +2,9 @@
 
 Two cases, same capacity C, in one run (see docs/bench-startup.md), then the layouts: N
 workers at once pinning their share of one pool, per-rank vs interleaved vs whole-region
-(``offloadpool.bench.layouts``).
+(``offloadpool.bench.layouts``). With ``--sglang-python PY`` (the pinned SGLang's interpreter,
+hack/vllm_env.py --engine sglang) also SGLang's host pool of the same capacity, its own
+allocation vs its plugin attaching a pool, in that interpreter (``offloadpool.bench.sglang_path``).
 
 * ``engine_built`` - an engine that builds its tier itself at start: create a file in a tmpfs
   mount (4 KiB pages, like ``/dev/shm``), size it, map it, pre-fault all of it from one thread
@@ -43,10 +45,10 @@ from offloadpool.pinning import PinStats, attach, get_backend
 from offloadpool.pinning.backends.base import PinBackend
 from offloadpool.pinning.pin import unregister_all
 from offloadpool.pinning.plan import DEFAULT_MAX_CHUNK, row_chunks
-from offloadpool.region import mounts, vm
 from offloadpool.region.errors import RegionError
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.memory import mounts, vm
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import HUGEPAGES_1GI, HUGEPAGES_2MI, MEMORY, MEMORY_THP
 
@@ -75,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--layout-medium", help="medium of the layouts comparison (default: the first of --media available)"
+    )
+    p.add_argument(
+        "--sglang-python",
+        help="the pinned SGLang's interpreter: also time SGLang's host pool, its own vs the pool's",
     )
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     p.add_argument("--markdown", help="also write the markdown table to this file")
@@ -325,7 +331,36 @@ def markdown(result: dict[str, Any], command: str) -> str:
     ]
     if result.get("layouts"):
         lines += layouts.markdown(result["layouts"])
+    if result.get("sglang"):
+        g = result["sglang"]
+        lines += [
+            "",
+            f"SGLang host pool of the same capacity: its own allocation "
+            f"{g['cases']['sglang_alloc']['median']:.3f} s, its plugin attaching the pool "
+            f"{g['cases']['sglang_plugin']['median']:.4f} s: "
+            f"ratio_sglang_alloc_vs_plugin = **{g['sglang_alloc_vs_plugin']:.1f}**",
+        ]
     return report.tail(lines, result["unavailable"])
+
+
+def sglang_case(python: str, cap: int, reps: int) -> dict[str, Any]:
+    """``offloadpool.bench.sglang_path`` in SGLang's interpreter, this package on its path."""
+    import json
+    import subprocess
+
+    agent = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [agent, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(
+        [python, "-m", "offloadpool.bench.sglang_path", "--capacity", str(cap), "--reps", str(reps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"the SGLang case failed ({python}):\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -344,6 +379,9 @@ def run_cli(args: argparse.Namespace) -> int:
         slot=parse_size(args.slot),
         layout_medium=args.layout_medium,
     )
+    if args.sglang_python:
+        result["sglang"] = sglang_case(args.sglang_python, cap, args.reps)
+        report.log(f"sglang: ratio_sglang_alloc_vs_plugin = {result['sglang']['sglang_alloc_vs_plugin']:.1f}")
     command = (
         f"offloadpool bench startup --capacity {args.capacity} --reps {args.reps}"
         + report.flag("--media", args.media, ",".join(MEDIA))
@@ -351,6 +389,7 @@ def run_cli(args: argparse.Namespace) -> int:
         + report.flag("--ranks", args.ranks, 4)
         + report.flag("--slot", args.slot, "1280Ki")
         + report.flag("--layout-medium", args.layout_medium, None)
+        + report.flag("--sglang-python", args.sglang_python, None)
     )
     report.publish(args, result, markdown(result, command))
     return 0
