@@ -10,7 +10,10 @@ A labelled pod gets:
   every container at ``/offloadpool/<pool>`` with ``mountPropagation: HostToContainer``, so a
   mount the agent makes inside it after the pod started (a re-provisioned pool) is seen;
 - for a stock-vLLM compat pool, the region file mounted where vLLM looks for it
-  (``/dev/shm/vllm_offload_<engineId>.mmap``), also HostToContainer;
+  (``/dev/shm/vllm_offload_<engineId>.mmap``) as a ``subPath`` mount of that volume
+  (``mnt/<file>``): the kubelet resolves it beneath the pool directory without following a link
+  out of it, so a consumer that replaces the name with a link to a host file gets nothing of the
+  host; no hostPath ever names anything below ``<host root>/<pool>``;
 - ``OFFLOADPOOL_POOL_DIR`` and the pool's name, medium, layout, ranks, capacity (and slot size
   or vLLM engine id when the pool has them) in every container's environment;
 - required node affinity to ``pool.offloadpool.io/<pool> In [ready]``, added to every node
@@ -27,7 +30,7 @@ affinity:
   ``volumeAttributes: {pool: <pool>}``) under the same name, mounted at the same path, and a
   compat pool's region files as ``subPath`` mounts of that volume (``mnt/<file>``); no hostPath,
   no propagation: the plugin's publication holds the pool, so nothing reshapes it under the pod;
-- no sidecar: the published volume is the pod's hold (``region.published``), from the kubelet's
+- no sidecar: the published volume is the pod's hold (``region.holding.published``), from the kubelet's
   publish to its unpublish; the pod's 1 ``offloadpool.io/<pool>`` goes to its first container
   (request = limit), unless a container already asks for it.
 
@@ -43,7 +46,10 @@ Nothing present is rewritten, because the API server defaults fields of what the
 (probe timeouts, termination message paths): a pod that already went through the webhook and
 comes back through it — by reinvocation, or re-created from its own manifest — is unchanged.
 That is also how the validating webhook tells a pod that bypassed mutation: ``mutate`` would
-still change it.
+still change it. The validating webhook sees the pod after the API server's defaults, so what
+is compared by content is written as the API server stores it (an env ``fieldRef``'s
+``apiVersion: v1``), or compared less the defaults (the sidecar's); its refusal names each place
+that differs with both values (``differences``, ``unmutated_refusal``).
 
 What is keyed by a reserved name is checked by content, never trusted by name: a volume named
 like the pool's (or its compat files') must be exactly the one the mutation writes, every mount
@@ -55,6 +61,7 @@ sidecar exactly the sidecar (less the fields the API server defaults); anything 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +70,7 @@ import jsonpatch
 
 from offloadpool.api.constants import (
     HOST_ROOT,
+    KUBELET_DIR,
     POOL_KIND,
     POOL_LABEL_READY,
     extended_resource_name,
@@ -95,6 +103,8 @@ from offloadpool.api.pods import (
 from offloadpool.api.spec import OffloadPoolSpec
 from offloadpool.region.vocabulary import DELIVERY_CSI
 
+from . import hostguard
+
 Pod = dict[str, Any]
 Pool = Mapping[str, Any]
 
@@ -117,6 +127,13 @@ class InjectionSettings:
     sidecar_memory: str = "64Mi"
     #: Namespaces never mutated, whatever their pods say (the operator adds its own namespace).
     excluded_namespaces: tuple[str, ...] = SYSTEM_NAMESPACES
+    #: The kubelet's directory on the nodes (``OperatorConfig.kubelet_dir``): guarded as the host
+    #: root is (``hostguard``).
+    kubelet_dir: str = KUBELET_DIR
+
+    def guarded(self) -> tuple[hostguard.Guarded, ...]:
+        """The host trees no pod's hostPath may reach but the pool's own volume (``hostguard``)."""
+        return hostguard.guarded(self.host_root, self.kubelet_dir)
 
 
 # -- which pods, which pool --------------------------------------------------------------------
@@ -190,7 +207,10 @@ def pool_env(pool: Pool) -> list[dict[str, Any]]:
         env[ENV_VLLM_ENGINE_ID] = spec.compat.vllm.engine_id
     out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
     if spec.partitions > 1:
-        out.append({"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}})
+        # apiVersion written as the API server defaults it: what the webhook adds must be what
+        # the API server stores, or the validating webhook finds the stored pod unmutated
+        field_ref = {"apiVersion": "v1", "fieldPath": "metadata.uid"}
+        out.append({"name": ENV_POD_UID, "valueFrom": {"fieldRef": field_ref}})
     return out
 
 
@@ -200,8 +220,16 @@ def csi_delivery(pool: Pool) -> bool:
 
 
 def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
-    """The pool's volumes: for HostPath the pool directory and a compat pool's region file(s) as
-    hostPath volumes; for CSI one inline ``csi`` volume of the pool directory."""
+    """The pool's one volume: for HostPath the pool directory as a hostPath volume (type
+    Directory); for CSI an inline ``csi`` volume of the pool directory.
+
+    A compat pool's region files are ``subPath`` mounts of that volume, never hostPath volumes
+    of their own: ``<root>/<pool>`` is the only path the kubelet is handed, and its every
+    component is root-owned and out of any pod's reach (a pod is given what is below it, never
+    ``<root>``). What is below it (``mnt/`` and its files) a root consumer can write, so a name
+    there must never become a host path that the kubelet ``stat``s and the runtime binds (both
+    follow links): the kubelet resolves a subPath beneath the volume, refusing one that leads
+    out of it, and binds what it opened."""
     name = pool["metadata"]["name"]
     if csi_delivery(pool):
         return [
@@ -211,38 +239,28 @@ def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
             }
         ]
     root = settings.host_root.rstrip("/")
-    out = [{"name": pool_volume_name(name), "hostPath": {"path": f"{root}/{name}", "type": "Directory"}}]
-    for i, (host_rel, _) in enumerate(_compat(pool)):
-        out.append(
-            {
-                "name": _compat_volume(name, i),
-                "hostPath": {"path": f"{root}/{name}/{host_rel}", "type": "File"},
-            }
-        )
-    return out
+    return [{"name": pool_volume_name(name), "hostPath": {"path": f"{root}/{name}", "type": "Directory"}}]
+
+
+def reserved_volume_names(pool: Pool) -> list[str]:
+    """Volume names the webhook keeps for itself and no longer writes: an older release's
+    hostPath volumes of a compat pool's region files (``offloadpool-<pool>-vllm[-<i>]``). A pod
+    bringing one is refused: a hostPath of a name in the pool's mount is the hole ``volumes``
+    closes."""
+    name = pool["metadata"]["name"]
+    return [_compat_volume(name, i) for i in range(len(_compat(pool)))]
 
 
 def mounts(pool: Pool) -> list[dict[str, Any]]:
-    """The mounts every container gets: for HostPath all following the host (HostToContainer);
-    for CSI the published volume, and a compat pool's files as ``subPath`` mounts of it."""
+    """The mounts every container gets: the pool directory (for HostPath following the host,
+    HostToContainer, so a re-provisioned pool's new mount is seen), and a compat pool's files
+    as ``subPath`` mounts of it (``mnt/<file>``), for both deliveries."""
     name = pool["metadata"]["name"]
-    if csi_delivery(pool):
-        volume = pool_volume_name(name)
-        out = [{"name": volume, "mountPath": pod_pool_dir(name)}]
-        out += [{"name": volume, "mountPath": in_pod, "subPath": rel} for rel, in_pod in _compat(pool)]
-        return out
-    out = [
-        {
-            "name": pool_volume_name(name),
-            "mountPath": pod_pool_dir(name),
-            "mountPropagation": "HostToContainer",
-        }
-    ]
-    for i, (_, in_pod) in enumerate(_compat(pool)):
-        out.append(
-            {"name": _compat_volume(name, i), "mountPath": in_pod, "mountPropagation": "HostToContainer"}
-        )
-    return out
+    volume = pool_volume_name(name)
+    whole: dict[str, Any] = {"name": volume, "mountPath": pod_pool_dir(name)}
+    if not csi_delivery(pool):
+        whole["mountPropagation"] = "HostToContainer"
+    return [whole] + [{"name": volume, "mountPath": in_pod, "subPath": rel} for rel, in_pod in _compat(pool)]
 
 
 def sidecar(pool: Pool, settings: InjectionSettings, with_resource: bool) -> dict[str, Any]:
@@ -290,6 +308,13 @@ def mutate(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings) -> P
     spec = new.setdefault("spec", {})
 
     vols = spec.setdefault("volumes", [])
+    for reserved in reserved_volume_names(pool):
+        if any(v.get("name") == reserved for v in vols):
+            raise Refused(
+                f"volume {reserved!r} is reserved: the webhook mounts a compat pool's region files "
+                f"as subPath mounts of volume {pool_volume_name(name)!r}, never as hostPath volumes "
+                f"of their own; remove it and let the {POD_POOL_LABEL} label provide the files"
+            )
     for volume in volumes(pool, settings):
         _add_exact(vols, volume)
 
@@ -329,9 +354,90 @@ def json_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[dict[str,
     return jsonpatch.JsonPatch.from_diff(dict(old), dict(new)).patch
 
 
+@dataclass(frozen=True)
+class Difference:
+    """One place where a pod differs from what the mutation writes: the JSON pointer, and the
+    value there in the pod and in the mutation (``ABSENT`` where there is none)."""
+
+    path: str
+    present: Any
+    wanted: Any
+
+    def __str__(self) -> str:
+        return f"{self.path}: the pod has {_shown(self.present)}, the webhook writes {_shown(self.wanted)}"
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+#: No value at that path.
+ABSENT: Any = _Absent()
+
+
+def differences(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings) -> list[Difference]:
+    """Where ``pod`` differs from what the mutation writes: empty when the pod is fully mutated."""
+    new = mutate(pod, pool, settings)
+    return [Difference(op["path"], _at(pod, op["path"]), _at(new, op["path"])) for op in json_patch(pod, new)]
+
+
+#: Differences (with their values) and missing paths a refusal names one by one (the rest are counted).
+DIFFERENCES_NAMED = 4
+PATHS_NAMED = 6
+
+
+def unmutated_refusal(pool_name: str, found: Sequence[Difference], configuration: str) -> str:
+    """What the validating webhook says of a labelled pod that differs from its mutation: each
+    place, with both values. Where the pod only lacks what the mutation adds, the mutating
+    webhook did not reach it; where a value differs, something changed it after the mutation
+    (another webhook, the API server's defaulting of a field the mutation left out)."""
+    asks = f"pod asks for {POOL_KIND} {pool_name!r} ({POD_POOL_LABEL})"
+    if all(d.present is ABSENT for d in found):
+        return (
+            f"{asks} but lacks what the offloadpool mutating webhook adds "
+            f"({_listed([d.path for d in found], PATHS_NAMED, ', ')}); "
+            f"is the MutatingWebhookConfiguration {configuration!r} in place?"
+        )
+    return (
+        f"{asks} but differs from what the offloadpool mutating webhook writes "
+        f"({_listed([str(d) for d in found], DIFFERENCES_NAMED, '; ')}); something changed the pod "
+        "after the mutation (another mutating webhook, or the API server's defaults)"
+    )
+
+
+def _listed(items: Sequence[str], named: int, sep: str) -> str:
+    more = len(items) - named
+    return sep.join(items[:named]) + (f"{sep}and {more} more" if more > 0 else "")
+
+
 def not_mutated(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings) -> list[str]:
-    """The paths the mutation would still add to ``pod``: empty when the pod is fully mutated."""
-    return [op["path"] for op in json_patch(pod, mutate(pod, pool, settings))]
+    """The paths where the mutation would still change ``pod``: empty when it is fully mutated."""
+    return [d.path for d in differences(pod, pool, settings)]
+
+
+def _at(doc: Any, pointer: str) -> Any:
+    """The value at a JSON pointer (RFC 6901), or ``ABSENT``."""
+    for token in pointer.split("/")[1:]:
+        key = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(doc, Mapping) and key in doc:
+            doc = doc[key]
+        elif isinstance(doc, list) and key.isdigit() and int(key) < len(doc):
+            doc = doc[int(key)]
+        else:
+            return ABSENT
+    return doc
+
+
+#: Longest rendering of one value in a refusal.
+_SHOWN_LENGTH = 160
+
+
+def _shown(value: Any) -> str:
+    if value is ABSENT:
+        return "nothing"
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return text if len(text) <= _SHOWN_LENGTH else text[: _SHOWN_LENGTH - 3] + "..."
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -408,14 +514,10 @@ def _add_exact(items: list[dict[str, Any]], item: dict[str, Any]) -> None:
         items.append(item)
     elif any(i != item for i in same):
         raise Refused(
-            f"volume {item['name']!r} is reserved for the pool's {_what(item)}, and this pod "
+            f"volume {item['name']!r} is reserved for the pool's directory, and this pod "
             f"brings its own ({_describe(same[0])}); remove it and let the {POD_POOL_LABEL} label "
             f"provide it"
         )
-
-
-def _what(volume: Mapping[str, Any]) -> str:
-    return "region file" if (volume.get("hostPath") or {}).get("type") == "File" else "directory"
 
 
 def _describe(volume: Mapping[str, Any]) -> str:

@@ -10,8 +10,8 @@ mutation did not reach (its configuration removed or edited, a later webhook und
 pod would run without its pool's memory and without the lease that protects it; and what the
 mutation keys by name (the pool's volumes and mounts, the sidecar) must be exactly what it
 writes. The guard (``hostguard``) refuses, labelled or not, a hostPath reaching the host root
-other than the labelled pool's own volumes, and an ``offloadpool.io/*`` resource other than the
-labelled pool's.
+or the kubelet's directory other than the labelled pool's own volume, and an
+``offloadpool.io/*`` resource other than the labelled pool's.
 
 The handler ids are the URL paths the webhook configurations call (``webhookconfig``).
 """
@@ -112,20 +112,17 @@ async def validate_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         return
     settings = runtime.options.injection
     try:
-        missing = admission.not_mutated(pod, pool, settings)
+        found = admission.differences(pod, pool, settings)
     except admission.Refused as exc:
         raise kopf.AdmissionError(str(exc), code=FORBIDDEN) from None
     _refuse(
         hostguard.refusals(
-            pod, settings.host_root, pool["metadata"]["name"], admission.volumes(pool, settings)
+            pod, settings.guarded(), pool["metadata"]["name"], admission.volumes(pool, settings)
         )
     )
-    if missing:
+    if found:
         raise kopf.AdmissionError(
-            f"pod asks for {POOL_KIND} {pool['metadata']['name']!r} ({POD_POOL_LABEL}) "
-            "but lacks what the offloadpool "
-            f"mutating webhook adds ({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}); "
-            f"is the MutatingWebhookConfiguration {runtime.options.configuration!r} in place?",
+            admission.unmutated_refusal(pool["metadata"]["name"], found, runtime.options.configuration),
             code=FORBIDDEN,
         )
 
@@ -145,7 +142,7 @@ async def guard_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     namespace = body.metadata.namespace
     if namespace in settings.excluded_namespaces:  # the configuration leaves them out; restated
         return
-    why = hostguard.refusals(pod, settings.host_root, None)
+    why = hostguard.refusals(pod, settings.guarded(), None)
     name = admission.requested_pool(pod)
     if not why or name is None:
         _refuse(why)
@@ -156,4 +153,4 @@ async def guard_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     denied = admission.refusal(name, namespace, pool)
     if denied or pool is None:
         raise kopf.AdmissionError(f"{'; '.join(why)} ({denied})", code=FORBIDDEN)
-    _refuse(hostguard.refusals(pod, settings.host_root, name, admission.volumes(pool, settings)))
+    _refuse(hostguard.refusals(pod, settings.guarded(), name, admission.volumes(pool, settings)))

@@ -62,3 +62,33 @@ def stale_credentials(
         if made < since:
             stale.append(pod)
     return stale
+
+
+def never_ran(pods: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Nodes where no agent pod has ever run a container: every pod for the node (being deleted
+    or not) is either not bound to it (the scheduler could not place it) or bound with every
+    container and init container reported waiting, never started and never restarted (an image
+    that cannot be pulled). A pod bound to its node whose kubelet has reported nothing yet is
+    not counted: its agent may be running. A node with no agent pod is not counted either."""
+    verdicts: dict[str, bool] = {}
+    for pod in pods:
+        node = pod_node(pod)
+        if node:
+            verdicts[node] = verdicts.get(node, True) and _never_ran(pod)
+    return {node for node, never in verdicts.items() if never}
+
+
+def _never_ran(pod: Mapping[str, Any]) -> bool:
+    if not (pod.get("spec") or {}).get("nodeName"):
+        return True  # only the kubelet of the node it is bound to starts a pod's containers
+    status = pod.get("status") or {}
+    containers = [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]
+    if not containers:
+        return False  # the kubelet has said nothing yet
+    return all(
+        set(c.get("state") or {}) <= {"waiting"}
+        and not (c.get("lastState") or {})
+        and not c.get("restartCount")
+        and not c.get("started")
+        for c in containers
+    )

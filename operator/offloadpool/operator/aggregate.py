@@ -13,10 +13,12 @@ Counting rules (one node is counted once):
 - **pending**: every other selected node, plus Ready nodes not yet at the pool's generation
   (held by an engine, or waiting for their turn in the rollout).
 
-Conditions: ``Ready`` (every selected node Ready), ``Progressing`` (nodes are provisioning or a
-spec change is rolling out; False with reason Complete, RolloutPending when only nodes held by
-engines remain, RolloutHalted when a node failed at the new generation, Stalled when the only
-nodes left have no agent at work: its pod cannot be scheduled, or it went silent), ``Degraded``
+Conditions: ``Ready`` (every selected node Ready), ``Progressing`` (True while nodes are
+provisioning, a spec change is rolling out, or it waits with RolloutPending on nodes held by
+engines (their old region Ready); False with reason Complete only when every selected node is
+Ready at the pool's generation, RolloutHalted when a node failed at the new generation,
+NodesFailed when failed nodes are all that is left, Stalled when the only nodes left have no
+agent at work: its pod cannot be scheduled, or it went silent), ``Degraded``
 (a node failed, its agent pod cannot be scheduled, or its agent stopped reporting). ``phase``
 sums it up for ``kubectl get``.
 
@@ -24,6 +26,10 @@ A node whose agent is not reporting is named by the cause the reconciler found, 
 first: the scheduler's reason its agent pod is not placed (``unschedulable``, read from the
 pod's ``PodScheduled`` condition), then silence past the heartbeat timeout (neither a Lease
 renewal nor a status write: frozen or gone, whatever phase it last wrote), then no report yet.
+
+A deletion waits for every existing node not Released, except the nodes where no agent of the
+pool ever ran (``never_ran``, decided by the reconciler from its agent pods and Leases):
+nothing of the pool can be there.
 """
 
 from __future__ import annotations
@@ -198,14 +204,17 @@ def _tally(
     return tally
 
 
-def _unreleased(views: Mapping[str, PoolNodeReport], existing_nodes: Iterable[str] | None) -> list[str]:
-    """Nodes a deletion waits for: every node of the pool still holding memory, unless the Node
-    itself is gone."""
+def _unreleased(
+    views: Mapping[str, PoolNodeReport], existing_nodes: Iterable[str] | None, never_ran: Iterable[str]
+) -> list[str]:
+    """Nodes a deletion waits for: every node of the pool that may hold memory, unless the Node
+    itself is gone or no agent of the pool ever ran there (nothing can be there)."""
     alive = set(existing_nodes) if existing_nodes is not None else None
+    nothing_there = set(never_ran)
     return [
         node
         for node, view in sorted(views.items())
-        if (alive is None or node in alive) and view.phase != RELEASED
+        if (alive is None or node in alive) and view.phase != RELEASED and node not in nothing_there
     ]
 
 
@@ -220,6 +229,7 @@ def aggregate(
     deleting: bool = False,
     existing_nodes: Iterable[str] | None = None,
     unschedulable: Mapping[str, str] | None = None,
+    never_ran: Iterable[str] = (),
 ) -> Aggregate:
     """Compute the pool status.
 
@@ -227,13 +237,15 @@ def aggregate(
     OffloadPoolNodes by node name (may include nodes no longer selected; they are ignored unless
     deleting). ``existing_nodes``: Nodes that exist (deletion waits only for those).
     ``unschedulable``: node -> the scheduler's reason its agent pod is not placed
-    (``agentpods.unschedulable``).
+    (``agentpods.unschedulable``). ``never_ran``: nodes where no agent of the pool ever ran
+    (``Reconciler._agents_never_ran``): a deletion does not wait for them.
     """
     tally = _tally(generation, sorted(set(selected)), views, now, heartbeat_timeout, unschedulable or {})
-    unreleased = _unreleased(views, existing_nodes) if deleting else []
+    skipped = sorted(set(never_ran)) if deleting else []
+    unreleased = _unreleased(views, existing_nodes, skipped) if deleting else []
     conditions = _Conditions(_previous(previous_conditions), generation, now)
     if deleting:
-        condition_list = conditions.deleting(unreleased, views)
+        condition_list = conditions.deleting(unreleased, views, skipped)
     else:
         condition_list = conditions.serving(tally)
     problems = sorted(tally.problems, key=lambda p: (_SEVERITY.get(p[0], 9), p[1]))
@@ -266,7 +278,10 @@ def aggregate(
 
 
 def _release_message(view: PoolNodeReport) -> str:
-    phase = view.phase or "no status"
+    if view.phase is None:
+        # the agent may have run there without reporting yet (or its pod has not said it never ran)
+        return "no status from its agent yet; it may hold memory there until the agent reports Released"
+    phase = view.phase
     detail = f": {view.reason}" if view.reason else ""
     engines = f", {view.engines_attached} engine(s) attached" if view.engines_attached else ""
     # the node's own words name what holds the memory (a process, a CSI volume's pod)
@@ -297,15 +312,24 @@ class _Conditions:
         text: ConditionStatus = "True" if status else "False"
         return transition(self.previous.get(ctype), ctype, text, reason, message, self.generation, self.now)
 
-    def deleting(self, unreleased: Sequence[str], views: Mapping[str, PoolNodeReport]) -> list[Condition]:
+    def deleting(
+        self, unreleased: Sequence[str], views: Mapping[str, PoolNodeReport], never_ran: Sequence[str] = ()
+    ) -> list[Condition]:
         cond = self.cond
+        nothing = (
+            f"; nothing to release on {len(never_ran)} node(s) where no agent ever ran: {_names(never_ran)}"
+            if never_ran
+            else ""
+        )
         if unreleased:
             waiting = "; ".join(
                 f"{n} ({_release_message(views[n])})" for n in unreleased[:MAX_NAMES_IN_MESSAGE]
             )
             more = len(unreleased) - MAX_NAMES_IN_MESSAGE
-            message = f"deletion waits for {len(unreleased)} node(s) to release the memory: {waiting}" + (
-                f" and {more} more" if more > 0 else ""
+            message = (
+                f"deletion waits for {len(unreleased)} node(s) to release the memory: {waiting}"
+                + (f" and {more} more" if more > 0 else "")
+                + nothing
             )
             message = clip_message(message)
             return [
@@ -313,7 +337,7 @@ class _Conditions:
                 cond(PROGRESSING, True, WAITING_FOR_RELEASE, message),
                 cond(DEGRADED, False, DELETING, "the pool is being deleted"),
             ]
-        message = "every node released the memory; removing the finalizer"
+        message = "every node released the memory; removing the finalizer" + nothing
         return [
             cond(READY, False, DELETING, message),
             cond(PROGRESSING, False, RELEASED, message),
@@ -370,12 +394,21 @@ class _Conditions:
                 f"generation {generation} still to reach {len(waiting_turn)} node(s): {_names(waiting_turn)}",
             )
         elif t.held:
+            # a change still to be applied: True (the agent applies it once the engine lets go)
             prog = cond(
                 PROGRESSING,
-                False,
+                True,
                 ROLLOUT_PENDING,
                 f"generation {generation} pending on {len(t.held)} node(s) where an engine holds the "
                 f"lease: {_names(t.held)}",
+            )
+        elif t.failed:
+            # never "Complete" while a node has not applied it: the failure is Degraded's to name
+            prog = cond(
+                PROGRESSING,
+                False,
+                "NodesFailed",
+                f"generation {generation} not applied on {len(t.failed)} failed node(s): {_names(t.failed)}",
             )
         else:
             prog = cond(

@@ -20,6 +20,12 @@ bundle the API server may still hold. The old CA leaves the bundle ``OVERLAP`` a
 certificate moved to the new CA. A directory with no usable serving certificate gets one at
 once (nothing is served yet; the caller publishes the bundle before its server starts).
 
+Only the operator's own CA is adopted. A caBundle is read back from objects others can write,
+and anyone can make a self-signed CA named ``offloadpool-webhook-ca``: a CA read from the
+configurations is used (its ``ca.crt`` lost, its key kept) or carried into the bundle only when
+its key is the directory's ``ca.key`` (same public key, signed by it); any other, however it is
+named, is left out, and a directory without a usable CA and key makes a new one.
+
 Why not kopf's own self-signed certificates: they need ``certbuilder``/``oscrypto``, whose
 libcrypto version detection fails on OpenSSL ≥ 3.0.10 (an unreleased fix upstream), which is
 what current images ship. ``cryptography`` is maintained and has wheels everywhere.
@@ -97,7 +103,7 @@ def ensure(
     now = now or datetime.datetime.now(datetime.timezone.utc)
     if not (directory / MADE_HERE).exists():
         _write(directory / MADE_HERE, b"")
-    ca_cert, ca_key, previous = _current_ca(directory, now)
+    ca_cert, ca_key, previous = _current_ca(directory, now, published or ())
     serving = _load(cert)
     usable = serving is not None and _valid_for(serving, hostnames, now)
     moved = serving is not None and _issued_by(serving, ca_cert)
@@ -107,9 +113,15 @@ def ensure(
             _issue(directory, hostnames, ca_cert, ca_key, now)
             serving, moved = _load(cert), True
     switched = serving.not_valid_before_utc + BACKDATE if moved and serving is not None else None
+    # The bundle trusts what this directory made: the CA, the one it replaced (for the overlap),
+    # and what its bundle held; never a CA read from the configurations whose key is not ca.key.
     keep = [
         c
-        for c in [*previous, *_load_all(directory / BUNDLE_NAME), *(published or ())]
+        for c in [
+            *previous,
+            *_load_all(directory / BUNDLE_NAME),
+            *(p for p in published or () if _key_held(p, ca_key)),
+        ]
         if _fingerprint(c) != _fingerprint(ca_cert)
         and _is_ours(c)
         and c.not_valid_after_utc > now
@@ -131,18 +143,24 @@ def bundle_certificates(pem: bytes) -> list[x509.Certificate]:
 
 
 def _current_ca(
-    directory: Path, now: datetime.datetime
+    directory: Path, now: datetime.datetime, published: Sequence[x509.Certificate]
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, list[x509.Certificate]]:
     """The CA to sign with: the kept one while valid, else a new one (the old one returned as
-    ``previous``, still to be trusted for the overlap)."""
+    ``previous``, still to be trusted for the overlap). Only a CA whose key is ``ca.key`` is ever
+    used: the directory's ``ca.crt``, else one of ``published`` (a caBundle is anyone's to
+    write, and a CA of the right name made elsewhere is not the operator's)."""
     ca = _load(directory / CA_NAME)
     try:
         loaded = serialization.load_pem_private_key((directory / CA_KEY_NAME).read_bytes(), password=None)
     except (OSError, ValueError):
         loaded = None
     key = loaded if isinstance(loaded, ec.EllipticCurvePrivateKey) else None
-    if ca is not None and key is not None and ca.public_key() == key.public_key() and not _ending(ca, now):
-        return ca, key, []
+    if key is not None:
+        for held in (ca, *published):
+            if held is not None and _key_held(held, key) and not _ending(held, now):
+                if held is not ca:  # ca.crt was lost or replaced, its key kept: the same CA again
+                    _write(directory / CA_NAME, held.public_bytes(serialization.Encoding.PEM))
+                return held, key, []
     new_ca, new_key = _make_ca(now)
     pem = serialization.Encoding.PEM
     _write(
@@ -248,6 +266,11 @@ def _is_ours(cert: x509.Certificate) -> bool:
     """A CA this module made (a foreign CA found in the configurations is not carried over)."""
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return cert.subject == cert.issuer and [n.value for n in names] == [CA_COMMON_NAME]
+
+
+def _key_held(ca: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> bool:
+    """``ca`` is one of ours, for ``key``: named as ours, of ``key``'s public key, and signed by it."""
+    return _is_ours(ca) and ca.public_key() == key.public_key() and _issued_by(ca, ca)
 
 
 def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from offloadpool.agent.config import AgentConfig
 from offloadpool.api.agent_env import POD_NAMESPACE_ENV
-from offloadpool.api.constants import AGENT_HTTP_PORT, HOST_ROOT, MIN_HEARTBEATS_PER_TIMEOUT
+from offloadpool.api.constants import AGENT_HTTP_PORT, HOST_ROOT, KUBELET_DIR, MIN_HEARTBEATS_PER_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,16 @@ class OperatorConfig:
     """The agent pods' priorityClassName (``--agent-priority-class``); None: none."""
     host_root: str = HOST_ROOT
     """The host root the agents' hostPath mounts (the API's ``HOST_ROOT``; no flag)."""
+    kubelet_dir: str = KUBELET_DIR
+    """The kubelet's directory on the nodes, its ``--root-dir`` (``--kubelet-dir``; the chart
+    passes ``csi.kubeletDir``): the guard webhook refuses every hostPath reaching it (the root,
+    anything under it: ``pods/``, ``plugins/`` with the CSI plugin's socket, ``plugins_registry/``,
+    ``pod-resources/``, and every directory that contains it), as it does the host root's."""
     http_port: int = AGENT_HTTP_PORT
     """The agents' HTTP port (the API's ``AGENT_HTTP_PORT``; no flag)."""
+    agent_http_address: str = AgentConfig.http_address
+    """The address the agents' HTTP port binds, passed to them in their DaemonSet
+    (``--agent-http-address``; the agent's own default: every address of its pod)."""
     heartbeat_timeout_seconds: float = 60.0
     """An agent whose last heartbeat is older than this is treated as unresponsive: its node
     stops counting as Ready (``--heartbeat-timeout``; 0 disables the check). It must span
@@ -86,7 +94,8 @@ class OperatorConfig:
     resourceVersion: a connection that died silently cannot leave the operator blind for longer
     (no flag)."""
     liveness: str = "http://0.0.0.0:8080/healthz"
-    """kopf's liveness endpoint (``--liveness``; empty: none). The chart's livenessPort sets it."""
+    """The liveness endpoint, kopf's answer served within ``endpoints.HttpBounds`` (``--liveness``;
+    empty: none). The chart's livenessPort sets it."""
 
     def problem(self) -> str | None:
         """What makes these settings unusable, in words (None: nothing): said before the

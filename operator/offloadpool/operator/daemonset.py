@@ -15,7 +15,7 @@ Choices, and why:
 - **Privileges.** ``privileged: true``: mount(2) needs CAP_SYS_ADMIN, and the API server only
   accepts Bidirectional propagation on privileged containers, so privileged is the least that
   works. ``hostPID: true``: the agent must see every process on the node that maps or opens
-  the pool's files or holds its lease (``offloadpool.region.holders``), and the other pods'
+  the pool's files or holds its lease (``offloadpool.region.holding.holders``), and the other pods'
   processes are visible only in the host's pid namespace; without it stock vLLM in a pod would
   be invisible and a release could free memory it still uses. No hostNetwork or hostIPC, one
   hostPath, read-only root file system.
@@ -98,7 +98,7 @@ def resources(spec: Mapping[str, Any], config: OperatorConfig) -> dict[str, dict
     return {"requests": {**memory, "cpu": config.agent_cpu_request}, "limits": dict(memory)}
 
 
-def _env(pool: str, config: OperatorConfig) -> list[dict[str, Any]]:
+def _env(pool: str, spec: Mapping[str, Any], config: OperatorConfig) -> list[dict[str, Any]]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
 
@@ -108,7 +108,15 @@ def _env(pool: str, config: OperatorConfig) -> list[dict[str, Any]]:
         {"name": agent_env.POOL_NAME_ENV, "value": pool},
         {"name": agent_env.ROOT_ENV, "value": config.host_root},
         {"name": agent_env.HTTP_PORT_ENV, "value": str(config.http_port)},
+        {"name": agent_env.HTTP_ADDRESS_ENV, "value": config.agent_http_address},
         {"name": agent_env.HEARTBEAT_ENV, "value": f"{config.agent_heartbeat_seconds:.15g}"},  # 10.0: "10"
+        # what ``resources`` were made for: the agent never applies another capacity under them
+        {
+            "name": agent_env.SIZED_FOR_ENV,
+            "value": agent_env.sized_for(
+                spec.get("medium", DEFAULT_MEDIUM), parse_quantity(spec["capacity"])
+            ),
+        },
     ]
 
 
@@ -137,7 +145,7 @@ def render(pool_body: Mapping[str, Any], config: OperatorConfig) -> dict[str, An
         "imagePullPolicy": config.agent_image_pull_policy,
         "command": ["offloadpool-agent"],
         "args": ["--pool", pool],
-        "env": _env(pool, config),
+        "env": _env(pool, spec, config),
         "ports": [{"name": "http", "containerPort": config.http_port, "protocol": "TCP"}],
         "resources": resources(spec, config),
         "volumeMounts": [

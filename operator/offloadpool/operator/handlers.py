@@ -15,7 +15,8 @@
   wakes the daemons through ``Runtime``; a daemon's first pass waits for both to be listed,
   so a restarted operator never mistakes "not listed yet" for "gone";
 - the deletion handler holds the pool (finalizer) and runs deletion passes until every node
-  still present reports Released, waiting between them in the handler (a wait is no error).
+  still present reports Released (or never ran an agent of the pool: ``reconcile``), waiting
+  between them in the handler (a wait is no error).
 
 kopf stops a pool's daemon when the pool is marked for deletion, before the deletion handler.
 """
@@ -30,6 +31,7 @@ import kopf
 
 from offloadpool.api.constants import GROUP, POOL_PLURAL, VERSION
 
+from . import endpoints
 from . import settings as operator_settings
 from .runtime import Runtime
 
@@ -62,6 +64,8 @@ async def _sleep(wake: asyncio.Event | None, stopped: kopf.DaemonStopped, timeou
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     runtime = _runtime(memo)
+    if runtime.config.liveness:  # kopf's own would not be bounded (endpoints)
+        memo["liveness"] = await endpoints.liveness(runtime.config.liveness, endpoints.HttpBounds())
     operator_settings.configure(settings, runtime.config)
     runtime.connect(asyncio.get_running_loop())
     logger.info("offloadpool operator: agent DaemonSets in namespace %s", runtime.config.namespace)
@@ -70,6 +74,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     _runtime(memo).stop()
+    if memo.get("liveness") is not None:
+        await memo["liveness"].cleanup()
 
 
 @kopf.on.event(GROUP, VERSION, POOL_PLURAL)

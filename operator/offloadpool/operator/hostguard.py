@@ -1,12 +1,16 @@
 """What any pod may hold of the node's pools, whatever its labels: hostPath volumes that reach
-the host root, and ``offloadpool.io/*`` extended resources.
+the host root or the kubelet's tree, and ``offloadpool.io/*`` extended resources.
 
-A pod spec reaches a pool's memory two ways: a hostPath volume whose path reaches the host root
-(``/var/lib/offloadpool``: the root itself, anything under it, anything that contains it such as
-``/``, ``/var`` or ``/var/lib``, and ``/proc``, through which every process's root directory is
-visible), and a pool's extended resource, which takes the node's one slot of the pool. The
-mutating webhook gives a pod labelled ``offloadpool.io/pool: <pool>`` exactly the pool's volumes
-and its resource; everything else is refused here, labelled or not. Paths are compared after
+A pod spec reaches a pool's memory three ways: a hostPath volume whose path reaches a guarded
+tree (``guarded``: the root itself, anything under it, anything that contains it such as ``/``,
+``/var`` or ``/var/lib``), a hostPath under ``/proc``, through which every process's root
+directory is visible, and a pool's extended resource, which takes the node's one slot of the
+pool. The guarded trees are the host root (``/var/lib/offloadpool``: every pool) and the
+kubelet's directory (``/var/lib/kubelet`` or the ``--kubelet-dir`` given: ``pods/`` holds every
+CSI-published pool's memory, ``plugins/offloadpool.io/`` the CSI plugin's socket, through which
+any pool could be published, ``plugins_registry/`` and ``pod-resources/`` the kubelet's own
+sockets). The mutating webhook gives a pod labelled ``offloadpool.io/pool: <pool>`` exactly the
+pool's volumes and its resource; everything else is refused here, labelled or not. Paths are compared after
 normalisation (``//``, ``/./``, ``..``, a trailing ``/``); a relative path cannot be reasoned
 about and is refused when it could reach anything. A symlink on the node (a hostPath through a
 link into the root) is beyond what admission can see: keep hostPath volumes in consumer
@@ -19,6 +23,7 @@ Pure functions of the pod as the API server sends it; the validating webhook's h
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from offloadpool.api.constants import GROUP, extended_resource_name
@@ -31,6 +36,28 @@ PROC = "/proc"
 #: The pod's containers of every kind (ephemeral ones cannot be created with the pod, nor carry
 #: resources, but are checked all the same).
 CONTAINER_KINDS = ("containers", "initContainers", "ephemeralContainers")
+
+
+@dataclass(frozen=True)
+class Guarded:
+    """A host tree no pod's hostPath may reach, and why (said in the refusal)."""
+
+    path: str
+    why: str
+
+
+def guarded(host_root: str, kubelet_dir: str) -> tuple[Guarded, ...]:
+    """The trees the guard keeps pods out of: the host root first (a labelled pod's own pool
+    volume is the one exception), then the kubelet's directory."""
+    return (
+        Guarded(host_root, "where the offloadpool agents keep every pool's memory"),
+        Guarded(
+            kubelet_dir,
+            "the kubelet's directory: every pod's volumes (CSI-published pools among them), the "
+            "plugins' sockets (offloadpool.io's CSI socket among them), their registry and the "
+            "pod-resources socket",
+        ),
+    )
 
 
 def normalise(path: str) -> str | None:
@@ -87,29 +114,36 @@ def pool_resources(pod: Mapping[str, Any]) -> set[str]:
 
 
 def refusals(
-    pod: Mapping[str, Any], root: str, pool: str | None, pool_volumes: Sequence[Mapping[str, Any]] = ()
+    pod: Mapping[str, Any],
+    trees: Sequence[Guarded],
+    pool: str | None,
+    pool_volumes: Sequence[Mapping[str, Any]] = (),
 ) -> list[str]:
-    """Why the pod may not hold what it holds of the host root; empty when it may.
+    """Why the pod may not hold what it holds of the guarded trees; empty when it may.
 
-    ``pool``: the pool the pod's label names and that it may use (None: no label, or a pool it
-    may not have); ``pool_volumes``: that pool's volumes exactly as the mutation writes them, the
-    only hostPath volumes reaching ``root`` the pod may carry."""
+    ``trees``: ``guarded(...)``; ``pool``: the pool the pod's label names and that it may use
+    (None: no label, or a pool it may not have); ``pool_volumes``: that pool's volumes exactly as
+    the mutation writes them, the only hostPath volumes reaching a guarded tree the pod may
+    carry."""
     why = []
     for volume in host_volumes(pod):
         path = str((volume.get("hostPath") or {}).get("path", ""))
-        if not reaches(path, root) or any(volume == wanted for wanted in pool_volumes):
+        if any(volume == wanted for wanted in pool_volumes):
+            continue
+        tree = next((t for t in trees if reaches(path, t.path)), None)
+        if tree is None:
             continue
         if pool is None:
             why.append(
-                f"volume {volume.get('name')!r}: hostPath {path!r} reaches {root}, where the "
-                f"offloadpool agents keep every pool's memory; a pod gets a pool's directory only "
-                f"from the webhook, by the label {POD_POOL_LABEL}: <pool>"
+                f"volume {volume.get('name')!r}: hostPath {path!r} reaches {tree.path}, {tree.why}; "
+                f"a pod gets a pool's directory only from the webhook, by the label "
+                f"{POD_POOL_LABEL}: <pool>"
             )
         else:
             why.append(
-                f"volume {volume.get('name')!r}: hostPath {path!r} reaches {root}; a pod labelled "
-                f"{POD_POOL_LABEL}: {pool} may hold only its pool's volumes, exactly as the webhook "
-                f"writes them"
+                f"volume {volume.get('name')!r}: hostPath {path!r} reaches {tree.path}, {tree.why}; "
+                f"a pod labelled {POD_POOL_LABEL}: {pool} may hold only its pool's volumes, exactly "
+                f"as the webhook writes them"
             )
     allowed = extended_resource_name(pool) if pool is not None else None
     for name in sorted(pool_resources(pod) - {allowed}):

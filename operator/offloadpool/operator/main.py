@@ -75,6 +75,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="priorityClassName of the agent pods",
     )
     p.add_argument(
+        "--agent-http-address",
+        default=defaults.agent_http_address,
+        help="address the agents' /healthz, /readyz, /metrics port binds in their pods",
+    )
+    p.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=float(env("OFFLOADPOOL_HEARTBEAT_TIMEOUT_SECONDS", defaults.heartbeat_timeout_seconds)),
@@ -111,9 +116,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "once (1: in turn)",
     )
     p.add_argument(
+        "--kubelet-dir",
+        default=defaults.kubelet_dir,
+        help="the kubelet's --root-dir on the nodes: hostPaths reaching it are refused (guard webhook)",
+    )
+    p.add_argument(
         "--liveness",
         default=env("OFFLOADPOOL_LIVENESS", defaults.liveness),
-        help="kopf liveness endpoint URL ('' to disable)",
+        help="liveness endpoint URL ('' to disable)",
     )
     webhook.add_arguments(p)
     p.add_argument("--verbose", "-v", action="store_true")
@@ -131,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         agent_cpu_request=args.agent_cpu_request,
         agent_memory_overhead=args.agent_memory_overhead,
         agent_priority_class=args.agent_priority_class,
+        agent_http_address=args.agent_http_address,
         heartbeat_timeout_seconds=args.heartbeat_timeout,
         agent_heartbeat_seconds=args.agent_heartbeat,
         resync_seconds=args.resync,
@@ -138,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         node_object_grace_seconds=args.node_object_grace,
         write_concurrency=args.write_concurrency,
         liveness=args.liveness,
+        kubelet_dir=args.kubelet_dir,
     )
 
 
@@ -193,6 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     kopf.configure(verbose=args.verbose, debug=args.debug)
     quiet_retries()
+    from offloadpool import __version__
+
+    logging.getLogger("offloadpool.operator").info(
+        "offloadpool-operator %s: namespace %s, agent image %s, webhook %s",
+        __version__,
+        config.namespace,
+        config.agent_image,
+        "on" if args.webhook else "off",
+    )
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     if not (args.verbose or args.debug):
         # kopf logs every handler run at INFO ("Handler 'node_event' succeeded"): with 200
@@ -208,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         clusterwide=True,
         standalone=args.standalone,
         peering_name=args.peering,
-        liveness_endpoint=config.liveness or None,
+        liveness_endpoint=None,  # served bounded by the startup handler (endpoints.liveness)
         memo=memo,
     )
     return 0

@@ -7,7 +7,9 @@ redo a pass without harm.
 
 On a Node, while the pool is Ready there, the operator keeps:
 
-- the label ``pool.offloadpool.io/<pool>: ready`` (for nodeSelectors and for humans), and
+- the label ``pool.offloadpool.io/<pool>: ready`` (for nodeSelectors and for humans), with
+  ``node.offloadpool.io/pools: "true"`` while any pool is Ready there (``POOL_NODE_LABEL``: the
+  chart's operator affinity keeps the operator off such nodes), and
 - the extended resource ``offloadpool.io/<pool>`` with capacity and allocatable ``1`` in node
   status: one engine per node per pool, so the scheduler never puts two consumers of the same
   region on one node. Allocatable is written too because no kubelet fills it in for a resource
@@ -26,7 +28,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from offloadpool.api.constants import POOL_LABEL_READY, extended_resource_name, pool_label_key
+from offloadpool.api.constants import (
+    POOL_LABEL_PREFIX,
+    POOL_LABEL_READY,
+    POOL_NODE_LABEL,
+    POOL_NODE_VALUE,
+    extended_resource_name,
+    pool_label_key,
+)
 
 from .pool_node_report import ROLLOUT_ANNOTATION
 from .selection import SelectableNode
@@ -44,12 +53,20 @@ def advance_patch(generation: int, serving: bool) -> dict[str, Any]:
 
 
 def label_patch(pool: str, node: SelectableNode, ready: bool) -> dict[str, Any] | None:
-    """The metadata patch that makes the node's pool label match ``ready``; None if it does."""
+    """The metadata patch that makes the node's pool label match ``ready``, and its
+    ``POOL_NODE_LABEL`` say some pool is Ready there; None if they do. The fixed label goes with
+    the last pool label this removes (a pass that races another pool's only ever leaves it)."""
     key = pool_label_key(pool)
+    labels: dict[str, str | None] = {}
     has = node.labels.get(key) == POOL_LABEL_READY
-    if ready == has and (ready or key not in node.labels):
-        return None
-    return {"metadata": {"labels": {key: POOL_LABEL_READY if ready else None}}}
+    if ready != has or (not ready and key in node.labels):
+        labels[key] = POOL_LABEL_READY if ready else None
+    if ready and node.labels.get(POOL_NODE_LABEL) != POOL_NODE_VALUE:
+        labels[POOL_NODE_LABEL] = POOL_NODE_VALUE
+    others = [k for k in node.labels if k.startswith(POOL_LABEL_PREFIX) and k != key]
+    if not ready and key in labels and POOL_NODE_LABEL in node.labels and not others:
+        labels[POOL_NODE_LABEL] = None
+    return {"metadata": {"labels": labels}} if labels else None
 
 
 def resource_patch(pool: str, node: SelectableNode, ready: bool, count: int = 1) -> dict[str, Any] | None:

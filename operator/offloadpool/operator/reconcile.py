@@ -323,6 +323,7 @@ class Reconciler:
                 self._replace_outdated_agents(pool, generation, ds_generation, selected, views, result)
 
         unschedulable = self._look_at_agent_pods(pool, selected, views, now, result)
+        never_ran = self._agents_never_ran(name, views, existing) if deleting else frozenset()
         agg = aggregate(
             generation=generation,
             selected=selected,
@@ -333,6 +334,7 @@ class Reconciler:
             deleting=deleting,
             existing_nodes=existing.keys(),
             unschedulable=unschedulable,
+            never_ran=never_ran,
         )
         result.unreleased = agg.unreleased_nodes
         shares = spec.get("partitions")
@@ -531,6 +533,33 @@ class Reconciler:
                         "needs the DaemonSet's current requests and limits",
                     ),
                 )
+
+    def _agents_never_ran(
+        self, pool: str, views: dict[str, PoolNodeReport], existing: Mapping[str, SelectableNode]
+    ) -> frozenset[str]:
+        """Nodes a deletion need not wait for, because no agent of the pool ever ran there, so
+        nothing of the pool can be there to release: its OffloadPoolNode never got a status, its
+        heartbeat Lease was never renewed, and every agent pod for the node is unplaced or has
+        never started a container (``agentpods.never_ran``).
+
+        Looked at only while a deletion waits for a node without a status, and then from lists
+        made now (the pool's agent pods, its heartbeat Leases; ``views`` takes the new
+        heartbeats), never the ones a pass keeps: what lets a finalizer go must be current. An
+        agent that starts after this still finds the pool being deleted, and only releases.
+        """
+        silent = [n for n, v in views.items() if n in existing and v.phase is None and v.heartbeat is None]
+        if not silent:
+            return frozenset()
+        pods = self.kube.list_agent_pods(self.config.namespace, daemonset.selector_labels(pool))
+        memory = self._memory[pool]
+        memory.heartbeats_listed_at = time.monotonic()
+        memory.heartbeats = self.kube.list_agent_heartbeats(self.config.namespace, pool)
+        memory.renewed = {}
+        views.update(self._renewed(pool, self.node_objects.group(pool), memory))
+        never = agentpods.never_ran(pods)
+        return frozenset(
+            n for n in silent if n in never and views[n].phase is None and views[n].heartbeat is None
+        )
 
     def _look_at_agent_pods(
         self,

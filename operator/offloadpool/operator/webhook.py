@@ -2,8 +2,10 @@
 configurations pointed at it. The handlers are in ``admission_handlers``; the policy (what a pod
 gets, when it is refused) in ``admission``.
 
-kopf serves the webhooks (``kopf.WebhookServer``: HTTPS with aiohttp, one path per handler id)
-and re-reads its certificate files every minute, restarting with renewed ones. This module adds
+kopf's ``kopf.WebhookServer`` is the server (HTTPS with aiohttp, one path per handler id, its
+certificate files re-read every minute and the server restarted with renewed ones), but started
+here within ``endpoints.HttpBounds`` (idle timeout, connection cap, body cap), which kopf's own
+loop does not pass to aiohttp. This module adds
 what kopf's own management of webhook configurations cannot do (see ``webhookconfig``): before
 the server first starts, after each of its restarts, and every ``resync`` seconds, the two
 configurations are patched to this server's client config and CA bundle when they differ; made
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import hashlib
 import logging
 import shutil
 import tempfile
@@ -29,11 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import kopf
 
 from offloadpool.api.pods import WEBHOOK_CONFIGURATION_NAME
 
-from . import certs
+from . import certs, endpoints
 from .admission import InjectionSettings
 from .config import OperatorConfig
 from .webhookconfig import Configurator, Endpoint, excluded_namespaces
@@ -126,6 +130,7 @@ def options_from_args(args: argparse.Namespace) -> WebhookOptions:
     injection = InjectionSettings(
         sidecar_image=args.sidecar_image or args.agent_image,
         sidecar_image_pull_policy=args.agent_image_pull_policy,
+        kubelet_dir=args.kubelet_dir,
         excluded_namespaces=tuple(excluded_namespaces(args.namespace, args.webhook_exclude_namespace)),
     )
     return WebhookOptions(
@@ -153,15 +158,59 @@ class ConfiguringWebhookServer(kopf.WebhookServer):
         self.options = options
         self.configurator = configurator
         self.files = files
+        self.bounds = endpoints.HttpBounds()
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         keeper = asyncio.create_task(self._keep())
         try:
-            async for client_config in super().__call__(fn):
+            async for client_config in self._serve_bounded(fn):
                 await self._configure()
                 yield client_config
         finally:
             keeper.cancel()
+
+    async def _serve_bounded(self, fn: Any) -> AsyncIterator[Any]:
+        """kopf's ``WebhookServer.__call__`` (same routes, SSL context and client config, a
+        restart when the certificate files change), served within ``self.bounds``."""
+
+        async def serve_fn(request: aiohttp.web.Request) -> aiohttp.web.Response:
+            return await self._serve(fn, request)
+
+        while True:
+            cadata, context = self._build_ssl()
+            path = self.path.rstrip("/") if self.path else ""
+            app = endpoints.application(self.bounds)
+            app.add_routes([aiohttp.web.post(f"{path}/{{id:.*}}", serve_fn)])
+            addr = self.addr or None  # None: every address
+            port = self.port or self._allocate_free_port()
+            runner = await endpoints.serve(app, addr, port, self.bounds, ssl_context=context, reuse_port=True)
+            try:
+                host = self.host or self.DEFAULT_HOST or self._get_accessible_addr(self.addr)
+                url = self._build_url("http" if context is None else "https", host, port, self.path or "")
+                client_config = kopf.WebhookClientConfig(url=url)
+                if cadata is not None:
+                    client_config["caBundle"] = base64.b64encode(cadata).decode("ascii")
+                yield client_config
+                await self._files_changed()
+                log.debug("webhook server: restarting with the renewed certificate files")
+            finally:
+                await runner.cleanup()
+
+    async def _files_changed(self) -> None:
+        """Return once the certificate files differ from what they were at the call (kopf's
+        check: a digest of their bytes every ``file_check_interval`` seconds, as mounted
+        Secrets change without a file system event)."""
+
+        def digest() -> str:
+            h = hashlib.sha256()
+            for path in (self.certfile, self.pkeyfile, self.cafile):
+                if path is not None:
+                    h.update(Path(path).read_bytes())
+            return h.hexdigest()
+
+        first = await asyncio.to_thread(digest)
+        while await asyncio.to_thread(digest) == first:
+            await asyncio.sleep(self.file_check_interval)
 
     async def _configure(self) -> None:
         await asyncio.to_thread(publish, self.configurator, self.files, self.options.configuration)
@@ -237,6 +286,7 @@ class WebhookRuntime:
             self.options.endpoint(),
             self.options.injection.excluded_namespaces,
             self.options.configuration,
+            kubelet_dir=self.options.injection.kubelet_dir,
         )
         published = read_published(configurator)
         files = certs.ensure(self.cert_dir(), self.options.hostnames(), published=published)

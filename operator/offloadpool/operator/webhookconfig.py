@@ -6,8 +6,8 @@ Three webhooks: ``pods.mutate`` (mutating) and ``pods.validate`` see pods labell
 keys by name is what it writes. ``pods.guard`` (validating) sees every other pod that could take
 something of a pool: those holding a hostPath volume or an ``offloadpool.io/*`` resource,
 labelled or not, chosen on the API server's side by ``matchConditions`` (CEL on the request), so
-ordinary pods never reach the operator; it refuses hostPaths that reach the host root and pool
-resources without the pool's label (``hostguard``).
+ordinary pods never reach the operator; it refuses hostPaths that reach the host root, the
+kubelet's directory or ``/proc``, and pool resources without the pool's label (``hostguard``).
 
 Why the operator and not kopf manages them: kopf's managed configurations have no
 ``namespaceSelector``, no ``matchConditions`` and only label filters it can express, and it
@@ -51,7 +51,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from offloadpool.api.constants import GROUP, HOST_ROOT
+from offloadpool.api.constants import GROUP, HOST_ROOT, KUBELET_DIR
 from offloadpool.api.pods import (
     ADMISSION_DISABLED,
     ADMISSION_NAMESPACE_LABEL,
@@ -65,6 +65,7 @@ from offloadpool.api.pods import (
     VALIDATING_WEBHOOK_NAME,
     WEBHOOK_CONFIGURATION_NAME,
 )
+from offloadpool.operator.hostguard import PROC
 
 from .certs import bundle_certificates
 
@@ -130,31 +131,45 @@ def _holds_pool_resource(resources: str) -> str:
     )
 
 
-def _may_reach_root(path: str) -> str:
-    """CEL: the hostPath ``path`` (a field path) could reach the host root: any path that is not
-    plain (relative, or with ``//``, ``.`` or ``..`` components: the guard normalises it), under
-    ``/proc``, the root itself or below it, or one of its ancestors. A plain path elsewhere
-    (a log collector's ``/var/log``) never reaches it, so such pods stay off the webhook and do
-    not wait for the operator."""
-    root = HOST_ROOT.rstrip("/")
-    parts = root.split("/")[1:]
-    ancestors = ["/"] + ["/" + "/".join(parts[:i]) + tail for i in range(1, len(parts)) for tail in ("", "/")]
-    listed = ", ".join(f"'{a}'" for a in ancestors)
+def _cel_string(text: str) -> str:
+    """``text`` as a CEL string literal (a path the installer gives: no quote, no backslash)."""
+    if "'" in text or "\\" in text or "\n" in text:
+        raise ValueError(f"{text!r} cannot be a guarded path (a quote, a backslash or a newline)")
+    return f"'{text}'"
+
+
+def guarded_paths(kubelet_dir: str = KUBELET_DIR) -> list[str]:
+    """The trees the guard's condition sends to the webhook, without a trailing slash: ``/proc``,
+    the host root, the kubelet's directory (``hostguard`` decides on each exactly)."""
+    return [PROC, HOST_ROOT.rstrip("/"), kubelet_dir.rstrip("/") or "/"]
+
+
+def _may_reach(path: str, kubelet_dir: str = KUBELET_DIR) -> str:
+    """CEL: the hostPath ``path`` (a field path) could reach a guarded tree: any path that is not
+    plain (relative, or with ``//``, ``.`` or ``..`` components: the guard normalises it), or a
+    plain one that is a guarded tree, lies under it or is one of its ancestors. With ``q`` the
+    path with one trailing slash, that is ``'<tree>/'.startsWith(q) || q.startsWith('<tree>/')``:
+    ``/``, ``/var/``, ``/var/lib/kubelet``, ``/var/lib/kubelet/pods/x`` all are; ``/var/log``
+    and ``/var/lib/kubeletX`` are not. A plain path elsewhere (a log collector's ``/var/log``)
+    never reaches one, so such pods stay off the webhook and do not wait for the operator."""
+    q = f"({path}.endsWith('/') ? {path} : {path} + '/')"
+    trees = " || ".join(
+        f"{_cel_string(tree)}.startsWith({q}) || {q}.startsWith({_cel_string(tree)})"
+        for tree in (t.rstrip("/") + "/" for t in guarded_paths(kubelet_dir))
+    )
     return (
         f"(!{path}.startsWith('/') || {path}.contains('//') || {path}.contains('/./') "
-        f"|| {path}.contains('/..') || {path}.endsWith('/.') "
-        f"|| {path} == '/proc' || {path}.startsWith('/proc/') "
-        f"|| {path} == '{root}' || {path}.startsWith('{root}/') || {path} in [{listed}])"
+        f"|| {path}.contains('/..') || {path}.endsWith('/.') || {trees})"
     )
 
 
-def guard_expression() -> str:
-    """CEL on the request: the pod holds a hostPath volume that could reach the host root
-    (``_may_reach_root``; the guard then decides exactly) or an ``offloadpool.io/*`` resource
-    (any container kind, or the pod-level resources). Everything else stays off the webhook."""
+def guard_expression(kubelet_dir: str = KUBELET_DIR) -> str:
+    """CEL on the request: the pod holds a hostPath volume that could reach a guarded tree
+    (``_may_reach``; the guard then decides exactly) or an ``offloadpool.io/*`` resource (any
+    container kind, or the pod-level resources). Everything else stays off the webhook."""
     lines = [
         "(has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.hostPath) && "
-        f"{_may_reach_root('v.hostPath.path')}))"
+        f"{_may_reach('v.hostPath.path', kubelet_dir)}))"
     ]
     lines.append(f"|| (has(object.spec.resources) && ({_holds_pool_resource('object.spec.resources')}))")
     for kind in ("containers", "initContainers", "ephemeralContainers"):
@@ -165,8 +180,8 @@ def guard_expression() -> str:
     return "\n".join(lines)
 
 
-def match_conditions() -> list[dict[str, str]]:
-    return [{"name": "holds-host-path-or-pool-resource", "expression": guard_expression()}]
+def match_conditions(kubelet_dir: str = KUBELET_DIR) -> list[dict[str, str]]:
+    return [{"name": "holds-host-path-or-pool-resource", "expression": guard_expression(kubelet_dir)}]
 
 
 def excluded_namespaces(operator_namespace: str, extra: Sequence[str] = ()) -> list[str]:
@@ -176,7 +191,13 @@ def excluded_namespaces(operator_namespace: str, extra: Sequence[str] = ()) -> l
 
 
 def webhook(
-    name: str, path: str, endpoint: Endpoint, ca_bundle: str | None, excluded: Sequence[str], mutating: bool
+    name: str,
+    path: str,
+    endpoint: Endpoint,
+    ca_bundle: str | None,
+    excluded: Sequence[str],
+    mutating: bool,
+    kubelet_dir: str = KUBELET_DIR,
 ) -> dict[str, Any]:
     """One webhook entry, with every field the API server would otherwise default spelled out
     (so comparing with what is stored tells real differences only)."""
@@ -202,7 +223,7 @@ def webhook(
         "timeoutSeconds": TIMEOUT_SECONDS,
     }
     if guard:
-        entry["matchConditions"] = match_conditions()
+        entry["matchConditions"] = match_conditions(kubelet_dir)
     if mutating:
         # A later webhook that adds a container (a service mesh proxy) makes the API server call
         # this one again, so the new container gets the mount and env too; mutation is idempotent.
@@ -211,10 +232,15 @@ def webhook(
 
 
 def render(
-    endpoint: Endpoint, ca_bundle: str | None, excluded: Sequence[str], name: str = WEBHOOK_CONFIGURATION_NAME
+    endpoint: Endpoint,
+    ca_bundle: str | None,
+    excluded: Sequence[str],
+    name: str = WEBHOOK_CONFIGURATION_NAME,
+    kubelet_dir: str = KUBELET_DIR,
 ) -> list[dict[str, Any]]:
     """Both configurations, complete (what ``deploy/webhook.yaml`` holds, plus the caBundle);
-    ``excluded``: the namespaces never sent to any webhook (``excluded_namespaces``)."""
+    ``excluded``: the namespaces never sent to any webhook (``excluded_namespaces``);
+    ``kubelet_dir``: the kubelet's directory on the nodes (``OperatorConfig.kubelet_dir``)."""
     out = []
     for kind, hooks in (
         (MUTATING_KIND, [(MUTATING_WEBHOOK_NAME, MUTATE_PATH)]),
@@ -233,7 +259,8 @@ def render(
                     },
                 },
                 "webhooks": [
-                    webhook(hook, path, endpoint, ca_bundle, excluded, mutating) for hook, path in hooks
+                    webhook(hook, path, endpoint, ca_bundle, excluded, mutating, kubelet_dir)
+                    for hook, path in hooks
                 ],
             }
         )
@@ -260,6 +287,7 @@ class Configurator:
         endpoint: Endpoint,
         excluded: Sequence[str],
         name: str = WEBHOOK_CONFIGURATION_NAME,
+        kubelet_dir: str = KUBELET_DIR,
     ) -> None:
         from kubernetes.client import AdmissionregistrationV1Api
 
@@ -267,6 +295,7 @@ class Configurator:
         self.endpoint = endpoint
         self.excluded = list(excluded)
         self.name = name
+        self.kubelet_dir = kubelet_dir
 
     def _read(self, kind: str) -> dict[str, Any]:
         read = (
@@ -295,7 +324,7 @@ class Configurator:
         """Patch whichever configuration differs; returns the kinds patched. Raises the API's
         error (404: the installer did not create it; 403: RBAC) for the caller to log."""
         patched = []
-        for desired in render(self.endpoint, ca_bundle, self.excluded, self.name):
+        for desired in render(self.endpoint, ca_bundle, self.excluded, self.name, self.kubelet_dir):
             kind = desired["kind"]
             patch = (
                 self.api.patch_mutating_webhook_configuration
