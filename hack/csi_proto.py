@@ -1,18 +1,20 @@
-"""Regenerate the CSI node plugin's stubs (``agent/offloadpool/csi/proto``) from the pinned protos.
+"""Regenerate the node plugins' gRPC stubs (``agent/offloadpool/{csi,dra}/proto``) from the pinned protos.
 
 Why: the CSI node plugin speaks the CSI spec's gRPC protocol and the kubelet's plugin
-registration; their Python stubs are committed (the plugin's image then needs only ``grpcio``
+registration, the DRA plugin the kubelet's ``dra.v1`` and the same registration; their Python
+stubs are committed (the plugin's image then needs only ``grpcio``
 and ``protobuf``, no protoc), so where they came from must be repeatable. For each pinned proto
-(``offloadpool.csi.proto.PINNED``) this fetches the file from its Go module (``go mod
+(``PINNED``: ``offloadpool.csi.proto.PINNED`` and ``offloadpool.dra.proto.PINNED``) this
+fetches the file from its Go module (``go mod
 download``, the Go module proxy: how every other pinned source of the project arrives), refuses
 one whose sha256 is not the pinned one, and compiles it with grpcio-tools' protoc::
 
     .venv/bin/pip install grpcio-tools   # in the `test` extra
-    python3 -m hack.csi_proto            # writes csi.proto, pluginregistration.proto, their stubs
+    python3 -m hack.csi_proto            # writes csi.proto, pluginregistration.proto, dra.proto, their stubs
 
 To move to another release, change the pin's ``version`` and ``sha256`` in
-``offloadpool/csi/proto/__init__.py`` (and ``GENERATED_BY`` if protoc changed), run this, and
-run ``tests/test_csi_proto.py``.
+``offloadpool/csi/proto/__init__.py`` or ``offloadpool/dra/proto/__init__.py`` (and
+``GENERATED_BY`` if protoc changed), run this, and run ``tests/test_csi_proto.py``.
 """
 
 from __future__ import annotations
@@ -28,10 +30,17 @@ from pathlib import Path
 
 from hack.controlplane_build import BuildError, go_env
 from offloadpool.csi import proto as pin
+from offloadpool.dra import proto as dra_pin
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_ROOT = REPO / "agent"
-PROTO_DIR = OUT_ROOT / "offloadpool" / "csi" / "proto"
+#: every pinned proto of the project, each committed at its ``path`` under ``OUT_ROOT``
+PINNED: tuple[pin.PinnedProto, ...] = (*pin.PINNED, *dra_pin.PINNED)
+
+
+def proto_dir(pinned: pin.PinnedProto) -> Path:
+    """The folder the proto and its stubs are committed in (``agent/offloadpool/csi/proto``)."""
+    return OUT_ROOT / Path(pinned.path).parent
 
 
 def fetch_proto(proto: pin.PinnedProto) -> bytes:
@@ -59,7 +68,7 @@ def compile_proto(
     pinned: pin.PinnedProto, proto: bytes, out_dir: Path, *, descriptor_set: Path | None = None
 ) -> None:
     """protoc (grpcio-tools) over ``proto`` laid out at ``pinned.path``: the stubs go under
-    ``out_dir`` (``out_dir/offloadpool/csi/proto/``), or only a descriptor set when asked."""
+    ``out_dir`` (``out_dir/<pinned.path's folder>/``), or only a descriptor set when asked."""
     from grpc_tools import protoc  # the `test` extra: only this script and its test need it
 
     includes = Path(protoc.__file__).parent / "_proto"  # google/protobuf/*.proto
@@ -83,8 +92,8 @@ def generate(pinned: pin.PinnedProto) -> None:
         compile_proto(pinned, proto, Path(out))
         made = Path(out) / Path(pinned.path).parent
         for name in pinned.generated:
-            shutil.copyfile(made / name, PROTO_DIR / name)
-    (PROTO_DIR / pinned.name).write_bytes(proto)
+            shutil.copyfile(made / name, proto_dir(pinned) / name)
+    (proto_dir(pinned) / pinned.name).write_bytes(proto)
     print(
         f"wrote {pinned.name} ({pinned.module}@{pinned.version}, sha256 {pinned.sha256})"
         f" and {', '.join(pinned.generated)}"
@@ -94,7 +103,7 @@ def generate(pinned: pin.PinnedProto) -> None:
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="python3 -m hack.csi_proto", description=__doc__).parse_args(argv)
     try:
-        for pinned in pin.PINNED:
+        for pinned in PINNED:
             generate(pinned)
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)

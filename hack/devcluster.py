@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hack import controlplane_build, node_build
 from hack.controlplane import ControlPlane, ControlPlaneError
+from hack.node_build import GUIDE_BUSYBOX_IMAGE
 from hack.node_run import HostChanges, NodeError, NodeRunner, describe_pid, host_lock, lock_holder
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,17 +70,39 @@ class Cluster:
     server: str
     node: str
     image: str
+    #: the kubelet's ``--root-dir`` (the CSI plugin's ``csi.kubeletDir``); "" in a
+    #: ``cluster.json`` written before it was recorded
+    kubelet_dir: str = ""
 
     def shell_lines(self) -> list[str]:
+        """What to run, as the guide's own commands need it on this cluster; comments say
+        what differs from a real one (``eval``-safe: a comment line runs nothing)."""
         repository, tag = self.image.rsplit(":", 1)
+        csi = f" --set csi.kubeletDir={self.kubelet_dir}" if self.kubelet_dir else ""
         return [
             f"export KUBECONFIG={self.kubeconfig}",
             f"export PATH={self.bin_dir}:$PATH",
             f"kubectl create namespace {NAMESPACE}",
             f"kubectl label namespace {NAMESPACE} pod-security.kubernetes.io/enforce=privileged",
             f"helm install {RELEASE} {CHART} -n {NAMESPACE} --set image.repository={repository} "
-            f"--set image.tag={tag} --set image.pullPolicy=Never",
+            # one node, where the pools are too: allow the operator there (the chart keeps it
+            # off pool nodes by default)
+            f"--set image.tag={tag} --set image.pullPolicy=Never "
+            f"""--set-json 'operator.affinity={{"nodeAffinity":{{}}}}'{csi}""",
+            *(
+                ["# csi.kubeletDir: this node's kubelet root (add --set csi.enabled=true for CSI delivery)"]
+                if csi
+                else []
+            ),
+            f"# images: no registry; {GUIDE_BUSYBOX_IMAGE} (the guide's busybox:{_tag(GUIDE_BUSYBOX_IMAGE)}) "
+            "is in the node's containerd",
+            "# DNS: no cluster DNS (no CoreDNS here): pods resolve with the host's resolv.conf; "
+            "the MissingClusterDNS warning each pod gets says so",
         ]
+
+
+def _tag(ref: str) -> str:
+    return ref.rsplit(":", 1)[1]
 
 
 class StateDir:
@@ -272,6 +295,7 @@ def supervise(root: Path, archive: Path, image: str) -> int:
         node = runner.start(record=state.changes_file)
         _say("node up: " + ", ".join(f"{k} {v:.1f}s" for k, v in node.timings.items()))
         node.import_image(archive, image)
+        node.tag_image(node.images["busybox"], GUIDE_BUSYBOX_IMAGE)  # docs/user-guide.md's pods
         cluster = Cluster(
             supervisor_pid=os.getpid(),
             kubeconfig=str(plane.kubeconfig),
@@ -279,6 +303,7 @@ def supervise(root: Path, archive: Path, image: str) -> int:
             server=plane.server,
             node=node.name,
             image=image,
+            kubelet_dir=str(node.kubelet_dir),
         )
         tmp = state.cluster_file.with_name(".cluster.json.tmp")
         tmp.write_text(json.dumps(asdict(cluster), indent=1) + "\n")

@@ -18,7 +18,7 @@ What this tool added is recorded (with the boot id: a reboot empties the pools) 
     python3 hack/hugepages.py release     # give the reservation back to the machine
 
 Standard library only (it runs before the virtual environment exists); it uses the engine's own
-``offloadpool.region.hugepages`` from the source tree.
+``offloadpool.region.memory.hugepages`` from the source tree.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
 
-from offloadpool.region import hugepages
-from offloadpool.region.capacity import meminfo
-from offloadpool.region.record import boot_id
+from offloadpool.region.files.record import boot_id
+from offloadpool.region.memory import hugepages
+from offloadpool.region.memory.capacity import meminfo
 
 MiB, GiB = 1 << 20, 1 << 30
 

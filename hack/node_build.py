@@ -51,6 +51,10 @@ CONTAINERD_TAGS = "no_btrfs,no_devmapper,no_zfs"
 #: Names the images are imported under; the containerd config pins PAUSE_IMAGE as sandbox image.
 PAUSE_IMAGE = "offloadpool.local/pause:3.10"
 BUSYBOX_IMAGE = "offloadpool.local/busybox:1.35"
+#: The same busybox under the name docs/user-guide.md's pods use (``--image=busybox:1.35``):
+#: ``python3 -m hack.node up`` tags it so, so the guide's ``kubectl run`` runs as written with
+#: its default pull policy (IfNotPresent for a tag other than ``latest``) and no registry.
+GUIDE_BUSYBOX_IMAGE = "docker.io/library/busybox:1.35"
 
 #: The Debian packages the node needs: runc (with seccomp) and the busybox of the test image.
 APT_PACKAGES = {"runc": "/usr/sbin/runc", "busybox-static": "/bin/busybox"}

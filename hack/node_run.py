@@ -41,6 +41,8 @@ from hack.pki import PkiError
 from hack.process import Process, free_ports
 
 BRIDGE = "opnode0"
+#: the kubelet's ``--root-dir``, under the node's work directory (``Node.kubelet_dir``)
+KUBELET_DIR_NAME = "kubelet"
 POD_SUBNET = "10.244.77.0/24"
 #: Sysctls the kubelet (protectKernelDefaults: false) and the bridge plugin set: restored after.
 SYSCTLS = (
@@ -333,6 +335,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
   restrict_oom_score_adj = true
   netns_mounts_under_state_dir = true
   enable_selinux = false
+  enable_cdi = true
+  cdi_spec_dirs = ["{w}/cdi"]
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
@@ -535,6 +539,18 @@ class Node:
             raise NodeError(f"ctr {' '.join(args)} failed: {proc.stderr}")
         return proc
 
+    @property
+    def kubelet_dir(self) -> Path:
+        """The kubelet's ``--root-dir`` (the CSI plugin's ``csi.kubeletDir``); the kubelet
+        makes it a shared mount itself, as Bidirectional volumes beneath it need."""
+        return self.workdir / KUBELET_DIR_NAME
+
+    def tag_image(self, ref: str, alias: str) -> None:
+        """Give the image ``ref`` of the node's containerd a second name, ``alias``."""
+        self.ctr("images", "tag", "--force", ref, alias)
+        if alias not in self.ctr("images", "ls", "-q").stdout.split():
+            raise NodeError(f"{alias} is not in containerd after tagging {ref} so")
+
     def import_image(self, archive: Path, ref: str) -> None:
         """``ctr images import`` of an OCI archive that names ``ref``; NodeError unless it is
         then in the node's image store (a pod with pullPolicy Never can use it)."""
@@ -642,7 +658,16 @@ class NodeRunner:
                 f"the host name {name!r} resolves to {addr}, not to loopback where the kubelet listens"
             )
         remember()
-        for d in ("containerd", "cni/conf", "cni/ipam", "kubelet", "pod-logs", "scheduler", "host"):
+        for d in (
+            "containerd",
+            "cni/conf",
+            "cni/ipam",
+            KUBELET_DIR_NAME,
+            "pod-logs",
+            "scheduler",
+            "host",
+            "cdi",
+        ):
             (w / d).mkdir(parents=True, exist_ok=True)
         host_root = w / "host"
         for root in (host_root, *self.shared_roots):
@@ -720,8 +745,8 @@ class NodeRunner:
                 str(lay.binary("kubelet")),
                 f"--config={w / 'kubelet-config.json'}",
                 f"--kubeconfig={kc}",
-                f"--root-dir={w / 'kubelet'}",
-                f"--cert-dir={w / 'kubelet' / 'pki'}",
+                f"--root-dir={w / KUBELET_DIR_NAME}",
+                f"--cert-dir={w / KUBELET_DIR_NAME / 'pki'}",
                 f"--hostname-override={name}",
                 "--v=2",
             ],

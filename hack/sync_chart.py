@@ -13,7 +13,10 @@ script writes them instead:
   and the admission webhook's rule only when ``webhook.enabled``;
 - ``deploy/policy-agent.yaml`` (the ValidatingAdmissionPolicy that holds each agent to its own
   node) becomes ``templates/policy-agent.yaml`` the same way, the agent ServiceAccount's user
-  name made the release's, the whole file only when ``agent.nodeRestriction.enabled``.
+  name made the release's, the whole file only when ``agent.nodeRestriction.enabled``;
+- ``deploy/policy-operator.yaml`` (the policy that holds the operator to its own marks on Nodes
+  and its own agent DaemonSets) becomes ``templates/policy-operator.yaml`` likewise, the agents'
+  ServiceAccount it names made the release's, only when ``operator.writeRestriction.enabled``.
 
 The agent's objects (its ServiceAccount, RBAC and policy) carry ``helm.sh/resource-policy: keep``:
 ``helm uninstall`` leaves them, so the agents of pools that outlive the release keep a token that
@@ -68,6 +71,16 @@ class Component:
     service_account: str  # Helm expression for the ServiceAccount's name
     condition: str = ""  # a value the whole file is rendered under, if any
     keep: bool = False  # helm uninstall leaves its objects (helm.sh/resource-policy: keep)
+    #: other exact strings of deploy/ and what the chart writes for them (the agents'
+    #: ServiceAccount named in the operator's policy)
+    replacements: tuple[tuple[str, str], ...] = ()
+
+    def replaced(self, line: str) -> str:
+        """``line`` with the ServiceAccount's user name and every replacement the chart's."""
+        line = line.replace(self.user_name, self.chart_user_name)
+        for plain, chart in self.replacements:
+            line = line.replace(plain, chart)
+        return line
 
     @property
     def user_name(self) -> str:
@@ -105,6 +118,20 @@ COMPONENTS = (
         "{{ .Values.agent.serviceAccountName }}",
         condition=".Values.agent.nodeRestriction.enabled",
         keep=True,
+    ),
+    Component(
+        "offloadpool-operator",
+        DEPLOY / "policy-operator.yaml",
+        TEMPLATES / "policy-operator.yaml",
+        '{{ include "offloadpool.operatorServiceAccount" . }}',
+        condition=".Values.operator.writeRestriction.enabled",
+        replacements=(
+            (
+                "serviceAccountName == 'offloadpool-agent'",
+                "serviceAccountName == '{{ .Values.agent.serviceAccountName }}'",
+            ),
+            ("ServiceAccount offloadpool-agent,", "ServiceAccount {{ .Values.agent.serviceAccountName }},"),
+        ),
     ),
 )
 
@@ -145,7 +172,7 @@ def rbac_template(component: Component, text: str) -> str:
         if block_indent >= 0 and line.strip() and len(line) - len(line.lstrip()) > block_indent:
             out += pending_comments
             pending_comments = []
-            out.append(_checked(line.replace(component.user_name, component.chart_user_name), where))
+            out.append(_checked(component.replaced(line), where))
             continue
         block_indent = -1
         if line == "---":
@@ -205,7 +232,7 @@ def _line(
     """One line of deploy/ as the chart writes it."""
     indent = line[: len(line) - len(line.lstrip())]
     if component.user_name in line:
-        return _checked(line.replace(component.user_name, component.chart_user_name), where)
+        return _checked(component.replaced(line), where)
     if key == "namespace" and section in ("metadata", "subjects"):
         if value != DEPLOY_NAMESPACE:
             raise ShapeError(f"{where}: namespace {value!r}, expected {DEPLOY_NAMESPACE!r}")

@@ -11,10 +11,15 @@
 #      (GOTOOLCHAIN, fetched through the Go module proxy),
 #   3. creates/updates .venv with `pip install -e '.[test]'`,
 #   3a. lints: ruff check, ruff format --check, mypy ([tool.ruff], [tool.mypy] in pyproject.toml)
-#      and hack/sync_chart.py --check (the chart's CRDs and RBAC are crds/'s and deploy/'s), in
-#      seconds, before anything slow; a finding fails the run (after the tests have run too),
+#      hack/sync_chart.py --check (the chart's CRDs and RBAC are crds/'s and deploy/'s) and
+#      hack/release.py check (the version's homes agree), in seconds, before anything slow; a
+#      finding fails the run (after the tests have run too),
 #   3b. installs the pinned vLLM the vllm tests drive into a venv cached outside the clone
 #      (hack/vllm_env.py, docs/vllm.md),
+#   3c. installs the pinned LMCache the lmcache tests drive, layered on that venv
+#      (hack/vllm_env.py --engine lmcache, docs/lmcache.md),
+#   3d. the same for the pinned SGLang the sglang tests drive (hack/vllm_env.py --engine sglang,
+#      docs/sglang.md; it reuses vLLM's torch pins, so pip serves torch from its cache),
 #   4. builds the real control plane (etcd, kube-apiserver, kube-controller-manager, kubectl,
 #      helm) into ${OFFLOADPOOL_CACHE:-/var/cache/offloadpool} — once; later runs reuse it,
 #   4b. builds the real node (kubelet, kube-scheduler, containerd, CNI, runc, images) the same way
@@ -41,7 +46,7 @@ if [ "${1:-}" = "--fast" ]; then
   shift
 fi
 #: the tests the fast lane runs: every marker that needs something it does not have, deselected
-FAST_MARKERS="not controlplane and not e2e and not chaos and not vllm and not gpu and not root and not node"
+FAST_MARKERS="not controlplane and not e2e and not chaos and not vllm and not sglang and not gpu and not root and not node"
 
 export OFFLOADPOOL_CACHE="${OFFLOADPOOL_CACHE:-/var/cache/offloadpool}"
 # The Go used when none (or too old a one) is installed. Kubernetes v1.37.2 needs >= 1.26.0.
@@ -166,6 +171,7 @@ lint() {
   .venv/bin/ruff format --check --output-format concise . || failed+=("ruff format --check (run: .venv/bin/ruff format .)")
   .venv/bin/mypy || failed+=("mypy")
   python3 hack/sync_chart.py --check || failed+=("hack/sync_chart.py --check (run: python3 hack/sync_chart.py)")
+  python3 hack/release.py check || failed+=("hack/release.py check (the version's homes disagree)")
   phase_end
   if [ "${#failed[@]}" -gt 0 ]; then
     printf 'FAIL: lint: %s\n' "${failed[@]}" >&2
@@ -177,6 +183,20 @@ lint() {
 vllm_env() {
   phase_start "pinned vLLM env"
   .venv/bin/python hack/vllm_env.py ensure >/dev/null
+  phase_end
+}
+
+# ---- 3c. the pinned LMCache (same mechanism, a small venv layered on the vLLM one) --------------
+lmcache_env() {
+  phase_start "pinned LMCache env"
+  .venv/bin/python hack/vllm_env.py --engine lmcache ensure >/dev/null
+  phase_end
+}
+
+# ---- 3d. the pinned SGLang (same mechanism, its pin; reuses vLLM's torch, from pip's cache) ----
+sglang_env() {
+  phase_start "pinned SGLang env"
+  .venv/bin/python hack/vllm_env.py --engine sglang ensure >/dev/null
   phase_end
 }
 
@@ -258,6 +278,8 @@ else
   python_env
   lint || lint_rc=$?
   vllm_env
+  lmcache_env
+  sglang_env
   control_plane_build
   node_build
   image_build
