@@ -65,6 +65,8 @@ FIXTURE_MARKERS: dict[str, str] = {
     "region_root": "root",
     "make_pool": "root",
     "vllm_python": "vllm",
+    "lmcache_python": "vllm",
+    "sglang_python": "sglang",
 }
 
 

@@ -35,7 +35,7 @@ class World:
 
         from offloadpool.csi.config import CsiConfig
         from offloadpool.csi.proto import csi_pb2, csi_pb2_grpc, pluginregistration_pb2
-        from offloadpool.region.provision import provision
+        from offloadpool.region.lifecycle.provision import provision
         from offloadpool.region.request import PoolRequest
 
         self.scratch = scratch
@@ -123,7 +123,7 @@ class World:
             target = f[4].encode().decode("unicode_escape")
             if target.startswith((self.kubelet, f"{self.scratch}/elsewhere", f"{self.scratch}/stage/")):
                 mounts.append({"target": target, "options": f[5].split(",")})
-        from offloadpool.region import published
+        from offloadpool.region.holding import published
 
         # a pool's records name no share (a partitioned pool's do: shares())
         records = [
@@ -144,7 +144,45 @@ def identity(w: World) -> dict[str, Any]:
     probe = w.identity.Probe(w.pb.ProbeRequest())
     node = w.node.NodeGetInfo(w.pb.NodeGetInfoRequest())
     ncaps = w.node.NodeGetCapabilities(w.pb.NodeGetCapabilitiesRequest())
+    # root-only: a plugin of an older release left its directory 0755; a restart makes it 0700
+    w.stop()
+    os.chmod(os.path.dirname(w.config.endpoint), 0o755)
+    w.start()
+
+    def mode(path: str) -> str:
+        return oct(os.lstat(path).st_mode & 0o7777)
+
+    def connect_as_nobody(path: str) -> str:
+        """A process that is not root dials the socket (what a pod given it would do)."""
+        import socket
+
+        r, wr = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os.close(r)
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                sock = socket.socket(socket.AF_UNIX)
+                sock.connect(path)
+                os.write(wr, b"connected")
+            except OSError as exc:
+                os.write(wr, (exc.strerror or str(exc)).encode())
+            os._exit(0)
+        os.close(wr)
+        os.waitpid(pid, 0)
+        with os.fdopen(r, "rb") as f:
+            return f.read().decode()
+
     return {
+        "sockets": {
+            "csi": mode(w.config.endpoint),
+            "csi_dir": mode(os.path.dirname(w.config.endpoint)),
+            "registration": mode(w.config.registration),
+            "csi_by_nobody": connect_as_nobody(w.config.endpoint),
+            "registration_by_nobody": connect_as_nobody(w.config.registration),
+        },
         "name": info.name,
         "version": info.vendor_version,
         "caps": len(caps.capabilities),
@@ -235,9 +273,9 @@ def refusals(w: World) -> dict[str, Any]:
 
 
 def publish(w: World) -> dict[str, Any]:
-    from offloadpool.region import holders
-    from offloadpool.region.lease import LeaseHeld
-    from offloadpool.region.release import release
+    from offloadpool.region.holding import holders
+    from offloadpool.region.holding.lease import LeaseHeld
+    from offloadpool.region.lifecycle.release import release
 
     out: dict[str, Any] = {"first": w.publish()}
     out["after_first"] = w.snapshot()
@@ -333,8 +371,8 @@ def _pod(pool: str, pod: str) -> dict[str, Any]:
 def scrub_on_new_holder(w: World) -> dict[str, Any]:
     """Per policy: pod A writes, A unpublished, B published: what B reads; B again (a retry)
     after writing; A and B at once (one tenancy)."""
-    from offloadpool.region import record as records
-    from offloadpool.region.provision import provision
+    from offloadpool.region.files import record as records
+    from offloadpool.region.lifecycle.provision import provision
     from offloadpool.region.request import PoolRequest
 
     def pub(pool: str, pod: str) -> str:
@@ -444,7 +482,7 @@ def _leftovers(w: World) -> dict[str, Any]:
 def faults(w: World) -> dict[str, Any]:
     """kill -9 of the plugin process at each step of a publish and an unpublish; then a new
     plugin (the DaemonSet's restart) and the kubelet's retry of the same call."""
-    from offloadpool.region import holders
+    from offloadpool.region.holding import holders
 
     out: dict[str, Any] = {}
     for step in ("recorded", "staged", "bound"):
@@ -483,9 +521,9 @@ def faults(w: World) -> dict[str, Any]:
 def scrub_fault(w: World) -> dict[str, Any]:
     """kill -9 while publish zeroes the memory for a new pod: the pool stays withheld until the
     agent's provision finishes the scrub; then the new pod gets zeros."""
-    from offloadpool.region.provision import provision
+    from offloadpool.region.lifecycle.provision import provision
+    from offloadpool.region.lifecycle.status import pool_state
     from offloadpool.region.request import PoolRequest
-    from offloadpool.region.status import pool_state
 
     req = PoolRequest(name="kv-always", capacity=4 << 20, medium="Memory", scrub="Always")
     provision(req, w.root)
@@ -536,7 +574,7 @@ def namespace(w: World) -> dict[str, Any]:
 
 
 def unpublish(w: World) -> dict[str, Any]:
-    from offloadpool.region.release import release
+    from offloadpool.region.lifecycle.release import release
 
     before = w.snapshot()
     out: dict[str, Any] = {"publish": w.publish(), "published": w.snapshot()}
@@ -545,13 +583,15 @@ def unpublish(w: World) -> dict[str, Any]:
     out["again"] = w.unpublish()
     out["unknown"] = w.unpublish(volume="csi-unknown")
     out["before"] = before
-    out["count_after"] = __import__("offloadpool.region.holders").region.holders.count(f"{w.root}/kv")
+    out["count_after"] = __import__("offloadpool.region.holding.holders").region.holding.holders.count(
+        f"{w.root}/kv"
+    )
     out["release"] = release(w.root, "kv").existed
     return out
 
 
 def restart(w: World) -> dict[str, Any]:
-    from offloadpool.region import published
+    from offloadpool.region.holding import published
 
     out: dict[str, Any] = {
         "a": w.publish(),
@@ -578,7 +618,7 @@ def restart(w: World) -> dict[str, Any]:
 
 
 def _shares_seen(w: World) -> dict[str, str]:
-    from offloadpool.region import shares
+    from offloadpool.region.holding import shares
 
     return {str(s.index): s.holder if s.claimed else "" for s in shares.states(Path(f"{w.root}/kvs"), 2)}
 
@@ -594,8 +634,8 @@ def shares(w: World) -> dict[str, Any]:
     claim never takes a reserved share, nor a publish an engine's; all taken: refused naming
     the holders; a plugin restart makes the reservations again; unpublish frees the share."""
     from offloadpool.pinning.attach import attach
-    from offloadpool.region import published, shares
-    from offloadpool.region.provision import provision
+    from offloadpool.region.holding import published, shares
+    from offloadpool.region.lifecycle.provision import provision
     from offloadpool.region.request import PoolRequest
 
     pool = Path(f"{w.root}/kvs")
@@ -650,6 +690,56 @@ def shares(w: World) -> dict[str, Any]:
     out["unpublish_b"] = w.unpublish(volume="csi-bbbb", target=w.target(OTHER_POD))
     out["end"] = {"mounts": w.snapshot()["mounts"], "records": published.load_all(pool) == []}
     out["end_reserved"] = shares.reservations(pool, 2) == {}
+    return out
+
+
+def locks(w: World) -> dict[str, Any]:
+    """No publish waits on a lock a pod can take, nor on another pool's lock: a consumer's
+    flock on a partitioned pool's ``shares`` directory, and a publish of pool ``kv`` stuck
+    behind kv's lock (a provision, a scrub or a release holds it), leave a publish of ``kv2``
+    as fast as ever."""
+    import fcntl
+    import threading
+    import time
+
+    from offloadpool.region.files import places
+    from offloadpool.region.lifecycle.provision import provision
+    from offloadpool.region.request import PoolRequest
+
+    provision(PoolRequest(name="kv2", capacity=4 << 20, medium="Memory", partitions=2), w.root)
+    other = {
+        "volume_id": "csi-kv2",
+        "target_path": w.target(OTHER_POD),
+        "context": {"pool": "kv2", "csi.storage.k8s.io/pod.uid": OTHER_POD},
+    }
+    out: dict[str, Any] = {}
+    fd = os.open(f"{w.root}/kv2/shares", os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a consumer of kv2 holding the engines' claim mutex
+    held, release_kv = threading.Event(), threading.Event()
+
+    def hold_kv() -> None:  # the agent provisioning (or scrubbing) kv meanwhile
+        with places.lock(f"{w.root}/kv"):
+            held.set()
+            release_kv.wait(20)
+
+    holder = threading.Thread(target=hold_kv)
+    holder.start()
+    held.wait(10)
+    stuck: dict[str, str] = {}
+    kv = threading.Thread(target=lambda: stuck.setdefault("kv", w.publish()))
+    kv.start()
+    time.sleep(0.5)  # kv's publish is waiting for kv's lock now
+    t0 = time.monotonic()
+    out["kv2"] = w.publish(**other)
+    out["kv2_seconds"] = time.monotonic() - t0
+    out["kv_while_held"] = stuck.get("kv", "waiting")
+    release_kv.set()
+    holder.join(30)
+    kv.join(30)
+    out["kv"] = stuck.get("kv", "waiting")
+    os.close(fd)
+    out["unpublish_kv2"] = w.unpublish(other["volume_id"], w.target(OTHER_POD))
+    out["unpublish_kv"] = w.unpublish()
     return out
 
 

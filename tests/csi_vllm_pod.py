@@ -100,7 +100,7 @@ class Node:
         from offloadpool.csi.config import CsiConfig
         from offloadpool.csi.proto import csi_pb2, csi_pb2_grpc
         from offloadpool.csi.server import serve
-        from offloadpool.region.provision import provision
+        from offloadpool.region.lifecycle.provision import provision
 
         self.scratch = scratch
         self.root = f"{scratch}/root"
@@ -249,9 +249,9 @@ class Node:
             os.close(fd)
 
     def holding(self) -> dict[str, Any]:
-        from offloadpool.region import holders
-        from offloadpool.region.lease import LeaseHeld
-        from offloadpool.region.release import release
+        from offloadpool.region.holding import holders
+        from offloadpool.region.holding.lease import LeaseHeld
+        from offloadpool.region.lifecycle.release import release
 
         held = holders.find_holders(self.pool_dir)
         try:

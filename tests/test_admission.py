@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from fixtures.sglang_pod_env import plugin_reads, resolved_env
 from offloadpool.api.constants import extended_resource_name, pool_label_key
 from offloadpool.api.pods import (
     ENV_POOL_DIR,
@@ -25,6 +28,7 @@ from offloadpool.csi.volume import POOL_ATTRIBUTE
 from offloadpool.operator import admission, hostguard
 from offloadpool.operator.admission import InjectionSettings, Refused
 
+REPO = Path(__file__).resolve().parents[1]
 SETTINGS = InjectionSettings(
     sidecar_image="registry.example/offloadpool:1", excluded_namespaces=("kube-system", "ops")
 )
@@ -200,20 +204,25 @@ def test_the_sidecar_comes_first_so_the_lease_is_held_before_any_init_container_
     assert "volumeMounts" not in new["spec"]["initContainers"][1]  # user init containers are left alone
 
 
-def test_compat_pool_mounts_the_region_file_where_vllm_looks() -> None:
+def test_compat_pool_mounts_the_region_file_where_vllm_looks_as_a_subpath_of_the_pool() -> None:
+    """No hostPath names anything below ``<root>/<pool>``: a root consumer can replace a name in
+    the pool's mount (with a link to a host file), and the kubelet's ``stat`` and the runtime's
+    bind of a hostPath follow links; a subPath is resolved beneath the volume (issue 36)."""
     p = pool(capacity="1Gi", compat={"vllm": {"engineId": "llama-70b"}}, medium="MemoryTHP")
     new = admission.mutate(pod(), p, SETTINGS)
-    assert {
-        "name": compat_volume_name("kv"),
-        "hostPath": {"path": "/var/lib/offloadpool/kv/mnt/vllm_offload_llama-70b.mmap", "type": "File"},
-    } in new["spec"]["volumes"]
+    assert new["spec"]["volumes"][-1:] == [
+        {"name": pool_volume_name("kv"), "hostPath": {"path": "/var/lib/offloadpool/kv", "type": "Directory"}}
+    ]
     mounts = new["spec"]["containers"][0]["volumeMounts"]
     assert {
-        "name": compat_volume_name("kv"),
+        "name": pool_volume_name("kv"),
         "mountPath": "/dev/shm/vllm_offload_llama-70b.mmap",
-        "mountPropagation": "HostToContainer",
+        "subPath": "mnt/vllm_offload_llama-70b.mmap",
     } in mounts
     assert env_of(new["spec"]["containers"][0])["OFFLOADPOOL_VLLM_ENGINE_ID"] == "llama-70b"
+    for volume in new["spec"]["volumes"]:
+        if "hostPath" in volume:
+            assert volume["hostPath"]["path"].count("/") == 4, volume  # /var/lib/offloadpool/<pool>
 
 
 def test_compat_pool_of_several_vllm_files_mounts_each_where_vllm_maps_it() -> None:
@@ -221,13 +230,15 @@ def test_compat_pool_of_several_vllm_files_mounts_each_where_vllm_maps_it() -> N
     p = pool(compat={"vllm": {"engineId": "llama-70b", "rowSize": "2Mi"}}, medium="MemoryTHP")
     new = admission.mutate(pod(), p, SETTINGS)
     names = ["vllm_offload_llama-70b.mmap"] + [f"vllm_offload_llama-70b.mmap.{i}" for i in (1, 2, 3)]
-    volumes = {v["name"]: v for v in new["spec"]["volumes"]}
-    mounts = {m["name"]: m for m in new["spec"]["containers"][0]["volumeMounts"]}
-    for i, name in enumerate(names):
-        volume = compat_volume_name("kv") + (f"-{i}" if i else "")
-        assert volumes[volume]["hostPath"] == {"path": f"/var/lib/offloadpool/kv/mnt/{name}", "type": "File"}
-        assert mounts[volume]["mountPath"] == f"/dev/shm/{name}"
-    assert f"{compat_volume_name('kv')}-4" not in volumes
+    assert [v["name"] for v in new["spec"]["volumes"]] == [pool_volume_name("kv")]
+    mounts = {m["mountPath"]: m for m in new["spec"]["containers"][0]["volumeMounts"]}
+    for name in names:
+        assert mounts[f"/dev/shm/{name}"] == {
+            "name": pool_volume_name("kv"),
+            "mountPath": f"/dev/shm/{name}",
+            "subPath": f"mnt/{name}",
+        }
+    assert "/dev/shm/vllm_offload_llama-70b.mmap.4" not in mounts
 
 
 def test_a_mount_path_taken_by_another_volume_is_refused_with_the_container_named() -> None:
@@ -239,6 +250,25 @@ def test_a_mount_path_taken_by_another_volume_is_refused_with_the_container_name
 
 def test_a_pod_that_skipped_mutation_is_told_apart() -> None:
     assert "/spec/initContainers" in admission.not_mutated(pod(), pool(), SETTINGS)
+
+
+def test_a_refusal_names_each_difference_with_both_values() -> None:
+    """A pod the mutation reached but something changed after it is not told to look for a
+    missing webhook: the refusal names the place and what the pod has and the webhook writes."""
+    changed = admission.mutate(pod(), pool(partitions=2, capacity="4Gi"), SETTINGS)
+    env = changed["spec"]["containers"][0]["env"]
+    i = next(i for i, e in enumerate(env) if e["name"] == "OFFLOADPOOL_MEDIUM")
+    env[i]["value"] = "Memory"
+    found = admission.differences(changed, pool(partitions=2, capacity="4Gi"), SETTINGS)
+    message = admission.unmutated_refusal("kv", found, "offloadpool")
+    assert (
+        f'/spec/containers/0/env/{i}/value: the pod has "Memory", the webhook writes "HugePages-2Mi"'
+    ) in message, message
+    assert "something changed the pod after the mutation" in message and "in place?" not in message
+    # a pod the mutation never reached lacks what it adds: that one asks after the webhook
+    lacking = admission.unmutated_refusal("kv", admission.differences(pod(), pool(), SETTINGS), "offloadpool")
+    assert "lacks what the offloadpool mutating webhook adds (/spec/volumes, " in lacking
+    assert "is the MutatingWebhookConfiguration 'offloadpool' in place?" in lacking, lacking
 
 
 @pytest.mark.parametrize(
@@ -304,8 +334,19 @@ def test_a_volume_under_the_pools_name_that_is_not_the_pools_is_refused_not_kept
     base = pod(
         volumes=[{"name": compat_volume_name("kv"), "hostPath": {"path": "/etc/shadow", "type": "File"}}]
     )
-    with pytest.raises(Refused, match="reserved for the pool's region file"):
+    with pytest.raises(Refused, match="reserved: the webhook mounts a compat pool's region files"):
         admission.mutate(base, compat, SETTINGS)
+    # what an older release wrote (a hostPath of the name in the pool's mount) is refused too
+    old = pod(
+        volumes=[
+            {
+                "name": compat_volume_name("kv"),
+                "hostPath": {"path": "/var/lib/offloadpool/kv/mnt/vllm_offload_e.mmap", "type": "File"},
+            }
+        ]
+    )
+    with pytest.raises(Refused, match="never as hostPath volumes"):
+        admission.not_mutated(old, compat, SETTINGS)
 
 
 @pytest.mark.parametrize(
@@ -473,6 +514,27 @@ def test_csi_delivery_the_guard_still_refuses_a_hand_written_hostpath_of_the_poo
     p = csi_pool()
     own = {"name": "mine", "hostPath": {"path": "/var/lib/offloadpool/kv"}}
     mutated = admission.mutate(pod(volumes=[own]), p, SETTINGS)
-    why = hostguard.refusals(mutated, SETTINGS.host_root, "kv", admission.volumes(p, SETTINGS))
+    why = hostguard.refusals(mutated, SETTINGS.guarded(), "kv", admission.volumes(p, SETTINGS))
     assert why and "volume 'mine'" in why[0]
-    assert hostguard.refusals(admission.mutate(pod(), p, SETTINGS), SETTINGS.host_root, "kv", []) == []
+    assert hostguard.refusals(admission.mutate(pod(), p, SETTINGS), SETTINGS.guarded(), "kv", []) == []
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_an_sglang_pod_gets_everything_the_sglang_plugin_reads(partitions: int) -> None:
+    """examples/sglang/pod-hicache.yaml through the mutation: the plugin's own reader, run in a
+    process whose whole environment is the container's, finds the pool's directory (and, for a
+    pool of shares, claims its share for the pod's uid), so no engine annotation is needed."""
+    (body,) = yaml.safe_load_all((REPO / "examples" / "sglang" / "pod-hicache.yaml").read_text())
+    name = body["metadata"]["labels"][POD_POOL_LABEL]
+    body["metadata"]["uid"] = "0f6c1f5e-sglang-pod"
+    p = pool(name, capacity="128Gi", layout={"type": "PerRank", "ranks": 2}, partitions=partitions)
+    mutated = admission.mutate(body, p, SETTINGS)
+    (engine,) = mutated["spec"]["containers"]
+    assert engine["command"][:3] == ["python", "-m", "sglang.launch_server"]
+    assert "--enable-hierarchical-cache" in engine["command"]
+    reads = plugin_reads(resolved_env(mutated, engine))
+    assert reads["pool_dir"] == f"/offloadpool/{name}"
+    if partitions > 1:
+        assert reads["owner"] == "0f6c1f5e-sglang-pod"
+    # without the webhook's environment the plugin finds no pool and registers nothing
+    assert plugin_reads({})["pool_dir"] is None

@@ -23,8 +23,11 @@ from fixtures import node_tokens
 from fixtures.operator_world import NAMESPACE, World
 from fixtures.wait import wait_for
 from offloadpool.agent.kube import EVENT_NAMESPACE, MERGE, KubeAccess
+from offloadpool.agent.slices import devices, slice_spec
+from offloadpool.api import dra
 from offloadpool.api.constants import API_VERSION, GROUP, NODE_PLURAL, VERSION, node_object_name
 from offloadpool.api.node import new_object
+from offloadpool.region.request import PoolRequest
 
 pytestmark = pytest.mark.controlplane
 
@@ -320,3 +323,51 @@ def test_a_token_ends_with_its_pod(scene: Scene) -> None:
         wait_for("the token refused once its pod is gone", unauthorized, timeout=30)
     finally:
         api.close()
+
+
+def test_an_agent_writes_only_its_own_nodes_resource_slices(scene: Scene) -> None:
+    """The pool's ResourceSlice (``agent.slices``): A's agent creates, replaces and deletes its
+    own; a slice of B's name, one of A's name that says node B, another DRA pool or another
+    driver, B's own slice replaced or deleted, and any slice with a token naming no node: each a
+    403 of the policy. RBAC alone would let every one through."""
+    s = scene
+    req = PoolRequest(name=s.pool, capacity=64 << 20, medium="Memory")
+
+    def body(name: str, node: str, **spec: Any) -> dict[str, Any]:
+        pool = name.split(".", 1)[0]
+        return {
+            "apiVersion": dra.RESOURCE_API_VERSION,
+            "kind": dra.SLICE_KIND,
+            "metadata": {"name": name},
+            "spec": {**slice_spec(node, pool, devices(pool, req, [], None)), **spec},
+        }
+
+    own, theirs = s.access(s.api_a, s.a), s.access(s.api_b, s.b)
+    mine, b_name = dra.slice_name(s.pool, s.a), dra.slice_name(s.pool, s.b)
+    made = own.create_slice(body(mine, s.a))
+    assert made["spec"]["nodeName"] == s.a
+    made["spec"]["devices"] = []
+    own.replace_slice(mine, made)  # its own: the policy allows
+    assert theirs.create_slice(body(b_name, s.b))["spec"]["nodeName"] == s.b
+
+    says = (f"on node {s.a}", "ResourceSlices")
+    by_policy(refused(lambda: own.create_slice(body(b_name, s.b))), *says, b_name)
+    other = dra.slice_name(s.w.name("other"), s.a)
+    by_policy(refused(lambda: own.create_slice(body(other, s.b))), *says)  # A's name, node B
+    by_policy(
+        refused(lambda: own.create_slice(body(other, s.a, pool={"name": b_name, "resourceSliceCount": 1}))),
+        *says,
+    )  # B's DRA pool
+    by_policy(refused(lambda: own.create_slice(body(other, s.a, driver="gpu.example.com"))), *says)
+    stored = theirs.get_slice(b_name)
+    assert stored is not None
+    stored["spec"]["devices"] = []
+    by_policy(refused(lambda: own.replace_slice(b_name, stored)), *says, b_name)
+    by_policy(refused(lambda: own.delete_slice(b_name)), *says, b_name)
+    by_policy(refused(lambda: s.access(s.unbound, s.a).create_slice(body(other, s.a))), NO_NODE)
+    assert own.get_slice(other) is None
+    assert [d["name"] for d in (theirs.get_slice(b_name) or {})["spec"]["devices"]] == [dra.POOL_DEVICE]
+
+    own.delete_slice(mine)
+    theirs.delete_slice(b_name)
+    assert own.get_slice(mine) is None and theirs.get_slice(b_name) is None

@@ -11,7 +11,7 @@ import pytest
 
 from fixtures.cluster import mounts_under
 from fixtures.wait import wait_for
-from offloadpool.region.numa import online_nodes
+from offloadpool.region.memory.numa import online_nodes
 from test_agent_process import create, env, start_agent, status  # noqa: F401  (env: the fixture)
 
 pytestmark = pytest.mark.controlplane

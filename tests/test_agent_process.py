@@ -26,10 +26,13 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+import offloadpool
 from fixtures.cluster import free_port, mounts_under, release_everything
 from fixtures.host import cli
 from fixtures.wait import wait_for
 from offloadpool.api import agent_env
+from offloadpool.api.pods import compat_files
+from offloadpool.region.files import manifest as manifests
 
 pytestmark = pytest.mark.controlplane
 
@@ -39,9 +42,12 @@ HOLD = "tests.offloadpool.io/hold"  # our own finalizer: lets the test see the d
 
 
 class AgentRun:
-    def __init__(self, cp: Any, root: Path, pool: str, node: str, log: Path) -> None:
+    def __init__(
+        self, cp: Any, root: Path, pool: str, node: str, log: Path, extra: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         env = {
+            **(extra or {}),
             **os.environ,
             "KUBECONFIG": str(cp.kubeconfig),
             agent_env.POOL_NAME_ENV: pool,
@@ -170,9 +176,9 @@ def status(state: dict[str, Any], name: str) -> dict[str, Any]:
     return obj.get("status") or {}
 
 
-def start_agent(state: dict[str, Any], pool: str, node: str) -> AgentRun:
+def start_agent(state: dict[str, Any], pool: str, node: str, **extra: str) -> AgentRun:
     agent = AgentRun(
-        state["cp"], state["root"], pool, node, state["work"] / f"agent-{len(state['agents'])}.log"
+        state["cp"], state["root"], pool, node, state["work"] / f"agent-{len(state['agents'])}.log", extra
     )
     state["agents"].append(agent)
     return agent
@@ -181,7 +187,7 @@ def start_agent(state: dict[str, Any], pool: str, node: str) -> AgentRun:
 def hold_lease(state: dict[str, Any], pool_dir: Path) -> subprocess.Popen[str]:
     """An 'engine': a separate process holding the pool's lease shared until killed."""
     code = (
-        "import sys; from offloadpool.region.lease import Lease; "
+        "import sys; from offloadpool.region.holding.lease import Lease; "
         f"l = Lease.shared({str(pool_dir)!r}); print('held', flush=True); sys.stdin.read()"
     )
     proc = subprocess.Popen(
@@ -211,7 +217,9 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     st = wait_for("Ready", lambda: (s := status(env, name)).get("phase") == "Ready" and s, timeout=90)
     assert st["bytesTotal"] == 64 * MiB and st["bytesPopulated"] == 64 * MiB and st["progress"] == 100
     assert st["observedGeneration"] == 1 and st["reason"] == "Populated"
-    assert st["hugePageCoverage"] >= 0 and st["agentVersion"] and st["heartbeat"]
+    made_at = st["populateGiBPerSecond"]
+    assert made_at > 0, st
+    assert st["hugePageCoverage"] >= 0 and st["agentVersion"] == offloadpool.__version__ and st["heartbeat"]
     assert "pendingGeneration" not in st
     pool_dir = env["root"] / pool
     assert mounts_under(pool_dir / "mnt"), "the pool's own mount is on the host root"
@@ -221,6 +229,7 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     assert (
         'offloadpool_phase{node="node-x",offloadpool_phase="Ready",pool="agent-life"} 1.0' in agent.metrics()
     )
+    assert f'offloadpool_agent_build_info{{version="{offloadpool.__version__}"}} 1.0' in agent.metrics()
 
     # liveness is a coordination.k8s.io Lease, renewed every heartbeat (1 s here), owned by the
     # pool; the OffloadPoolNode is not written while nothing in its status changes. A status
@@ -275,6 +284,8 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     )
     assert st["phase"] == "Ready" and st["enginesAttached"] == 1
     assert "offloadpool_populated_bytes_total" in agent2.metrics()
+    # GIB/S stays the rate measured when the region was made (the node's record), not blank
+    assert st.get("populateGiBPerSecond") == made_at, st
 
     # deletion while the engine holds the lease: Draining with the reason; memory untouched
     env["custom"].delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
@@ -611,3 +622,169 @@ def test_scrub_always_zeroes_when_the_last_engine_leaves(env: dict[str, Any]) ->
     stop.set()
     assert all_zero(pool_dir)
     assert (pool_dir / "manifest.json").exists()
+
+
+def test_a_compat_name_replaced_by_a_link_is_reported_and_relinked_at_a_heartbeat(
+    env: dict[str, Any],
+) -> None:
+    """A Ready stock-vLLM compat pool held by an engine; a pod replaces vLLM's name
+    (``mnt/vllm_offload_<id>.mmap``) with a symlink to a host file. At its next heartbeat the
+    agent posts an ``EntryChanged`` Warning naming the entry and links the name to its segment
+    again, in place: the pool stays Ready (never another phase), the memory (mount, segment
+    inode, the engine's bytes) stays, the host file is untouched (issue 36, finding 1)."""
+    pool, node = "agent-compat", "node-v"
+    spec = {
+        "capacity": "16Mi",
+        "medium": "Memory",
+        "compat": {"vllm": {"engineId": "e0", "numSegments": 1}},
+    }
+    create(env, pool, node, spec)
+    name = f"{pool}.{node}"
+    start_agent(env, pool, node)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    pool_dir = env["root"] / pool
+    ((rel, _),) = compat_files("e0")
+    compat = pool_dir / rel
+    segment = pool_dir / manifests.load(pool_dir).regions[0].segments[0].file
+    inode = os.stat(segment).st_ino
+    assert os.lstat(compat).st_ino == inode
+    engine = hold_lease(env, pool_dir)
+    wait_for("enginesAttached 1", lambda: status(env, name).get("enginesAttached") == 1, timeout=30)
+    write_pattern(pool_dir)
+    mounts = mounts_under(pool_dir / "mnt")
+    host_file = env["work"] / "host" / "a-host-file"
+    host_file.parent.mkdir()
+    host_file.write_bytes(b"HOST-FILE" * 100)
+    seen, stop = phases_seen(env, name)
+    core = client.CoreV1Api(env["custom"].api_client)
+
+    os.unlink(compat)  # what a root consumer does through its own mount of the pool directory
+    os.symlink(host_file, compat)
+
+    def entry_changed() -> Any:
+        events = core.list_namespaced_event("default", field_selector=f"involvedObject.name={name}").items
+        return next((e for e in events if e.reason == "EntryChanged"), None)
+
+    event = wait_for("an EntryChanged Event", entry_changed, timeout=30)
+    assert event.type == "Warning", event
+    assert str(compat) in event.message and "symbolic link" in event.message, event
+
+    def relinked() -> bool:
+        st = os.lstat(compat)
+        return (st.st_mode & 0o170000) == 0o100000 and st.st_ino == inode
+
+    wait_for("vLLM's name a link of its segment again", relinked, timeout=30)
+    st = wait_for(
+        "the repair reported",
+        lambda: "repaired what a pod changed" in (s := status(env, name)).get("message", "") and s,
+        timeout=30,
+    )
+    stop.set()
+    assert st["phase"] == "Ready" and st["enginesAttached"] == 1, st
+    assert {p for p, _, _ in seen} <= {"Ready"}, f"the pool left Ready for the repair: {seen}"
+    assert os.stat(segment).st_ino == inode and mounts_under(pool_dir / "mnt") == mounts
+    with open(compat, "rb") as fh:
+        assert fh.read(8) == b"TENANT-A", "the engine's bytes did not stay"
+    assert host_file.read_bytes() == b"HOST-FILE" * 100
+    engine.kill()
+    engine.wait(10)
+
+
+def test_a_growth_the_node_cannot_fit_waits_under_a_holder_and_never_fails_the_node(
+    env: dict[str, Any],
+) -> None:
+    """capacity 64Mi -> 64Ti while an engine holds the pool: the agent reports the old region
+    Ready with LeaseHeld (pendingGeneration 2), never Failed, though the growth fits neither the
+    node nor (in a pod) the agent's limits: the holders are looked at first. Only once the engine
+    is gone does the node say what the growth lacks (InsufficientMemory); the old region is
+    still there and Ready again when the spec goes back."""
+    pool, node = "agent-grow", "node-g"
+    create(env, pool, node, {"capacity": "64Mi", "medium": "Memory", "segments": {"minSize": "16Mi"}})
+    name = f"{pool}.{node}"
+    start_agent(env, pool, node)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    engine = hold_lease(env, env["root"] / pool)
+    seen, stop = phases_seen(env, name)
+
+    env["custom"].patch_cluster_custom_object(
+        GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "64Ti"}}
+    )
+    st = wait_for(
+        "LeaseHeld", lambda: (s := status(env, name)).get("reason") == "LeaseHeld" and s, timeout=30
+    )
+    assert (st["phase"], st["observedGeneration"], st["pendingGeneration"]) == ("Ready", 1, 2), st
+    assert st["bytesTotal"] == 64 * MiB and "held by 1 attached engine" in st["message"], st
+    time.sleep(3)  # several retries of the agent (RETRY 1 s): still held, still Ready
+    assert status(env, name)["phase"] == "Ready"
+    assert "Failed" not in [phase for phase, _, _ in seen], seen
+
+    engine.kill()
+    engine.wait(10)
+    st = wait_for(
+        "Failed once nothing holds it",
+        lambda: (s := status(env, name)).get("phase") == "Failed" and s,
+        timeout=30,
+    )
+    stop.set()
+    assert st["reason"] == "InsufficientMemory" and "short by" in st["message"], st
+    env["custom"].patch_cluster_custom_object(
+        GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "64Mi"}}
+    )
+    st = wait_for(
+        "Ready again on the old region",
+        lambda: (s := status(env, name)).get("phase") == "Ready" and s.get("observedGeneration") == 3 and s,
+        timeout=30,
+    )
+    assert st["reason"] == "Reused", st
+
+
+def test_an_agent_made_for_a_smaller_pool_waits_for_its_replacement_never_failing(
+    env: dict[str, Any],
+) -> None:
+    """The operator's DaemonSet says what an agent pod's limits were made for
+    (``SIZED_FOR_ENV``). Grown 64Mi -> 128Mi, the old pod's agent applies nothing under them:
+    Ready on the old region with LeaseHeld while an engine holds it, then (the engine gone)
+    AgentReplacementPending with enginesAttached 0, the state in which the operator replaces
+    the pod; never Failed, where a real limit would have failed the growth. The agent of the
+    new pod (played by hand here, as the DaemonSet controller makes it) applies the growth."""
+    pool, node = "agent-sized", "node-q"
+    create(env, pool, node, {"capacity": "64Mi", "medium": "Memory", "segments": {"minSize": "16Mi"}})
+    name = f"{pool}.{node}"
+    made_for = {agent_env.SIZED_FOR_ENV: agent_env.sized_for("Memory", 64 * MiB)}
+    old_agent = start_agent(env, pool, node, **made_for)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    engine = hold_lease(env, env["root"] / pool)
+    seen, stop = phases_seen(env, name)
+
+    env["custom"].patch_cluster_custom_object(
+        GROUP, VERSION, "offloadpools", pool, {"spec": {"capacity": "128Mi"}}
+    )
+    st = wait_for(
+        "LeaseHeld", lambda: (s := status(env, name)).get("reason") == "LeaseHeld" and s, timeout=30
+    )
+    assert (st["phase"], st["observedGeneration"], st["pendingGeneration"]) == ("Ready", 1, 2), st
+    assert "held by 1 attached engine" in st["message"], st
+    engine.kill()
+    engine.wait(10)
+    st = wait_for(
+        "AgentReplacementPending",
+        lambda: (s := status(env, name)).get("reason") == "AgentReplacementPending" and s,
+        timeout=30,
+    )
+    assert (st["phase"], st["observedGeneration"], st["pendingGeneration"]) == ("Ready", 1, 2), st
+    assert st["enginesAttached"] == 0 and st["bytesTotal"] == 64 * MiB, st
+    assert "Memory/67108864" in st["message"], st
+    time.sleep(3)  # several retries (RETRY 1 s): the old pod still applies nothing
+    assert status(env, name)["observedGeneration"] == 1
+    assert json.loads((env["root"] / pool / "manifest.json").read_text())["total_bytes"] == 64 * MiB
+
+    old_agent.kill()
+    start_agent(env, pool, node, **{agent_env.SIZED_FOR_ENV: agent_env.sized_for("Memory", 128 * MiB)})
+    st = wait_for(
+        "Ready at generation 2",
+        lambda: (s := status(env, name)).get("phase") == "Ready" and s.get("observedGeneration") == 2 and s,
+        timeout=60,
+    )
+    stop.set()
+    assert st["bytesTotal"] == 128 * MiB and st.get("pendingGeneration") is None, st
+    assert "Failed" not in [phase for phase, _, _ in seen], seen

@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from offloadpool.agent.reconcile import Action, decide
+from offloadpool.api import agent_env
 from offloadpool.api.conversion import SpecError, pool_request
 
 POOL = {
@@ -85,3 +86,26 @@ def test_deletion_releases_or_retains_by_policy() -> None:
     deleting["spec"]["reclaimPolicy"] = "Retain"
     d = decide(deleting, NODE, 3)
     assert d.action is Action.RETAIN and "Retain" in d.message
+
+
+def _node(target: int) -> dict:
+    node = copy.deepcopy(NODE)
+    node["spec"]["targetGeneration"] = target
+    return node
+
+
+def test_a_pod_made_for_another_capacity_awaits_its_replacement() -> None:
+    """The agent's pod limits were made for 128Mi: the pool at 256Mi (generation 3) is not
+    applied by it (its limits are not the request's), over an older region or none."""
+    old = agent_env.sized_for("HugePages-2Mi", 128 << 20)
+    for local in (2, None):
+        d = decide(POOL, _node(3), local, sized_for=old)
+        assert d.action is Action.AWAIT_AGENT and d.pending_generation == 3, d
+        assert d.reason == "AgentReplacementPending" and "HugePages-2Mi/134217728" in d.message, d
+    # made for this request, unknown (no DaemonSet env), or the region already at it: provision
+    now = agent_env.sized_for("HugePages-2Mi", 256 << 20)
+    assert decide(POOL, _node(3), 2, sized_for=now).action is Action.PROVISION
+    assert decide(POOL, _node(3), 2).action is Action.PROVISION
+    assert decide(POOL, _node(3), 3, sized_for=old).action is Action.PROVISION
+    # not this node's turn yet: keep, as before
+    assert decide(POOL, _node(2), 2, sized_for=old).action is Action.KEEP

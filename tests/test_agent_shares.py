@@ -17,7 +17,7 @@ import pytest
 
 from fixtures.host import cli
 from fixtures.wait import wait_for
-from offloadpool.region import shares
+from offloadpool.region.holding import shares
 from test_agent_process import create, env, start_agent, status  # noqa: F401  (env: the fixture)
 
 pytestmark = pytest.mark.controlplane

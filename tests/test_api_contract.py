@@ -22,7 +22,7 @@ from offloadpool.cli.commands import request_from_args
 from offloadpool.cli.main import build_parser
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.daemonset import resources
-from offloadpool.region import media as engine_media
+from offloadpool.region.memory import media as engine_media
 from offloadpool.region.request import PoolRequest
 
 HEARTBEAT = datetime(2026, 11, 30, 16, 0, 0, tzinfo=timezone.utc)

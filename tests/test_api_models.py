@@ -90,8 +90,8 @@ def test_page_sizes() -> None:
 
 def test_media_and_layouts_match_the_node_engine() -> None:
     """The API and the node engine must mean the same by every medium, layout and page size."""
-    from offloadpool.region import manifest
-    from offloadpool.region import media as engine_media
+    from offloadpool.region.files import manifest
+    from offloadpool.region.memory import media as engine_media
 
     assert set(MEDIA) == set(manifest.MEDIA) == set(engine_media.MEDIA)
     assert set(LAYOUTS) == set(manifest.LAYOUTS)

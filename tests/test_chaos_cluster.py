@@ -36,8 +36,8 @@ from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import NAMESPACE, OperatorProcess
 from fixtures.wait import wait_for
 from offloadpool.api.agent_env import POOL_NAME_ENV
-from offloadpool.region import places
-from offloadpool.region.journal import JOURNAL_NAME
+from offloadpool.region.files import places
+from offloadpool.region.files.journal import JOURNAL_NAME
 
 pytestmark = pytest.mark.controlplane
 

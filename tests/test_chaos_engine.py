@@ -30,15 +30,16 @@ from fixtures.chaos_engine import DATA_BYTES, engine_data
 from fixtures.host import hugepage_totals
 from fixtures.pinning_pools import vm_locked_bytes
 from offloadpool.pinning import attach
-from offloadpool.region import holders, mounts
-from offloadpool.region.holders import exclusive_unused
-from offloadpool.region.lease import LeaseHeld, count_holders, lease_path
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.media import is_hugetlbfs
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.holding import holders
+from offloadpool.region.holding.holders import exclusive_unused
+from offloadpool.region.holding.lease import LeaseHeld, count_holders, lease_path
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import mounts
+from offloadpool.region.memory.media import is_hugetlbfs
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -28,17 +28,18 @@ import pytest
 from fixtures.chaos import Run, seeds
 from fixtures.host import cli, cli_argv, hugepage_totals, other_tenant_holds_free_hugepages
 from offloadpool.pinning import attach
-from offloadpool.region import holders, mounts
-from offloadpool.region.journal import JOURNAL_NAME, Unit, units
-from offloadpool.region.lease import count_holders, lease_path
-from offloadpool.region.manifest import MANIFEST_NAME, ManifestError
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.places import state_dir
-from offloadpool.region.planner import Plan
-from offloadpool.region.planner import plan as make_plan
-from offloadpool.region.record import RECORD_NAME
+from offloadpool.region.files.journal import JOURNAL_NAME, Unit, units
+from offloadpool.region.files.manifest import MANIFEST_NAME, ManifestError
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.files.places import state_dir
+from offloadpool.region.files.planner import Plan
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.files.record import RECORD_NAME
+from offloadpool.region.holding import holders
+from offloadpool.region.holding.lease import count_holders, lease_path
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 CRASH_AT = str(Path(__file__).parent / "fixtures" / "crash_at.py")

@@ -19,10 +19,13 @@ from typing import Any
 import pytest
 import yaml
 
+import offloadpool
 from fixtures.operator_process import wait_agent_policy_in_force
+from offloadpool.api import dra
 from offloadpool.api.agent_env import NODE_NAME_ENV
 from offloadpool.api.constants import HOST_ROOT, MIN_HEARTBEATS_PER_TIMEOUT
 from offloadpool.csi.config import DRIVER_NAME, CsiConfig
+from offloadpool.dra.config import DraConfig
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.main import config_from_args, parse_args
 
@@ -51,6 +54,7 @@ OPERATOR_SETTINGS = {
     ("agent", "cpuRequest"): ("--agent-cpu-request", "agent_cpu_request", "250m"),
     ("agent", "memoryOverhead"): ("--agent-memory-overhead", "agent_memory_overhead", "1Gi"),
     ("agent", "heartbeatSeconds"): ("--agent-heartbeat", "agent_heartbeat_seconds", 20),
+    ("agent", "httpAddress"): ("--agent-http-address", "agent_http_address", "::"),
 }
 
 
@@ -175,11 +179,66 @@ def test_chart_agent_policy_is_the_deploy_policy(rendered: list[dict[str, Any]],
             "template", "op", str(CHART), "--set", "agent.nodeRestriction.enabled=false"
         ).stdout
     )
-    assert not [d for d in off if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert not [
+        d
+        for d in off
+        if d["kind"].startswith("ValidatingAdmissionPolicy") and d["metadata"]["name"] == "op-agent"
+    ]
     refused = control_plane.helm(
         "template", "op", str(CHART), "--set", "agent.nodeRestriction=on", check=False
     )
     assert refused.returncode != 0 and "nodeRestriction" in refused.stderr, refused.stderr
+
+
+@pytest.mark.controlplane
+def test_chart_operator_policy_is_the_deploy_policy(
+    rendered: list[dict[str, Any]], control_plane: Any
+) -> None:
+    """The policy that holds the operator to its own marks and DaemonSets
+    (deploy/policy-operator.yaml) is rendered by default, the same policy for the release's
+    operator and agent ServiceAccounts; ``operator.writeRestriction.enabled=false`` leaves it
+    out."""
+    plain = deploy_docs()
+    for namespace, agent, args in (
+        ("offloadpool-system", "offloadpool-agent", []),
+        ("gpu-pools", "kv-agent", ["--set", "agent.serviceAccountName=kv-agent"]),
+    ):
+        docs = (
+            rendered
+            if args == []
+            else docs_of(
+                control_plane.helm("template", "op", str(CHART), "--namespace", namespace, *args).stdout
+            )
+        )
+        operator = by_kind_and_app(docs, "ServiceAccount", "offloadpool-operator")["metadata"]["name"]
+        policy = by_kind_and_app(docs, "ValidatingAdmissionPolicy", "offloadpool-operator")
+        binding = by_kind_and_app(docs, "ValidatingAdmissionPolicyBinding", "offloadpool-operator")
+        want = json.loads(
+            json.dumps(by_kind_and_app(plain, "ValidatingAdmissionPolicy", "offloadpool-operator")["spec"])
+            .replace(
+                "system:serviceaccount:offloadpool-system:offloadpool-operator",
+                f"system:serviceaccount:{namespace}:{operator}",
+            )
+            .replace("serviceAccountName == 'offloadpool-agent'", f"serviceAccountName == '{agent}'")
+            .replace("ServiceAccount offloadpool-agent,", f"ServiceAccount {agent},")
+        )
+        assert policy["spec"] == want
+        assert f"serviceAccountName == '{agent}'" in json.dumps(policy["spec"])
+        assert policy["metadata"]["name"] == "op-operator"
+        assert binding["spec"] == {"policyName": "op-operator", "validationActions": ["Deny"]}
+    off = docs_of(
+        control_plane.helm(
+            "template", "op", str(CHART), "--set", "operator.writeRestriction.enabled=false"
+        ).stdout
+    )
+    assert not [
+        d
+        for d in off
+        if d["kind"].startswith("ValidatingAdmissionPolicy") and d["metadata"]["name"] == "op-operator"
+    ]
+    assert [
+        d for d in off if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] == "op-agent"
+    ]
 
 
 @pytest.mark.controlplane
@@ -191,7 +250,7 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
     assert "--agent-service-account=offloadpool-agent" in c["args"]
     flags = [flag for flag, _, _ in OPERATOR_SETTINGS.values()]
     assert [a for a in c["args"] if a.split("=")[0] in flags] == []  # the operator's defaults apply
-    assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
+    assert c["image"] == f"ghcr.io/offloadpool/offloadpool:{offloadpool.__version__}"
     kinds = sorted({d["kind"] for d in rendered})
     assert kinds == [
         "ClusterRole",
@@ -200,6 +259,7 @@ def test_helm_template_renders_the_operator(rendered: list[dict[str, Any]], cont
         "Deployment",
         "FlowSchema",
         "MutatingWebhookConfiguration",
+        "NetworkPolicy",
         "Role",
         "RoleBinding",
         "Service",
@@ -230,6 +290,8 @@ def test_helm_install_into_a_fresh_namespace(crds_installed: Any) -> None:
         assert "STATUS: deployed" in status, status
         # NOTES.txt: what to do next
         assert "kubectl get op,opn" in out and "offloadpool.io/pool: <pool name>" in out, out
+        # what a node offers: one per share of a partitioned pool, not always 1
+        assert "offer offloadpool.io/<pool>: 1\n   (a partitioned pool: its spec.partitions" in out, out
         assert f"kubectl label namespace {ns} pod-security.kubernetes.io/enforce=privileged" in out, out
         cp.kubectl("get", "deployment", f"{release}-operator", "-n", ns)
         agent = f"system:serviceaccount:{ns}:offloadpool-agent"
@@ -371,8 +433,11 @@ def test_chart_csi_renders_the_driver_and_one_node_plugin_only_when_enabled(cont
     plain = helm_template(control_plane)
     docs = helm_template(control_plane, "--set", "csi.enabled=true")
     added = [d for d in docs if d not in plain]
-    assert sorted(d["kind"] for d in added) == ["CSIDriver", "DaemonSet"]
+    # and the plugin's NetworkPolicy (networkPolicy.enabled, on by default): no ingress at all
+    assert sorted(d["kind"] for d in added) == ["CSIDriver", "DaemonSet", "NetworkPolicy"]
     assert not [d for d in plain if d["kind"] in ("CSIDriver", "DaemonSet")]
+    (policy,) = [d for d in added if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"] and not policy["spec"].get("ingress")
     (driver,) = [d for d in added if d["kind"] == "CSIDriver"]
     assert driver["metadata"]["name"] == DRIVER_NAME
     assert driver["spec"] == {
@@ -383,13 +448,18 @@ def test_chart_csi_renders_the_driver_and_one_node_plugin_only_when_enabled(cont
     }
     ds = by_kind_and_app(added, "DaemonSet", "offloadpool-csi")
     assert ds["metadata"]["namespace"] == "offloadpool-system"
+    # an upgrade replaces the plugin one node at a time, the old one gone first (user guide §9)
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+    }
     pod = ds["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
     (c,) = pod["containers"]
     assert c["command"] == ["python3", "-m", "offloadpool.csi"]
     defaults = CsiConfig(node_id="any")
     assert c["args"] == [f"--kubelet-dir={defaults.kubelet_dir}"]  # the plugin's own default
-    assert c["image"] == "ghcr.io/offloadpool/offloadpool:0.1.0"
+    assert c["image"] == f"ghcr.io/offloadpool/offloadpool:{offloadpool.__version__}"
     assert c["securityContext"] == {"privileged": True}
     assert c["env"] == [{"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     volumes = {v["name"]: v.get("hostPath", {}).get("path", "emptyDir") for v in pod["volumes"]}
@@ -409,10 +479,136 @@ def test_chart_csi_renders_the_driver_and_one_node_plugin_only_when_enabled(cont
     assert c["image"] == "reg/a:1"
 
 
+@pytest.mark.controlplane
+def test_chart_dra_renders_the_device_class_only_when_enabled(control_plane: Any) -> None:
+    """Off by default. On: the DeviceClass offloadpool.io selecting the driver's devices, the
+    object deploy/dra.yaml holds (but the release's labels), and the kubelet plugin's DaemonSet
+    with its one right, reading ResourceClaims."""
+    plain = helm_template(control_plane)
+    docs = helm_template(control_plane, "--set", "dra.enabled=true")
+    added = [d for d in docs if d not in plain]
+    kinds = sorted(d["kind"] for d in added)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "DeviceClass", "ServiceAccount"], kinds
+    assert not [d for d in plain if d["kind"] == "DeviceClass"]
+    (cls,) = [d for d in added if d["kind"] == "DeviceClass"]
+    (plain_cls,) = [d for d in deploy_docs() if d["kind"] == "DeviceClass"]
+    assert cls["metadata"]["name"] == plain_cls["metadata"]["name"] == dra.DEVICE_CLASS
+    assert cls["apiVersion"] == plain_cls["apiVersion"] == dra.RESOURCE_API_VERSION
+    assert cls["spec"] == plain_cls["spec"]
+    assert cls["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{dra.DRA_DRIVER}"'}}]
+    (role,) = [d for d in added if d["kind"] == "ClusterRole"]
+    assert role["rules"] == [
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]}
+    ]
+    ds = by_kind_and_app(added, "DaemonSet", "offloadpool-dra")
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["python3", "-m", "offloadpool.dra"]
+    defaults = DraConfig(node_id="any")
+    assert c["args"] == [f"--kubelet-dir={defaults.kubelet_dir}"]
+    pod = ds["spec"]["template"]["spec"]
+    volumes = {v["name"]: v.get("hostPath", {}).get("path", "emptyDir") for v in pod["volumes"]}
+    mounts = {m["mountPath"]: (volumes[m["name"]], m.get("mountPropagation")) for m in c["volumeMounts"]}
+    assert mounts == {
+        defaults.kubelet_dir: (defaults.kubelet_dir, "Bidirectional"),
+        defaults.root: (HOST_ROOT, "HostToContainer"),
+        defaults.cdi_dir: (defaults.cdi_dir, None),
+        os.path.dirname(defaults.stage): ("emptyDir", None),
+    }
+    plain_ds = [
+        d for d in deploy_docs() if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "offloadpool-dra"
+    ]
+    assert [d["spec"]["template"]["spec"]["volumes"] for d in plain_ds] == [pod["volumes"]]
+
+
 def helm_template(
     cp: Any, *args: str, namespace: str = "offloadpool-system", chart: Path = CHART
 ) -> list[dict[str, Any]]:
     return docs_of(cp.helm("template", "op", str(chart), "--namespace", namespace, *args).stdout)
+
+
+def network_policies(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{app name: the spec of its NetworkPolicy}."""
+    return {
+        d["metadata"]["labels"]["app.kubernetes.io/name"]: d["spec"]
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+    }
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items()) and set(selector) == {
+        "matchLabels"
+    }
+
+
+@pytest.mark.controlplane
+def test_network_policies_admit_ingress_only_where_each_component_serves(control_plane: Any) -> None:
+    """On by default: the agent pods (as the operator renders them) only on their HTTP port,
+    the operator only on its liveness and webhook ports, the CSI plugin on none; each selects
+    its component's pods, and networkPolicy.enabled=false renders none."""
+    from offloadpool.operator.daemonset import render
+
+    docs = helm_template(control_plane, "--set", "csi.enabled=true")
+    policies = network_policies(docs)
+    assert sorted(policies) == ["offloadpool-agent", "offloadpool-csi", "offloadpool-operator"]
+    for spec in policies.values():
+        assert spec["policyTypes"] == ["Ingress"]  # egress (the API server) stays open
+
+    def ports(spec: dict[str, Any]) -> list[tuple[str, str]]:
+        (rule,) = spec["ingress"]
+        assert set(rule) == {"ports"}  # from anywhere: the kubelet, Prometheus, the API server
+        return [(p["port"], p["protocol"]) for p in rule["ports"]]
+
+    pool = {"metadata": {"name": "kv", "uid": "u"}, "spec": {"capacity": "1Gi"}}
+    agent_pod = render(pool, OperatorConfig(namespace="offloadpool-system"))["spec"]["template"]
+    assert selects(policies["offloadpool-agent"]["podSelector"], agent_pod["metadata"]["labels"])
+    (agent,) = agent_pod["spec"]["containers"]
+    assert ports(policies["offloadpool-agent"]) == [(p["name"], p["protocol"]) for p in agent["ports"]]
+
+    operator_pod = by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]
+    assert selects(policies["offloadpool-operator"]["podSelector"], operator_pod["metadata"]["labels"])
+    (operator,) = operator_pod["spec"]["containers"]
+    assert ports(policies["offloadpool-operator"]) == [(p["name"], "TCP") for p in operator["ports"]]
+    assert [p["name"] for p in operator["ports"]] == ["health", "webhook"]
+
+    csi_pod = by_kind_and_app(docs, "DaemonSet", "offloadpool-csi")["spec"]["template"]
+    assert selects(policies["offloadpool-csi"]["podSelector"], csi_pod["metadata"]["labels"])
+    assert "ingress" not in policies["offloadpool-csi"]  # no ingress at all
+
+    no_webhook = network_policies(helm_template(control_plane, "--set", "webhook.enabled=false"))
+    assert ports(no_webhook["offloadpool-operator"]) == [("health", "TCP")]
+    assert "offloadpool-csi" not in no_webhook  # csi off: no plugin, no policy
+    assert network_policies(helm_template(control_plane, "--set", "networkPolicy.enabled=false")) == {}
+
+
+@pytest.mark.controlplane
+def test_the_operator_keeps_off_pool_nodes_by_default(control_plane: Any, tmp_path: Path) -> None:
+    """By default the operator's pod must not land on a node carrying the label the operator
+    puts on every node with a Ready pool (its privileged agents could read the operator's token)
+    and prefers nodes without agent pods (as the operator renders them); deploy/operator.yaml
+    says the same; an affinity of one's own replaces the default whole."""
+    from offloadpool.api.constants import POOL_NODE_LABEL
+    from offloadpool.operator.daemonset import render
+
+    def affinity(docs: list[dict[str, Any]]) -> Any:
+        return by_kind_and_app(docs, "Deployment", "offloadpool-operator")["spec"]["template"]["spec"].get(
+            "affinity"
+        )
+
+    default = affinity(helm_template(control_plane))
+    (term,) = default["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == {"matchExpressions": [{"key": POOL_NODE_LABEL, "operator": "DoesNotExist"}]}
+    (preferred,) = default["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in default["podAntiAffinity"]
+    pool = {"metadata": {"name": "kv", "uid": "u"}, "spec": {"capacity": "1Gi"}}
+    agent_labels = render(pool, OperatorConfig())["spec"]["template"]["metadata"]["labels"]
+    assert preferred["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert selects(preferred["podAffinityTerm"]["labelSelector"], agent_labels)
+    plain = by_kind_and_app(deploy_docs(), "Deployment", "offloadpool-operator")
+    assert plain["spec"]["template"]["spec"]["affinity"] == default
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump({"operator": {"affinity": {"nodeAffinity": {}}}}))
+    assert affinity(helm_template(control_plane, "-f", str(own))) == {"nodeAffinity": {}}
 
 
 #: The install tests run the operator without its admission webhook (no serving certificate to wait for).
@@ -450,7 +646,7 @@ def test_chart_renders_the_repository_crds_kept_on_uninstall(control_plane: Any)
             **want_meta["labels"],
             "app.kubernetes.io/instance": "op",
             "app.kubernetes.io/managed-by": "Helm",
-            "helm.sh/chart": "offloadpool-0.1.0",
+            "helm.sh/chart": f"offloadpool-{offloadpool.__version__}",
         }
 
     unkept = [

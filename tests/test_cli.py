@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from fixtures.host import REPO, cli, hugepage_totals
-from offloadpool.region import mounts
+from offloadpool.region.memory import mounts
 
 MiB = 1 << 20
 
@@ -78,6 +80,31 @@ def test_provision_flags_only_prints_summary(region_root, hugepage_baseline):
     assert hugepage_totals() == hugepage_baseline
 
 
+def test_status_off_a_terminal_prints_the_whole_table(region_root, hugepage_baseline):
+    """``kubectl exec <agent-pod> -- offloadpool status`` has no terminal and no COLUMNS: the
+    table is printed whole, message column included, not cut at rich's default 80 columns."""
+    import subprocess
+    import sys
+
+    root = str(region_root)
+    cli("provision", "--root", root, "--name", "whole-table", "--capacity", "32Mi", "--medium", "Memory")
+    mounts.umount(region_root / "whole-table" / "mnt", lazy=True)  # its state says why, at length
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    out = subprocess.run(
+        [sys.executable, "-m", "offloadpool.cli", "status", "--root", root],
+        capture_output=True,  # stdout a pipe, not a terminal
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
+    ).stdout
+    assert "message" in out, out
+    rows = [line for line in out.splitlines() if "whole-table" in line]
+    assert len(rows) == 1, out  # one row: nothing wrapped onto a second line
+    assert "Failed" in rows[0] and "the pool's mount is gone; provision again to rebuild it" in rows[0], out
+    cli("release", "whole-table", "--root", root, "--force")
+
+
 def test_bad_input_names_the_field_and_creates_nothing(region_root, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
@@ -112,7 +139,7 @@ def test_release_of_held_pool_exits_3(region_root, processes):
         [
             sys.executable,
             "-c",
-            "import sys,time\nfrom offloadpool.region.lease import Lease\n"
+            "import sys,time\nfrom offloadpool.region.holding.lease import Lease\n"
             "l=Lease.shared(sys.argv[1]); print('held', flush=True); time.sleep(3600)",
             str(region_root / "held"),
         ]
@@ -196,3 +223,51 @@ def test_bench_populate_json_schema():
         assert len(m["paired"]["populate_ratios"]) == 2 and m["paired_populate_ratio_vs_kernel"] > 0
         # a provision's seconds outside its pre-fault are part of its whole seconds
         assert 0 < m["outside_prefault_ms"] < result["strategies"][f"offloadpool_{medium}"]["seconds"] * 1000
+
+
+def test_version_names_the_package_version() -> None:
+    import offloadpool
+
+    for args in (["version"], ["--version"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "offloadpool.cli", *args], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"offloadpool {offloadpool.__version__}"
+
+
+@pytest.mark.root  # the benchmark mounts its own scratch pools
+def test_bench_scrub_json_schema():
+    """Shape of the scrub benchmark's output, with its bare-write limit (speed is the bench's)."""
+    out = cli(
+        "bench", "scrub", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi", "--json"
+    )
+    result = json.loads(out.stdout)
+    assert set(result["media"]) == {"Memory", "HugePages-2Mi"}
+    for m in result["media"].values():
+        assert set(m["cases"]) == {"prefault", "scrub_memset", "scrub_punch", "scrub_remove", "bare_write"}
+        for s in m["cases"].values():
+            assert s["gib_per_s"] > 0 and len(s["samples_s"]) == 1
+        best = m["cases"][f"scrub_{m['fastest_scrub']}"]["gib_per_s"]
+        assert m["fastest_scrub_vs_bare_write"] == pytest.approx(
+            best / m["cases"]["bare_write"]["gib_per_s"], abs=0.01
+        )
+
+
+def test_bare_write_shares_cover_the_pool_once():
+    """The bare write's split: contiguous, page-aligned shares that cover every byte once."""
+    from offloadpool.bench.scrub import _pieces
+    from offloadpool.region.files.planner import plan
+    from offloadpool.region.request import PoolRequest
+
+    p = plan(PoolRequest(name="p", capacity=5 << 30, medium="Memory", max_files=4, min_segment=1 << 30))
+    for workers in (1, 2, 3, 7):
+        covered = []
+        for share in _pieces(p, workers):
+            for segment, offset, length in share:
+                start = sum(s.bytes for s in p.segments[:segment]) + offset
+                covered.append((start, start + length))
+                assert offset % p.page_size == 0 and offset + length <= p.segments[segment].bytes
+        covered.sort()
+        assert covered[0][0] == 0 and covered[-1][1] == p.total_bytes
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))

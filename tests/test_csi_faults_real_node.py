@@ -42,7 +42,7 @@ from hack.process import Process
 from offloadpool.csi import faults
 from offloadpool.csi.config import DRIVER_NAME, CsiConfig
 from offloadpool.csi.publication import engine_files
-from offloadpool.region import published
+from offloadpool.region.holding import published
 
 pytestmark = pytest.mark.node
 

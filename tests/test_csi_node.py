@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import offloadpool
 from fixtures.host import private_mounts_python
 
 pytestmark = pytest.mark.root
@@ -34,11 +35,20 @@ def scenario(tmp_path: Path, name: str) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_csi_identity_answers(tmp_path):
+def test_csi_identity_answers_on_root_only_sockets(tmp_path):
+    """The plugin's sockets are root's alone (issue 36): whoever could dial the CSI socket could
+    publish any pool to a target of its choosing."""
     r = scenario(tmp_path, "identity")
+    assert r.pop("sockets") == {
+        "csi": "0o600",
+        "csi_dir": "0o700",
+        "registration": "0o600",
+        "csi_by_nobody": "Permission denied",
+        "registration_by_nobody": "Permission denied",
+    }
     assert r == {
         "name": "offloadpool.io",
-        "version": "0.1.0",
+        "version": offloadpool.__version__,
         "caps": 0,
         "ready": True,
         "node_id": "node-a",
@@ -259,3 +269,11 @@ def test_csi_shares_give_each_pod_its_own_share_across_both_deliveries(tmp_path)
     assert r["engine_after_a"] == a_share
     assert r["unpublish_b"] == "OK"
     assert r["end"] == {"mounts": [], "records": True} and r["end_reserved"], r["end"]
+
+
+def test_csi_publish_never_waits_on_a_pods_lock_or_another_pools(tmp_path):
+    r = scenario(tmp_path, "locks")
+    assert r["kv2"] == "OK", r
+    assert r["kv2_seconds"] < 3, f"pool kv2's publish waited {r['kv2_seconds']:.1f} s"
+    assert r["kv_while_held"] == "waiting" and r["kv"] == "OK", r
+    assert r["unpublish_kv2"] == r["unpublish_kv"] == "OK", r

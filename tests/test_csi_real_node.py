@@ -8,7 +8,7 @@ containerd can say these hold. One release for the module (tests run in order): 
 registers -> a pool's allowed namespace gets it, another does not -> the pod's deletion
 drops the holder and the mount -> a pod in a namespace enforcing Pod Security ``restricted``
 gets a CSI pool through the webhook, writes, and holds the pool against every release until
-it is deleted.
+it is deleted -> a pod of a pool of 2 shares is admitted the same way and writes its share.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,10 +35,11 @@ from fixtures.chart_node import (
 )
 from fixtures.host import cli
 from fixtures.node import TOLERATION, RealNode
+from offloadpool.api.constants import extended_resource_name, pool_label_key
 from offloadpool.api.pods import ENV_POOL_DIR
 from offloadpool.csi.config import DRIVER_NAME, CsiConfig
-from offloadpool.region import manifest as manifests
-from offloadpool.region import published
+from offloadpool.region.files import manifest as manifests
+from offloadpool.region.holding import published
 
 pytestmark = pytest.mark.node
 
@@ -58,6 +60,7 @@ class CsiE2E(ReleaseOnNode):
     image: str = ""
     restricted_ns: str = ""
     restricted_pool: str = ""
+    shares_pool: str = ""
     seen: dict[str, Any] = field(default_factory=dict)
 
     def diagnostics(self) -> str:
@@ -100,6 +103,7 @@ def csi_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
         image=image,
         restricted_ns=f"csi-restricted-{suffix}",
         restricted_pool=f"csi-rs-{suffix}",
+        shares_pool=f"csi-shares-{suffix}",
     )
     cp = real_node.control_plane
     try:
@@ -126,7 +130,8 @@ def csi_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
         yield e2e
     finally:
         consumers = [e2e.allowed_ns, e2e.other_ns, e2e.restricted_ns]
-        remove_release(cp, RELEASE, e2e.ns, [e2e.pool, e2e.restricted_pool], real_node.name, consumers)
+        pools = [e2e.pool, e2e.restricted_pool, e2e.shares_pool]
+        remove_release(cp, RELEASE, e2e.ns, pools, real_node.name, consumers)
         cp.kubectl("delete", "csidriver", DRIVER_NAME, "--ignore-not-found", check=False)
 
 
@@ -271,12 +276,12 @@ RESTRICTED_SECURITY = {
 }
 
 
-def _restricted_engine(e2e: CsiE2E, token: str) -> dict:
+def _restricted_engine(e2e: CsiE2E, token: str, pool: str = "", name: str = "engine-0") -> dict:
     """The pod as a user writes it: the pool label and nothing else of offloadpool's."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "engine-0", "labels": {"offloadpool.io/pool": e2e.restricted_pool}},
+        "metadata": {"name": name, "labels": {"offloadpool.io/pool": pool or e2e.restricted_pool}},
         "spec": {
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
@@ -294,6 +299,20 @@ def _restricted_engine(e2e: CsiE2E, token: str) -> dict:
             ],
         },
     }
+
+
+def _admit(e2e: CsiE2E, ns: str, manifest: str) -> None:
+    """Apply the pod, once the operator serves the webhook (until it has written its caBundle,
+    the call itself fails); any refusal fails the test."""
+
+    def admitted() -> str | None:
+        out = e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=manifest, check=False)
+        if "failed calling webhook" in out.stderr:
+            return None
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    e2e.wait("the pod admitted through the webhook", admitted, 180)
 
 
 def _host_bytes(pool_dir: Path, offset: int, length: int) -> bytes:
@@ -359,6 +378,60 @@ def test_csi_restricted_namespace_pod_gets_its_pool_through_the_webhook_and_writ
     e2e.seen["restricted"] = {"uid": uid, "target": holder.target_path, "pod": named}
 
 
+def test_csi_growing_a_held_pool_waits_with_the_old_region_ready_and_advertised(csi_e2e: CsiE2E) -> None:
+    """capacity 16Mi -> 512Mi while the restricted pod holds the pool (its published volume):
+    past the old agent pod's memory limit (16Mi + the 256Mi overhead), which used to fail the
+    node (Failed InsufficientMemory, label and extended resource gone). Now the node stays
+    Ready on the old region with LeaseHeld naming the pod, keeps its label and extended
+    resource, and the pool says Progressing=True RolloutPending; the agent pod is not replaced
+    under the holder. The spec then goes back (the next test reshapes under the same pod)."""
+    e2e, cp = csi_e2e, csi_e2e.cp
+    seen = e2e.seen.get("restricted")
+    assert seen, "no restricted pod attached (see the test before)"
+    pool, node = e2e.restricted_pool, e2e.node.name
+    node_object = f"{pool}.{node}"
+    agents = cp.kubectl("get", "pods", "-n", e2e.ns, "-l", f"offloadpool.io/pool={pool}", "-o", "name").stdout
+
+    cp.kubectl("patch", "offloadpool", pool, "--type=merge", "-p", '{"spec":{"capacity":"512Mi"}}')
+
+    def growth_waits() -> dict | None:
+        status = (e2e.get("offloadpoolnodes", node_object) or {}).get("status") or {}
+        return status if status.get("reason") == "LeaseHeld" and status.get("pendingGeneration") else None
+
+    status = e2e.wait("the growth waiting for the pod", growth_waits, 120)
+    assert status["phase"] == "Ready" and seen["pod"] in status["message"], status
+    assert status["bytesTotal"] == RESTRICTED_POOL_BYTES, status
+
+    def pool_says_pending() -> dict | None:
+        conds = {
+            c["type"]: c
+            for c in ((e2e.get("offloadpool", pool) or {}).get("status") or {}).get("conditions") or []
+        }
+        prog = conds.get("Progressing") or {}
+        return conds if prog.get("reason") == "RolloutPending" else None
+
+    conds = e2e.wait("the pool saying RolloutPending", pool_says_pending, 60)
+    assert conds["Progressing"]["status"] == "True" and conds["Ready"]["status"] == "True", conds
+    assert conds["Degraded"]["status"] == "False", conds
+    time.sleep(8)  # several agent retries and operator passes: nothing fails meanwhile
+    status = (e2e.get("offloadpoolnodes", node_object) or {}).get("status") or {}
+    assert (status["phase"], status["reason"]) == ("Ready", "LeaseHeld"), status
+    body = e2e.get("node", node) or {}
+    assert body["metadata"]["labels"].get(pool_label_key(pool)) == "ready", body["metadata"]["labels"]
+    assert body["status"]["allocatable"].get(extended_resource_name(pool)) == "1", body["status"]
+    assert manifests.load(e2e.root / pool).total_bytes == RESTRICTED_POOL_BYTES, "grown under the pod"
+    after = cp.kubectl("get", "pods", "-n", e2e.ns, "-l", f"offloadpool.io/pool={pool}", "-o", "name").stdout
+    assert after == agents, "the agent pod was replaced under the holder"
+
+    cp.kubectl("patch", "offloadpool", pool, "--type=merge", "-p", '{"spec":{"capacity":"16Mi"}}')
+
+    def back() -> dict | None:
+        status = (e2e.get("offloadpoolnodes", node_object) or {}).get("status") or {}
+        return status if status.get("phase") == "Ready" and not status.get("pendingGeneration") else None
+
+    e2e.wait("the node Ready at the spec put back", back, 120)
+
+
 def test_csi_restricted_pod_holds_its_pool_against_release_reshape_and_deletion(csi_e2e: CsiE2E) -> None:
     """While the pod runs (its engine detached: the published volume alone holds the pool),
     ``offloadpool release`` on the host, a reshaping spec change and the pool's deletion (the
@@ -410,3 +483,48 @@ def test_csi_restricted_pod_holds_its_pool_against_release_reshape_and_deletion(
     assert not (e2e.root / ".state" / pool).exists()
     assert not [m for m in host_mounts() if m.startswith(f"{pool_dir}/") or m == str(pool_dir)]
     assert not [m for m in host_mounts() if seen["uid"] in m], "a mount of the pod is left"
+
+
+SHARES_POOL_BYTES = 16 << 20
+
+
+def test_csi_a_pod_of_a_partitioned_pool_is_admitted_and_writes_one_share(csi_e2e: CsiE2E) -> None:
+    """A CSI pool of 2 shares for the restricted namespace: a pod carrying only the pool label
+    is admitted (the validating webhook finds it as the mutation wrote it, after the API
+    server's defaults), attaches what its volume gives (one share, as a plain pool of half the
+    capacity) and writes; the node shows that share claimed by the pod, through CSI."""
+    e2e, cp = csi_e2e, csi_e2e.cp
+    assert e2e.seen.get("registered"), "the plugin did not register (see the first test)"
+    pool, ns = e2e.shares_pool, e2e.restricted_ns
+    consumers = {"namespaces": [ns], "uid": 1000, "gid": 1000, "delivery": "CSI"}
+    e2e.ready_memory_pool(pool, consumers, partitions=2)
+    token = f"share-{uuid.uuid4().hex[:8]}"
+    _admit(e2e, ns, json.dumps(_restricted_engine(e2e, token, pool=pool, name="share-0")))
+    stored = e2e.pod(ns, "share-0")
+    assert stored is not None
+    env = {e["name"]: e for e in stored["spec"]["containers"][0]["env"]}
+    assert env["OFFLOADPOOL_POD_UID"]["valueFrom"]["fieldRef"] == {
+        "apiVersion": "v1",
+        "fieldPath": "metadata.uid",
+    }
+    assert env["OFFLOADPOOL_CAPACITY_BYTES"]["value"] == str(SHARES_POOL_BYTES // 2)
+
+    def wrote() -> str | None:
+        out = cp.kubectl("logs", "share-0", "-n", ns, check=False)
+        return out.stdout if out.returncode == 0 and "DETACHED" in out.stdout else None
+
+    log = e2e.wait("the engine of the share wrote and detached", wrote, 180)
+    assert f"wrote {token} at both ends of {SHARES_POOL_BYTES // 2} bytes as uid 1000" in log, log
+    uid = (e2e.pod(ns, "share-0") or {})["metadata"]["uid"]
+    node_object = f"{pool}.{e2e.node.name}"
+
+    def claimed() -> list | None:
+        status = (e2e.get("offloadpoolnodes", node_object) or {}).get("status") or {}
+        taken = [s for s in status.get("shares") or () if s.get("claimed")]
+        return taken or None
+
+    (share,) = e2e.wait("the share claimed on the node", claimed, 60)
+    assert (share["via"], share["holder"]) == ("CSI", uid), share
+    cp.kubectl("delete", "pod", "share-0", "-n", ns, "--grace-period=1", "--timeout=90s")
+    cp.kubectl("delete", "offloadpool", pool, "--timeout=120s")
+    assert not (e2e.root / pool).exists()

@@ -8,7 +8,9 @@ the README's walk-through does: docs/real-node.md, "A cluster to try it on".)
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -120,3 +122,54 @@ def test_up_while_another_node_holds_the_host_lock_fails_at_once_naming_the_hold
     # Once the holder is gone, the lock is free again: the refusal was the holder's doing.
     again = hack_node("status", dev_dir=dev_dir, lock=lock)
     assert again.returncode == 1
+
+
+def test_status_prints_the_lines_the_guide_needs_on_this_cluster(
+    paths: tuple[Path, Path], stand_in: subprocess.Popen[str]
+) -> None:
+    """The printed `helm install` line sets `csi.kubeletDir` to the node's kubelet root (where
+    `/var/lib/kubelet` is no kubelet's: the CSI plugin's Bidirectional volume is refused
+    there), and comments name the local busybox and why there is no cluster DNS."""
+    from dataclasses import asdict
+
+    from hack.devcluster import Cluster
+    from hack.node_build import GUIDE_BUSYBOX_IMAGE
+
+    dev_dir, lock = paths
+    kubelet = "/var/lib/offloadpool-dev/node/kubelet"
+    cluster = Cluster(
+        supervisor_pid=stand_in.pid,
+        kubeconfig=str(dev_dir / "admin.kubeconfig"),
+        bin_dir="/cache/bin",
+        server="https://127.0.0.1:6443",
+        node="this-host",
+        image="ghcr.io/offloadpool/offloadpool:0.1.0-dev",
+        kubelet_dir=kubelet,
+    )
+    (dev_dir / "cluster.json").write_text(json.dumps(asdict(cluster)))
+    out = hack_node("status", dev_dir=dev_dir, lock=lock)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    (helm,) = [line for line in lines if line.startswith("helm install ")]
+    assert helm.endswith(f" --set csi.kubeletDir={kubelet}"), helm
+    # one node carries both the pools and the operator: the chart's default keeps them apart
+    assert """--set-json 'operator.affinity={"nodeAffinity":{}}'""" in helm, helm
+    comments = "\n".join(line for line in lines if line.startswith("# "))
+    assert GUIDE_BUSYBOX_IMAGE in comments and "MissingClusterDNS" in comments, out.stdout
+    # eval-safe: every line is a command the guide's shell runs, or a comment
+    assert all(line.split()[0] in {"export", "kubectl", "helm", "#"} for line in lines), out.stdout
+
+
+def test_the_guides_pods_use_the_image_up_puts_on_the_node() -> None:
+    """`kubectl run --image=...` in docs/user-guide.md names the busybox `up` tags into the
+    node's containerd, with a tag (not `latest`, whose default pull policy is Always: a node
+    without a registry cannot run it)."""
+    from hack.node_build import GUIDE_BUSYBOX_IMAGE
+
+    guide = (REPO / "docs" / "user-guide.md").read_text()
+    images = re.findall(r"kubectl run \S+ .*?--image=(\S+)", guide)
+    assert images, "the guide runs no pod with kubectl run"
+    for image in images:
+        name, _, tag = image.rpartition(":") if ":" in image else (image, "", "latest")
+        full = name if "/" in name else f"docker.io/library/{name}"
+        assert f"{full}:{tag}" == GUIDE_BUSYBOX_IMAGE, (image, GUIDE_BUSYBOX_IMAGE)

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from offloadpool.api.constants import HOST_ROOT
+from offloadpool.api.constants import HOST_ROOT, KUBELET_DIR
 from offloadpool.operator import admission, hostguard
 from offloadpool.operator.admission import InjectionSettings
 
 SETTINGS = InjectionSettings()
+TREES = hostguard.guarded(HOST_ROOT, KUBELET_DIR)
 
 
 def pod(volumes: list[dict[str, Any]] = (), **spec: Any) -> dict[str, Any]:  # type: ignore[assignment]
@@ -67,17 +68,59 @@ def test_paths_are_normalised_as_the_kernel_resolves_them(path: str, normal: str
 )
 def test_hostpaths_that_reach_the_root_are_refused_without_the_label(path: str) -> None:
     assert hostguard.reaches(path, HOST_ROOT)
-    (why,) = hostguard.refusals(pod([host(path)]), HOST_ROOT, None)
+    (why,) = hostguard.refusals(pod([host(path)]), TREES, None)
     assert f"hostPath {path!r} reaches /var/lib/offloadpool" in why
 
 
 @pytest.mark.parametrize(
     "path",
-    ["/var/log", "/var/lib/offloadpool-other", "/var/lib/kubelet", "/etc/ssl/certs", "/dev/shm", "/run"],
+    [
+        "/var/log",
+        "/var/lib/offloadpool-other",
+        "/var/lib/kubelet-other",
+        "/etc/ssl/certs",
+        "/dev/shm",
+        "/run",
+    ],
 )
 def test_hostpaths_beside_the_root_are_not_this_guards_business(path: str) -> None:
-    assert not hostguard.reaches(path, HOST_ROOT)
-    assert hostguard.refusals(pod([host(path)]), HOST_ROOT, None) == []
+    assert not hostguard.reaches(path, HOST_ROOT) and not hostguard.reaches(path, KUBELET_DIR)
+    assert hostguard.refusals(pod([host(path)]), TREES, None) == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/var/lib/kubelet",
+        "/var/lib/kubelet/",
+        "/var/lib/kubelet/pods",
+        "/var/lib/kubelet/pods/0a1b/volumes/kubernetes.io~csi/pool/mount",
+        "/var/lib/kubelet/plugins",
+        "/var/lib/kubelet/plugins/offloadpool.io",
+        "/var/lib/kubelet/plugins/offloadpool.io/csi.sock",
+        "/var/lib/kubelet/plugins_registry",
+        "/var/lib/kubelet/pod-resources",
+        "/var/lib/kubelet/pki",
+        "//var/lib/kubelet//pods/",
+        "/var/lib/./kubelet/plugins",
+        "/var/lib/kubelet/pods/..",
+        "/var/log/../lib/kubelet",
+    ],
+)
+def test_hostpaths_into_the_kubelets_tree_are_refused_labelled_or_not(path: str) -> None:
+    """``pods/`` holds every CSI-published pool's memory, ``plugins/offloadpool.io/`` the socket
+    that publishes any pool (issue 36): the kubelet's tree is guarded as the host root is."""
+    assert hostguard.reaches(path, KUBELET_DIR)
+    (why,) = hostguard.refusals(pod([host(path)]), TREES, None)
+    assert f"hostPath {path!r} reaches /var/lib/kubelet, the kubelet's directory" in why
+    volumes = admission.volumes(_pool(), SETTINGS)
+    (why,) = hostguard.refusals(pod([*volumes, host(path)]), TREES, "kv", volumes)
+    assert "reaches /var/lib/kubelet" in why
+    # a kubelet with another --root-dir: that one is guarded
+    other = hostguard.guarded(HOST_ROOT, "/data/kubelet")
+    moved = str(hostguard.normalise(path)).replace("/var/lib/kubelet", "/data/kubelet")
+    assert hostguard.refusals(pod([host(moved)]), other, None), moved
+    assert hostguard.refusals(pod([host(path)]), other, None) == []  # the default is not it then
 
 
 def _pool(name: str = "kv", **spec: Any) -> dict[str, Any]:
@@ -87,9 +130,9 @@ def _pool(name: str = "kv", **spec: Any) -> dict[str, Any]:
 def test_a_labelled_pod_may_hold_exactly_its_pools_volumes_and_resource() -> None:
     compat = _pool(compat={"vllm": {"engineId": "e"}}, segments={"maxFiles": 1})
     volumes = admission.volumes(compat, SETTINGS)
-    assert len(volumes) == 2
+    assert len(volumes) == 1  # the region file is a subPath of the pool's directory
     ok = pod(volumes, initContainers=[{"name": "s", "resources": {"limits": {"offloadpool.io/kv": "1"}}}])
-    assert hostguard.refusals(ok, HOST_ROOT, "kv", volumes) == []
+    assert hostguard.refusals(ok, TREES, "kv", volumes) == []
     # the same path spelled otherwise, another type, another pool's directory: refused
     for other in (
         host("/var/lib/offloadpool/kv/", name="offloadpool-kv", type="Directory"),
@@ -97,19 +140,22 @@ def test_a_labelled_pod_may_hold_exactly_its_pools_volumes_and_resource() -> Non
         host("/var/lib/offloadpool/kv2", name="offloadpool-kv2", type="Directory"),
         host("/", name="extra"),
     ):
-        assert hostguard.refusals(pod([*volumes, other]), HOST_ROOT, "kv", volumes), other
+        assert hostguard.refusals(pod([*volumes, other]), TREES, "kv", volumes), other
     # unlabelled, the very same volumes are refused
-    assert len(hostguard.refusals(pod(volumes), HOST_ROOT, None)) == 2
+    assert len(hostguard.refusals(pod(volumes), TREES, None)) == 1
+    # an older release's hostPath of the region file (a name in the pool's mount): refused
+    old = host("/var/lib/offloadpool/kv/mnt/vllm_offload_e.mmap", name="offloadpool-kv-vllm", type="File")
+    assert hostguard.refusals(pod([*volumes, old]), TREES, "kv", volumes)
 
 
 @pytest.mark.parametrize("kind", ["containers", "initContainers", "ephemeralContainers"])
 @pytest.mark.parametrize("part", ["requests", "limits"])
 def test_pool_resources_need_the_pools_label(kind: str, part: str) -> None:
     p = pod(**{kind: [{"name": "x", "resources": {part: {"offloadpool.io/kv": "1", "cpu": "1"}}}]})
-    (why,) = hostguard.refusals(p, HOST_ROOT, None)
+    (why,) = hostguard.refusals(p, TREES, None)
     assert why.startswith("resource offloadpool.io/kv: only a pod labelled offloadpool.io/pool: kv")
-    assert hostguard.refusals(p, HOST_ROOT, "kv") == []
-    assert hostguard.refusals(p, HOST_ROOT, "other")  # another pool's label does not do
+    assert hostguard.refusals(p, TREES, "kv") == []
+    assert hostguard.refusals(p, TREES, "other")  # another pool's label does not do
     assert hostguard.pool_resources(pod(resources={"limits": {"offloadpool.io/kv": "1"}})) == {
         "offloadpool.io/kv"
     }

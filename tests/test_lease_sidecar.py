@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from fixtures.wait import wait_for
-from offloadpool.region.lease import Lease, LeaseHeld, count_holders, lease_path
+from offloadpool.region.holding.lease import Lease, LeaseHeld, count_holders, lease_path
 
 EXE = str(Path(sys.executable).parent / "offloadpool")
 

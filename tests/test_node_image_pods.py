@@ -23,8 +23,8 @@ import pytest
 from fixtures.node import TOLERATION, RealNode
 from fixtures.node_image import REPO, image_tool
 from fixtures.wait import wait_for
-from offloadpool.region import mounts
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.memory import mounts
 
 pytestmark = [pytest.mark.node, pytest.mark.root]
 

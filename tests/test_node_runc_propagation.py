@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from fixtures.node_image import build_image, image_manifest, runc_bundle, runc_run, unpack
-from offloadpool.region import mounts
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.memory import mounts
 
 pytestmark = pytest.mark.root  # builds images, mounts, cgroups: root only
 

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offloadpool.operator import agentpods
 from offloadpool.operator.aggregate import MAX_FAILING_NODES, aggregate
 from offloadpool.operator.events import transitions
 from offloadpool.operator.pool_node_report import PoolNodeReport
@@ -96,7 +97,23 @@ def test_held_node_is_ready_but_pending():
     s = aggregate(generation=2, selected=views, views=views, now=NOW).status
     assert (s["phase"], s["readyNodes"], s["pendingNodes"]) == ("Ready", 2, 1)
     c = conds(s)["Progressing"]
-    assert (c["status"], c["reason"]) == ("False", "RolloutPending") and "b" in c["message"]
+    assert (c["status"], c["reason"]) == ("True", "RolloutPending") and "b" in c["message"]
+
+
+def test_progressing_is_never_complete_while_a_node_has_not_applied_the_generation():
+    """A node held by an engine still has the change to apply (Progressing True,
+    RolloutPending); a Failed node that the rollout did not halt on is not "Complete" either."""
+    held = {"a": ready("a", 1, pending_generation=2, reason="LeaseHeld")}
+    c = conds(aggregate(generation=2, selected=held, views=held, now=NOW).status)["Progressing"]
+    assert (c["status"], c["reason"]) == ("True", "RolloutPending"), c
+    failed = {
+        "a": ready("a", 2),
+        "b": PoolNodeReport(node="b", phase="Failed", observed_generation=2, reason="InsufficientMemory"),
+    }
+    s = aggregate(generation=2, selected=failed, views=failed, now=NOW).status
+    c = conds(s)["Progressing"]
+    assert (c["status"], c["reason"]) == ("False", "NodesFailed") and "b" in c["message"], c
+    assert conds(s)["Degraded"]["reason"] == "NodesFailed"
 
 
 def test_transition_time_kept_when_status_unchanged():
@@ -141,7 +158,70 @@ def test_deleting_names_what_holds_the_memory_in_the_nodes_words():
     assert "of pod team-a/engine-0" in agg.status["failingNodes"][0]["message"]
 
 
-def test_events_on_transitions_only():
+def test_deleting_skips_nodes_where_no_agent_ever_ran_and_says_what_it_waits_for_elsewhere():
+    """A node whose agent never ran (``never_ran``: no status, no Lease, its pod never placed)
+    holds nothing: the deletion does not wait for it, and says so. A node without a status whose
+    agent may have run is still waited for, saying that memory may be there."""
+    views = {"vm": PoolNodeReport(node="vm"), "b": PoolNodeReport(node="b")}
+    agg = aggregate(
+        generation=1,
+        selected=["vm", "b"],
+        views=views,
+        now=NOW,
+        deleting=True,
+        existing_nodes=["vm", "b"],
+        never_ran=["vm"],
+    )
+    assert agg.unreleased_nodes == ("b",)
+    message = conds(agg.status)["Ready"]["message"]
+    assert (
+        "deletion waits for 1 node(s) to release the memory: b (no status from its agent yet; it may"
+        in message
+    )
+    assert "nothing to release on 1 node(s) where no agent ever ran: vm" in message, message
+    done = aggregate(
+        generation=1,
+        selected=["vm"],
+        views={"vm": views["vm"]},
+        now=NOW,
+        deleting=True,
+        existing_nodes=["vm"],
+        never_ran=["vm"],
+    )
+    assert done.unreleased_nodes == () and conds(done.status)["Progressing"]["reason"] == "Released"
+    assert "where no agent ever ran: vm" in conds(done.status)["Progressing"]["message"]
+
+
+def _agent_pod(node: str, bound: bool = False, **status) -> dict:
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    spec = {
+        "affinity": {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}
+        }
+    }
+    if bound:
+        spec["nodeName"] = node
+    return {"metadata": {"name": f"agent-{node}"}, "spec": spec, "status": status}
+
+
+def test_agent_pods_that_never_ran_a_container_are_told_apart():
+    waiting = {"name": "agent", "state": {"waiting": {"reason": "ImagePullBackOff"}}, "restartCount": 0}
+    running = {"name": "agent", "state": {"running": {}}, "restartCount": 0}
+    restarted = {**waiting, "restartCount": 1, "lastState": {"terminated": {"exitCode": 1}}}
+    pods = [
+        _agent_pod(
+            "unplaced", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
+        ),
+        _agent_pod("pulling", bound=True, containerStatuses=[waiting]),
+        _agent_pod("running", bound=True, containerStatuses=[running]),
+        _agent_pod("restarted", bound=True, containerStatuses=[restarted]),
+        _agent_pod("silent-kubelet", bound=True),
+        # an old pod that ran and a new one that cannot be placed: it ran there
+        _agent_pod("replaced", bound=True, containerStatuses=[running]),
+        _agent_pod("replaced"),
+    ]
+    assert agentpods.never_ran(pods) == {"unplaced", "pulling"}
+
     views = {"a": ready("a"), "b": PoolNodeReport(node="b", phase="Populating")}
     s1 = aggregate(generation=1, selected=views, views=views, now=NOW).status
     first = transitions(None, s1)
@@ -255,26 +335,54 @@ def test_node_marks_follow_readiness() -> None:
         )
 
     bare = node()
-    assert label_patch("p", bare, True) == {"metadata": {"labels": {"pool.offloadpool.io/p": "ready"}}}
+    assert label_patch("p", bare, True) == {
+        "metadata": {"labels": {"pool.offloadpool.io/p": "ready", "node.offloadpool.io/pools": "true"}}
+    }
     assert resource_patch("p", bare, True) == {
         "status": {"capacity": {"offloadpool.io/p": "1"}, "allocatable": {"offloadpool.io/p": "1"}}
     }
     assert label_patch("p", bare, False) is None and resource_patch("p", bare, False) is None
-    marked = node({"pool.offloadpool.io/p": "ready"}, {"offloadpool.io/p": "1"}, {"offloadpool.io/p": "1"})
+    both = {"pool.offloadpool.io/p": "ready", "node.offloadpool.io/pools": "true"}
+    marked = node(both, {"offloadpool.io/p": "1"}, {"offloadpool.io/p": "1"})
     assert label_patch("p", marked, True) is None and resource_patch("p", marked, True) is None
     assert resource_patch("p", marked, False) == {
         "status": {"capacity": {"offloadpool.io/p": None}, "allocatable": {"offloadpool.io/p": None}}
     }
     # a kubelet that re-registered the node zeroed the resource: advertise it again
-    zeroed = node({"pool.offloadpool.io/p": "ready"}, {"offloadpool.io/p": "0"}, {"offloadpool.io/p": "0"})
+    zeroed = node(both, {"offloadpool.io/p": "0"}, {"offloadpool.io/p": "0"})
     assert resource_patch("p", zeroed, True) is not None
     # both marks in one status patch, or none
     assert marks_patch("p", bare, True) == {
-        "metadata": {"labels": {"pool.offloadpool.io/p": "ready"}},
+        "metadata": {"labels": {"pool.offloadpool.io/p": "ready", "node.offloadpool.io/pools": "true"}},
         "status": {"capacity": {"offloadpool.io/p": "1"}, "allocatable": {"offloadpool.io/p": "1"}},
     }
     assert marks_patch("p", marked, True) is None and marks_patch("p", bare, False) is None
     assert marks_patch("p", zeroed, True) == resource_patch("p", zeroed, True)
+
+
+def test_every_node_with_a_ready_pool_carries_the_one_fixed_label() -> None:
+    """node.offloadpool.io/pools: set with any pool's label (also on a node marked before the
+    label existed), removed with the last pool label, kept while another pool is Ready there."""
+    from offloadpool.api.constants import POOL_NODE_LABEL, POOL_NODE_VALUE, pool_label_key
+    from offloadpool.operator.nodes import label_patch
+    from offloadpool.operator.selection import SelectableNode
+
+    def node(*pools: str, fixed: bool = True) -> SelectableNode:
+        labels = {pool_label_key(p): "ready" for p in pools} | (
+            {POOL_NODE_LABEL: POOL_NODE_VALUE} if fixed else {}
+        )
+        return SelectableNode.from_body(
+            {"metadata": {"name": "n", "labels": labels}, "status": {}}, "offloadpool.io/"
+        )
+
+    assert label_patch("p", node("p", fixed=False), True) == {
+        "metadata": {"labels": {POOL_NODE_LABEL: "true"}}
+    }
+    assert label_patch("q", node("p"), True) == {"metadata": {"labels": {pool_label_key("q"): "ready"}}}
+    assert label_patch("p", node("p", "q"), False) == {"metadata": {"labels": {pool_label_key("p"): None}}}
+    assert label_patch("p", node("p"), False) == {
+        "metadata": {"labels": {pool_label_key("p"): None, POOL_NODE_LABEL: None}}
+    }
 
 
 def test_selection_follows_the_daemonset_controller() -> None:

@@ -13,6 +13,7 @@ from fixtures.operator_world import MERGE, NAMESPACE, World
 from fixtures.wait import wait_for
 from offloadpool.agent.config import AgentConfig
 from offloadpool.api import agent_env
+from offloadpool.api.quantity import parse_quantity
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.daemonset import HASH_ANNOTATION, render
 
@@ -68,6 +69,9 @@ def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
         env[agent_env.HTTP_PORT_ENV]["value"],
         env[agent_env.HEARTBEAT_ENV]["value"],
     ) == ("kv", "/var/lib/offloadpool", "9475", f"{AgentConfig.heartbeat_seconds:g}")
+    # what the limits were made for: the agent never applies another capacity under them
+    capacity = parse_quantity(POOL["spec"]["capacity"])
+    assert env[agent_env.SIZED_FOR_ENV]["value"] == agent_env.sized_for(medium, capacity)
     assert agent["volumeMounts"] == [
         {"name": "host-root", "mountPath": "/var/lib/offloadpool", "mountPropagation": "Bidirectional"}
     ]
@@ -75,7 +79,7 @@ def test_render_per_medium(medium: str, requests: dict, limits: dict) -> None:
         {"name": "host-root", "hostPath": {"path": "/var/lib/offloadpool", "type": "DirectoryOrCreate"}}
     ]
     assert agent["securityContext"]["privileged"] is True
-    assert pod["hostPID"] is True  # to see the pool's holders in every pod (region.holders)
+    assert pod["hostPID"] is True  # to see the pool's holders in every pod (region.holding.holders)
     assert not any(pod.get(k) for k in ("hostNetwork", "hostIPC"))
     assert agent["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
@@ -208,3 +212,19 @@ def test_daemonset_controller_runs_agents_on_selected_nodes_only(
     kept = pod_on(engaged)
     assert kept.metadata.uid == before[engaged].metadata.uid
     assert kept.spec.containers[0].resources.limits["hugepages-2Mi"] == "64Mi"
+
+
+def test_the_agents_http_address_is_the_operators_setting_and_the_agent_binds_it() -> None:
+    """The operator's --agent-http-address reaches the agents through their DaemonSet's
+    environment, under the name the agent's configuration reads; its default is the agent's."""
+    from offloadpool.agent.config import load as load_agent_config
+
+    for config, address in (
+        (CONFIG, AgentConfig.http_address),
+        (replace(CONFIG, agent_http_address="::"), "::"),
+    ):
+        (agent,) = render(with_medium("Memory"), config)["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in agent["env"]}
+        assert env[agent_env.HTTP_ADDRESS_ENV] == address
+        loaded = load_agent_config(agent["args"], environ={**env, agent_env.NODE_NAME_ENV: "n1"})
+        assert loaded.http_address == address

@@ -386,6 +386,112 @@ def test_an_unschedulable_agent_pod_is_named_with_the_schedulers_reason(
     assert "provisioning" not in c["Progressing"]["message"], dump(c)
 
 
+def kubelet_ready(w: World, node: str) -> None:
+    """The Node Ready with room, as its kubelet reports it: else it stays tainted not-ready and
+    the DaemonSet controller makes it no agent pod at all."""
+    stamp = format_time(now())
+    ready = {
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": stamp,
+    }
+    room = {"cpu": "8", "memory": "16Gi", "pods": "110"}
+    w.core.patch_node_status(node, {"status": {"capacity": room, "allocatable": room, "conditions": [ready]}})
+
+
+def test_deleting_a_pool_whose_agent_never_ran_finishes_and_one_that_may_hold_memory_waits(
+    world: World, offloadpool_operator: OperatorProcess
+) -> None:
+    """A pool larger than a node offers (its agent pod cannot be placed: ``AgentsUnschedulable``)
+    never held anything there: its deletion does not wait for that node. A node without a status
+    whose agent pod runs may hold memory: the deletion waits for it, saying so, until it reports
+    Released. The test plays the scheduler and the kubelet (the test control plane runs
+    neither): the PodScheduled condition of a pod that fits nowhere; the binding and the running
+    container of the other."""
+    w = world
+    group = w.name("g")
+    never, quiet = (
+        w.add_node("never", {"offloadpool-test/group": group}),
+        w.add_node("quiet", {"offloadpool-test/group": group}),
+    )
+    for node in (never, quiet):
+        kubelet_ready(w, node)
+    pool = w.create_pool(
+        "noagent", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"offloadpool-test/group": group}}
+    )
+    why = "0/2 nodes are available: 1 Insufficient memory."
+    unplaced = agent_pod(w, pool, never)
+    w.core.patch_namespaced_pod_status(
+        unplaced["metadata"]["name"],
+        NAMESPACE,
+        {
+            "status": {
+                "conditions": [
+                    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}
+                ]
+            }
+        },
+    )
+    running = agent_pod(w, pool, quiet)
+    try:
+        w.core.create_namespaced_pod_binding(
+            running["metadata"]["name"],
+            NAMESPACE,
+            {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": running["metadata"]["name"]},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": quiet},
+            },
+            _preload_content=False,  # the API server answers a Status the client cannot read as a Binding
+        )
+    except ApiException as exc:
+        # 409: bound already (a retried request whose first answer was lost); bound where we want
+        bound = w.core.read_namespaced_pod(running["metadata"]["name"], NAMESPACE)
+        if exc.status != 409 or bound.spec.node_name != quiet:
+            raise
+    container = running["spec"]["containers"][0]
+    w.core.patch_namespaced_pod_status(
+        running["metadata"]["name"],
+        NAMESPACE,
+        {
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": container["name"],
+                        "image": container["image"],
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "started": True,
+                        "state": {"running": {"startedAt": format_time(now())}},
+                    }
+                ],
+            }
+        },
+    )
+    wait_for("both OffloadPoolNodes", lambda: set(w.pool_nodes(pool)) == {never, quiet} or None)
+    w.custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
+
+    def waits_for_quiet_only() -> str | None:
+        message = conds(w.pool(pool) or {}).get("Ready", {}).get("message", "")
+        return message if "where no agent ever ran" in message else None
+
+    message = wait_for("the deletion to wait for the quiet node only", waits_for_quiet_only, timeout=60)
+    assert message.startswith(
+        f"deletion waits for 1 node(s) to release the memory: {quiet} (no status from its agent yet; "
+        "it may hold memory there until the agent reports Released)"
+    ), message
+    assert f"nothing to release on 1 node(s) where no agent ever ran: {never}" in message, message
+    assert w.pool(pool) is not None, "the finalizer went while a node may hold memory"
+
+    w.report(pool, quiet, phase="Released")
+    wait_for("the pool gone", lambda: w.pool(pool) is None, timeout=60)
+
+
 def test_a_frozen_agent_is_not_called_provisioning(
     world: World, offloadpool_operator: OperatorProcess
 ) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import offloadpool
 from fixtures.operator_process import OperatorProcess
 from fixtures.wait import wait_for
 from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
@@ -154,6 +155,8 @@ def test_liveness_endpoint(crds_installed: Any, operator_rbac: Path) -> None:
                 return False
 
         wait_for("the operator's /healthz", healthy, timeout=60)
+        # Its first line of its own says which version runs.
+        assert f"offloadpool-operator {offloadpool.__version__}: namespace " in op.log(100_000)
     finally:
         op.stop()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -72,7 +72,9 @@ def test_the_pods_of_a_shared_pool_are_told_their_uid_and_a_shares_capacity() ->
     }
     new = admission.mutate(pod, body, InjectionSettings())
     env = {e["name"]: e for e in new["spec"]["containers"][0]["env"]}
-    assert env[ENV_POD_UID] == {"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+    # apiVersion as the API server stores it (tests/test_webhook.py: the stored pod is admitted)
+    field_ref = {"apiVersion": "v1", "fieldPath": "metadata.uid"}
+    assert env[ENV_POD_UID] == {"name": ENV_POD_UID, "valueFrom": {"fieldRef": field_ref}}
     assert env[ENV_CAPACITY_BYTES]["value"] == str(16 << 20)
     one = {"metadata": {"name": "kv"}, "spec": {"capacity": "64Mi", "medium": "Memory"}}
     env = {

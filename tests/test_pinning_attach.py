@@ -12,9 +12,9 @@ import pytest
 
 from fixtures.pinning_pools import GiB, MiB, PoolFactory, run_python, traces_of, vm_locked_bytes
 from offloadpool.pinning import Attachment, attach
-from offloadpool.region.lease import count_holders, lease_path
-from offloadpool.region.manifest import load
-from offloadpool.region.media import is_hugetlbfs
+from offloadpool.region.files.manifest import load
+from offloadpool.region.holding.lease import count_holders, lease_path
+from offloadpool.region.memory.media import is_hugetlbfs
 from offloadpool.region.vocabulary import LAYOUTS, MEDIA
 
 SLOT = 1 * MiB  # one rank's slot in an interleaved row (rows of 2 MiB with 2 ranks)

@@ -8,7 +8,7 @@ import pytest
 
 from fixtures.pinning_pools import MiB, run_python
 from offloadpool.bench.startup import markdown, run
-from offloadpool.region import mounts
+from offloadpool.region.memory import mounts
 
 # the benchmark mounts its own tmpfs/hugetlbfs scratch pools and mlocks them
 pytestmark = pytest.mark.root

@@ -16,10 +16,10 @@ import pytest
 
 from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of, vm_locked_bytes
 from offloadpool.pinning import PinCancelled, PinStats, attach
-from offloadpool.region.lease import Lease, LeaseHeld, count_holders, lease_path
-from offloadpool.region.manifest import load
-from offloadpool.region.media import is_hugetlbfs
-from offloadpool.region.release import release
+from offloadpool.region.files.manifest import load
+from offloadpool.region.holding.lease import Lease, LeaseHeld, count_holders, lease_path
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.memory.media import is_hugetlbfs
 
 HOLDER = """
 import sys, time

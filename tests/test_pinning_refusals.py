@@ -12,8 +12,8 @@ import pytest
 
 from fixtures.pinning_pools import MiB, PoolFactory, run_python, traces_of
 from offloadpool.pinning import AttachError, ManifestError, PinError, attach
-from offloadpool.region.lease import Lease, count_holders, lease_path
-from offloadpool.region.manifest import MANIFEST_NAME, load
+from offloadpool.region.files.manifest import MANIFEST_NAME, load
+from offloadpool.region.holding.lease import Lease, count_holders, lease_path
 
 
 def assert_untouched(pool: Path) -> None:

@@ -43,8 +43,8 @@ from fixtures.node import HUGE_1G, HUGE_2M, TAINT, TOLERATION, RealNode, nr_huge
 from fixtures.wait import wait_for
 from offloadpool.api.constants import POOL_NAME_LABEL
 from offloadpool.api.quantity import parse_quantity, parse_quantity_exact
-from offloadpool.region import hugepages
-from offloadpool.region import manifest as manifest_mod
+from offloadpool.region.files import manifest as manifest_mod
+from offloadpool.region.memory import hugepages
 
 pytestmark = pytest.mark.node
 

@@ -1,4 +1,4 @@
-"""``region.beneath``: names opened under a directory descriptor, never through a link.
+"""``region.files.beneath``: names opened under a directory descriptor, never through a link.
 
 Each case runs twice: with ``openat2(2)`` (this kernel has it) and with the ``O_NOFOLLOW`` walk
 used where it does not (forced by clearing the probe's answer), on real files, links and fifos.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from offloadpool.region import beneath
+from offloadpool.region.files import beneath
 
 MiB = 1 << 20
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from fixtures.host import hugepage_totals, private_mounts_python
-from offloadpool.region import mounts
-from offloadpool.region.capacity import meminfo
 from offloadpool.region.errors import CapacityError
-from offloadpool.region.media import is_hugetlbfs
-from offloadpool.region.provision import provision
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.memory import mounts
+from offloadpool.region.memory.capacity import meminfo
+from offloadpool.region.memory.media import is_hugetlbfs
 from offloadpool.region.request import PoolRequest
 
 GiB = 1 << 30
@@ -71,7 +71,7 @@ _FULL_NAMESPACE = r"""
 import sys
 from pathlib import Path
 from offloadpool.region.errors import CapacityError
-from offloadpool.region.provision import provision
+from offloadpool.region.lifecycle.provision import provision
 from offloadpool.region.request import PoolRequest
 
 root, medium, limit = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

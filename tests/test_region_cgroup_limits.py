@@ -26,7 +26,7 @@ import pytest
 
 from fixtures.host import cli_argv, hugepage_totals
 from offloadpool.api import agent_env
-from offloadpool.region import cgroup_limits, mounts
+from offloadpool.region.memory import cgroup_limits, mounts
 
 pytestmark = pytest.mark.root  # builds images, mounts, cgroups: root only
 
@@ -234,7 +234,7 @@ def test_the_kernel_enforces_the_limit_the_check_reads(cgroups, tmp_path) -> Non
     subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,size=8M", "probe", str(mnt)], check=True)
     try:
         code = (
-            "import os, sys; from offloadpool.region import vm\n"
+            "import os, sys; from offloadpool.region.memory import vm\n"
             f"fd = os.open({str(mnt / 'f')!r}, os.O_RDWR | os.O_CREAT, 0o600); os.ftruncate(fd, {8 * MiB})\n"
             "try:\n    vm.map_shared(fd, %d)\nexcept vm.VMError as e:\n    print(e.errno); sys.exit(3)\n"
             % (8 * MiB)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from offloadpool.region import holders
-from offloadpool.region.lease import lease_path
-from offloadpool.region.manifest import MANIFEST_NAME
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files.manifest import MANIFEST_NAME
+from offloadpool.region.holding import holders
+from offloadpool.region.holding.lease import lease_path
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
 from offloadpool.region.request import PoolRequest
 from test_region_holders import first_file, start_holder, stop
 

@@ -17,15 +17,17 @@ from pathlib import Path
 import pytest
 
 from fixtures.host import cli, private_mounts_python
-from offloadpool.region import holders, mounts, places, published
-from offloadpool.region.holders import PoolInUse, find_holders
-from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.manifest import MANIFEST_NAME
-from offloadpool.region.planner import plan
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files import places
+from offloadpool.region.files.manifest import MANIFEST_NAME
+from offloadpool.region.files.planner import plan
+from offloadpool.region.holding import holders, published
+from offloadpool.region.holding.holders import PoolInUse, find_holders
+from offloadpool.region.holding.lease import LeaseHeld
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 PATTERN = b"held-in-a-pod:0123456789"
@@ -37,7 +39,7 @@ src, private, how, lease_dir, pattern = sys.argv[1:6]
 subprocess.run(["mount", "--bind", src, private], check=True)  # visible in this namespace only
 fd = os.open(private, os.O_RDWR)
 if lease_dir != "-":
-    from offloadpool.region.lease import Lease
+    from offloadpool.region.holding.lease import Lease
     lease = Lease.shared(lease_dir)
 if how == "map":
     # MAP_SHARED through libc, then close the fd: a mapping and nothing else (Python's mmap

@@ -1,5 +1,5 @@
 """A kill -9 between changing the kernel's huge page pool and recording it neither leaks pages
-nor gives them back twice: the huge page intent (``offloadpool.region.hugepage_intent``).
+nor gives them back twice: the huge page intent (``offloadpool.region.memory.hugepage_intent``).
 
 The real CLI is killed at named points (``fixtures/crash_at.py``) of a provision that really
 grows ``nr_hugepages`` (every free page is taken first by another "tenant", as the shortfall
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from fixtures.host import cli, hugepage_totals, other_tenant_holds_free_hugepages
-from offloadpool.region import hugepage_intent, hugepages, mounts
-from offloadpool.region import record as records
-from offloadpool.region.hugepage_intent import Intent, IntentError
+from offloadpool.region.files import record as records
+from offloadpool.region.memory import hugepage_intent, hugepages, mounts
+from offloadpool.region.memory.hugepage_intent import Intent, IntentError
 from offloadpool.region.request import PoolRequest
 
 MiB = 1 << 20

@@ -16,11 +16,11 @@ import sys
 import pytest
 
 from fixtures.host import REPO, hugepage_totals, other_tenant_holds_free_hugepages, reservation_tool
-from offloadpool.region import hugepage_intent, hugepages, mounts
-from offloadpool.region.capacity import meminfo
 from offloadpool.region.errors import CapacityError
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.memory import hugepage_intent, hugepages, mounts
+from offloadpool.region.memory.capacity import meminfo
 from offloadpool.region.request import PoolRequest
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -113,7 +113,7 @@ def test_engine_shortfall_after_growing_names_the_reason(region_root, hugepage_b
     script = (
         "import sys\n"
         "from offloadpool.region.errors import CapacityError\n"
-        "from offloadpool.region.provision import provision\n"
+        "from offloadpool.region.lifecycle.provision import provision\n"
         "from offloadpool.region.request import PoolRequest\n"
         "try:\n"
         "    provision(PoolRequest(name='short', capacity=64 << 20, medium='HugePages-2Mi',"
@@ -220,8 +220,8 @@ def test_reservation_lock_falls_back_to_the_root_where_run_lock_is_read_only(reg
     huge page lock, so the engine locks in the host root all agents of the node share."""
     script = (
         "import sys\n"
-        "from offloadpool.region.provision import provision\n"
-        "from offloadpool.region.release import release\n"
+        "from offloadpool.region.lifecycle.provision import provision\n"
+        "from offloadpool.region.lifecycle.release import release\n"
         "from offloadpool.region.request import PoolRequest\n"
         "root = sys.argv[1]\n"
         "r = provision(PoolRequest(name='ro', capacity=16 << 20, medium='HugePages-2Mi',"

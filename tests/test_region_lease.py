@@ -12,19 +12,19 @@ import pytest
 
 from fixtures.host import hugepage_totals
 from fixtures.wait import wait_for
-from offloadpool.region import mounts
 from offloadpool.region.errors import RegionError
-from offloadpool.region.lease import LeaseHeld, count_holders, lease_path
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.holding.lease import LeaseHeld, count_holders, lease_path
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 
 HOLDER = r"""
 import sys, time
-from offloadpool.region.lease import Lease
+from offloadpool.region.holding.lease import Lease
 lease = Lease.shared(sys.argv[1])
 print("held", flush=True)
 time.sleep(3600)
@@ -127,3 +127,34 @@ def test_release_refuses_when_a_file_is_still_mapped_without_the_lease(region_ro
         os.close(fd)
     assert release(region_root, req.name).existed
     assert mounts.mounts_under(region_root) == []
+
+
+def test_a_growth_past_what_the_node_has_waits_for_the_holder_then_fails_untouched(
+    region_root, hugepage_baseline, processes
+):
+    """Holders are looked at before the capacity check: a growth the node could not fit (here
+    past its memory; in a pod, past the agent's cgroup limit) under a holder is LeaseHeld, not
+    a capacity failure. Once nothing holds the pool it fails with the shortfall, and the old
+    region is still Ready and reused as it was (its record is not marked Failed)."""
+    old = PoolRequest(name="grow", capacity=32 * MiB, medium="Memory", min_segment=16 * MiB)
+    provision(old, region_root)
+    pool_dir = region_root / old.name
+    engine = hold(processes, pool_dir)
+
+    grown = PoolRequest(name="grow", capacity=64 << 40, medium="Memory", min_segment=16 * MiB, generation=2)
+    with pytest.raises(LeaseHeld, match="held by 1 attached engine"):
+        provision(grown, region_root)
+    state = pool_state(region_root, old.name)
+    assert state.phase == "Ready" and state.total_bytes == 32 * MiB
+
+    engine.send_signal(signal.SIGKILL)
+    engine.wait(timeout=30)
+    wait_for(
+        "the kernel to drop the flock", lambda: count_holders(lease_path(pool_dir)) == 0, 10, interval=0.01
+    )
+    with pytest.raises(RegionError, match="short by"):
+        provision(grown, region_root)
+    state = pool_state(region_root, old.name)
+    assert state.phase == "Ready" and state.total_bytes == 32 * MiB
+    assert provision(old, region_root).reused
+    release(region_root, old.name)

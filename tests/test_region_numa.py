@@ -10,11 +10,11 @@ import os
 import pytest
 
 from offloadpool.region.errors import RequestError
-from offloadpool.region.numa import online_nodes
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory.numa import online_nodes
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 

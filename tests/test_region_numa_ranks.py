@@ -3,7 +3,7 @@
 memory is touched when a node is not there, shown in status, checked by the engine at attach.
 
 Where pages are is read back from the kernel by another route than the code uses
-(``/proc/self/numa_maps`` here, ``get_mempolicy`` in ``region.numa_check``). This machine has
+(``/proc/self/numa_maps`` here, ``get_mempolicy`` in ``region.memory.numa_check``). This machine has
 one NUMA node, so placement is on node 0; a node that is not online is the refusal case.
 """
 
@@ -23,14 +23,14 @@ from offloadpool.api.conversion import pool_request
 from offloadpool.api.pool import OffloadPool
 from offloadpool.cli.render import placement
 from offloadpool.pinning import attach
-from offloadpool.region import gpus, numa, numa_check
 from offloadpool.region.errors import RequestError
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.numa import online_nodes
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import gpus, numa, numa_check
+from offloadpool.region.memory.numa import online_nodes
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 from test_region_numa import numa_maps_line
 
 MiB = 1 << 20
@@ -182,10 +182,10 @@ def test_gpu_policy_on_this_machine(region_root, hugepage_baseline):
 #: and pages read back, released. argv: root, pci tree.
 _GPU_NAMESPACE = """
 import json, subprocess, sys
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
+from offloadpool.region.lifecycle.status import pool_state
 sys.path.insert(0, "tests")
 from test_region_numa import numa_maps_line
 root, tree = sys.argv[1], sys.argv[2]
@@ -288,7 +288,7 @@ def test_attach_checks_where_the_pages_are(region_root, caplog):
 
 def test_the_check_never_raises():
     """An address with no mapping: the check finds nothing and says so at debug level."""
-    from offloadpool.region.manifest import Layout, Manifest, Region, Segment
+    from offloadpool.region.files.manifest import Layout, Manifest, Region, Segment
 
     region = Region(0, 4096, (Segment("mnt/r0-s000", 0, 4096),), rank=0)
     manifest = Manifest(
@@ -311,7 +311,7 @@ def test_cpu_nodes_are_those_of_the_allowed_cpus():
     assert numa_check.cpu_nodes() == set(online_nodes())  # unpinned: every node with CPUs here
     code = (
         "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "from offloadpool.region.numa_check import cpu_nodes; print(sorted(cpu_nodes()))"
+        "from offloadpool.region.memory.numa_check import cpu_nodes; print(sorted(cpu_nodes()))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[0]"

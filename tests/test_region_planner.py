@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offloadpool.region import vllm_compat
 from offloadpool.region.errors import RequestError
-from offloadpool.region.planner import plan, segment_sizes
+from offloadpool.region.files import vllm_compat
+from offloadpool.region.files.planner import plan, segment_sizes
 from offloadpool.region.request import PoolRequest
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -17,18 +17,18 @@ from hypothesis import strategies as st
 
 from fixtures.host import cli_argv, private_mounts_python
 from fixtures.wait import wait_for
-from offloadpool.region import hugepages, mounts, vm
-from offloadpool.region import record as records
 from offloadpool.region.errors import CapacityError, RegionError
-from offloadpool.region.journal import JOURNAL_NAME, units
-from offloadpool.region.lease import lease_path
-from offloadpool.region.manifest import MOUNT_NAME, Segment
-from offloadpool.region.parallel import shares
-from offloadpool.region.places import state_dir
-from offloadpool.region.planner import plan as make_plan
-from offloadpool.region.populate import STRATEGY_FOR, populate, strategy
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files import record as records
+from offloadpool.region.files.journal import JOURNAL_NAME, units
+from offloadpool.region.files.manifest import MOUNT_NAME, Segment
+from offloadpool.region.files.places import state_dir
+from offloadpool.region.files.planner import plan as make_plan
+from offloadpool.region.holding.lease import lease_path
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.memory import hugepages, mounts, vm
+from offloadpool.region.memory.parallel import shares
+from offloadpool.region.memory.populate import STRATEGY_FOR, populate, strategy
 from offloadpool.region.request import PoolRequest
 
 MiB = 1 << 20
@@ -230,11 +230,11 @@ def test_prefault_on_hugetlbfs_maps_nothing(region_root):
         f"""
         import resource, sys
         from pathlib import Path
-        from offloadpool.region import mounts
-        from offloadpool.region.planner import plan
-        from offloadpool.region.populate import populate
+        from offloadpool.region.memory import mounts
+        from offloadpool.region.files.planner import plan
+        from offloadpool.region.memory.populate import populate
         from offloadpool.region.request import PoolRequest
-        from offloadpool.region.manifest import MOUNT_NAME
+        from offloadpool.region.files.manifest import MOUNT_NAME
         pool = Path(sys.argv[1]); mode = sys.argv[2]
         p = plan(PoolRequest(name="p", capacity={capacity}, medium="HugePages-2Mi", min_segment={32 * MiB}))
         (pool / MOUNT_NAME).mkdir(parents=True)

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from fixtures.host import hugepage_totals
-from offloadpool.region import mounts
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.planner import plan
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.files.planner import plan
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import list_pools, pool_state
+from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import list_pools, pool_state
 
 MiB, GiB = 1 << 20, 1 << 30
 PROBE = 64 * 1024

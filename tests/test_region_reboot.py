@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 from fixtures.host import hugepage_totals
-from offloadpool.region import hugepages, mounts
-from offloadpool.region.places import state_dir
-from offloadpool.region.provision import provision
-from offloadpool.region.record import RECORD_NAME
-from offloadpool.region.release import release
+from offloadpool.region.files.places import state_dir
+from offloadpool.region.files.record import RECORD_NAME
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import hugepages, mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 

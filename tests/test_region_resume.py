@@ -13,13 +13,13 @@ import pytest
 
 from fixtures.host import cli, cli_argv, hugepage_totals
 from fixtures.wait import wait_for
-from offloadpool.region import mounts
-from offloadpool.region.journal import JOURNAL_NAME, units
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.places import state_dir
-from offloadpool.region.planner import plan
+from offloadpool.region.files.journal import JOURNAL_NAME, units
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.files.places import state_dir
+from offloadpool.region.files.planner import plan
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 

@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 
 from fixtures.host import cli
-from offloadpool.region import mounts
-from offloadpool.region import record as records
-from offloadpool.region.manifest import MANIFEST_NAME
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.release import release
+from offloadpool.region.files import record as records
+from offloadpool.region.files.manifest import MANIFEST_NAME
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.scrub import Due, scrub_needed
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.scrub import Due, scrub_needed
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 NAME = "tenants"
@@ -153,7 +153,8 @@ MEDIA = ("Memory", "HugePages-2Mi", "MemoryTHP")
     [
         ("OnConsumerChange", B, True),
         ("Always", B, True),
-        ("Never", B, False),
+        ("Never", B, True),  # Never keeps the memory only for the same consumer
+        ("Never", A, False),
         ("OnConsumerChange", A, False),  # the same consumer keeps its memory
         ("Always", A, True),  # ... unless every hand-out after its holders left is zeroed
     ],
@@ -264,8 +265,10 @@ def test_kill_mid_scrub_leaves_the_pool_withheld_until_the_next_provision(shared
     assert load_manifest(pool_dir).uid == B and records.load(pool_dir).scrub_pending == ""
 
 
-def test_a_pool_re_created_over_a_retained_region_is_zeroed(shared_root, tmp_path):
-    """Same name, same consumer, another OffloadPool (metadata.uid): the memory is not its."""
+@pytest.mark.parametrize("policy", ["OnConsumerChange", "Never"])
+def test_a_pool_re_created_over_a_retained_region_is_zeroed(shared_root, tmp_path, policy):
+    """Same name, same consumer, another OffloadPool (metadata.uid): the memory is not its,
+    whatever ``scrub`` says (``Never`` keeps it only for the same pool coming back)."""
     pool_dir = shared_root / NAME
 
     def pool_file(uid: str) -> str:
@@ -280,7 +283,7 @@ def test_a_pool_re_created_over_a_retained_region_is_zeroed(shared_root, tmp_pat
                         "capacity": "64Mi",
                         "medium": "Memory",
                         "segments": {"minSize": "16Mi"},
-                        "consumers": {"uid": A, "gid": A},
+                        "consumers": {"uid": A, "gid": A, "scrub": policy},
                     },
                 }
             )
@@ -326,7 +329,11 @@ BASE = PoolRequest(name="p", capacity=64 * MiB, uid=A, gid=A, consumer_namespace
         ({}, "Always", False),
         ({}, "OnConsumerChange", None),
         ({"pool_uid": ""}, "OnConsumerChange", None),  # a pool file without a uid: not compared
-        ({"uid": B, "pool_uid": "u2"}, "Never", None),
+        ({"uid": B}, "Never", True),  # Never: not when the same consumer comes back, only
+        ({"pool_uid": "u2"}, "Never", True),  # another pool over a retained region
+        ({"consumer_namespaces": "team-a,team-b"}, "Never", True),
+        ({"mode": 0o600}, "Never", None),
+        ({}, "Never", None),
         ({"workers": 7, "generation": 9}, "OnConsumerChange", None),
     ],
 )

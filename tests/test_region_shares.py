@@ -23,11 +23,11 @@ import pytest
 
 from fixtures.pinning_pools import MiB, PoolFactory
 from offloadpool.pinning import AttachError, attach
-from offloadpool.region import shares
 from offloadpool.region.errors import RequestError
-from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.manifest import MANIFEST_NAME, load
-from offloadpool.region.provision import provision
+from offloadpool.region.files.manifest import MANIFEST_NAME, load
+from offloadpool.region.holding import shares
+from offloadpool.region.holding.lease import LeaseHeld
+from offloadpool.region.lifecycle.provision import provision
 from offloadpool.region.request import SHAPE_FIELDS, PoolRequest
 
 # Attach (with an owner), fill the whole region with one byte, say where, then hold.
@@ -195,7 +195,7 @@ def test_bad_partitions_are_refused_before_memory_is_touched(
 
 
 def test_release_takes_the_shares_apart(pool_root: Path) -> None:
-    from offloadpool.region.release import release
+    from offloadpool.region.lifecycle.release import release
 
     req = PoolRequest(name="kv", capacity=16 * MiB, medium="Memory", partitions=4, min_segment=4 * MiB)
     pool = provision(req, pool_root).pool_dir
@@ -204,3 +204,69 @@ def test_release_takes_the_shares_apart(pool_root: Path) -> None:
     result = release(pool_root, "kv")
     assert result.existed and not result.warnings
     assert list(pool_root.iterdir()) == []
+
+
+def test_a_consumer_locking_the_shares_directory_never_delays_a_reservation(make_pool: PoolFactory) -> None:
+    """The node's reservation mutex lives in the pool's root-only state directory: a consumer
+    that opens ``<pool>/shares`` (it can) and flocks it holds up only engines, never the node."""
+    import fcntl
+    import stat
+    import time
+
+    pool = make_pool("kv", capacity=16 * MiB, partitions=2, min_segment=4 * MiB)
+    fd = os.open(pool / shares.SHARES_NAME, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what a pod can do
+        t0 = time.monotonic()
+        index = shares.reserve(pool, 2, "a-pod", timeout=5)
+        assert shares.unreserve(pool, index, "a-pod", timeout=5)
+        took = time.monotonic() - t0
+    finally:
+        os.close(fd)
+    assert took < 1, f"a reservation waited {took:.1f} s for a consumer's flock"
+    mutex = pool.parent / ".state" / "kv" / shares.MUTEX_NAME
+    st = os.lstat(mutex)
+    assert stat.S_ISREG(st.st_mode) and (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+
+
+def test_a_reservation_and_an_engine_claim_racing_never_share_a_share(make_pool: PoolFactory) -> None:
+    """Without a common mutex (the engines' is pod-reachable, the node's root-only), the share's
+    lease arbitrates: of a csi reservation and an engine's claim racing for the one free share,
+    exactly one wins, every time."""
+    import threading
+
+    pool = make_pool("kv", capacity=8 * MiB, partitions=2, min_segment=4 * MiB)
+    held = shares.claim(pool, 2, owner="squatter")  # one share taken: the racers want the other
+    try:
+        for round_ in range(200):
+            got: dict[str, object] = {}
+            go = threading.Barrier(2)
+
+            def reserve(go: threading.Barrier = go, got: dict[str, object] = got) -> None:
+                go.wait()
+                try:
+                    got["pod"] = shares.reserve(pool, 2, "a-pod", timeout=5)
+                except shares.ShareRefused:
+                    got["pod"] = None
+
+            def claim(go: threading.Barrier = go, got: dict[str, object] = got) -> None:
+                go.wait()
+                try:
+                    got["engine"] = shares.claim(pool, 2, owner="engine", timeout=5)
+                except shares.ShareRefused:
+                    got["engine"] = None
+
+            threads = [threading.Thread(target=reserve), threading.Thread(target=claim)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            engine = got["engine"]
+            winners = [w for w in (got["pod"], engine) if w is not None]
+            assert len(winners) == 1, f"round {round_}: pod {got['pod']}, engine {engine}"
+            if isinstance(engine, shares.Claim):
+                engine.close()
+            else:
+                assert shares.unreserve(pool, 1 - held.index, "a-pod")
+    finally:
+        held.close()

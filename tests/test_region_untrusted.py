@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 
 from fixtures.host import hugepage_totals, private_mounts_python
-from offloadpool.region import mounts
 from offloadpool.region.errors import RegionError
-from offloadpool.region.lease import LeaseHeld
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.holding.lease import LeaseHeld
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
+from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
 
 MiB = 1 << 20
 SEG = 4 * MiB
@@ -136,15 +136,53 @@ def test_a_replaced_name_is_never_followed_and_the_pool_is_rebuilt(region_root, 
 
 
 @pytest.mark.parametrize(("rel", "kind"), cases(COMPAT_NAMES, ["symlink", "dangling", "fifo"]))
-def test_a_replaced_compat_name_is_never_followed(region_root, outside, rel, kind):
+def test_a_replaced_compat_name_is_never_followed_and_relinked_in_place(region_root, outside, rel, kind):
+    """vLLM's name is only a second link of a segment: whatever a pod made of it is removed as a
+    name and linked again, the memory kept (the pool reused, not rebuilt)."""
     pool = provision(compat(1001), region_root).pool_dir
     plant(pool, rel, kind, outside)
     again = provision(compat(1003), region_root)
     outside.untouched()
-    assert again.rebuilt, again
+    assert again.reused and not again.rebuilt, again
     seg, link = os.lstat(pool / "mnt/r0-s000"), os.lstat(pool / rel)
     assert stat.S_ISREG(link.st_mode) and (link.st_dev, link.st_ino) == (seg.st_dev, seg.st_ino)
     assert seg.st_nlink == 2 and (seg.st_uid, seg.st_gid) == (1003, 1003)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling", "fifo", "file"])
+def test_what_a_pod_changed_of_a_held_pool_is_named_at_the_check_and_repaired(
+    region_root, outside, processes, kind
+):
+    """Issue 36: the agent checks a Ready pool's entries at every heartbeat
+    (``handed_out_problem``, the check a provision makes) and provisions again when a pod
+    changed one: a compat name replaced by a link to a host file, in a pool an engine maps, is
+    named, relinked to its segment in place and the engine's memory kept; the file is untouched."""
+    from offloadpool.region.files import layout_files
+    from offloadpool.region.files.planner import plan as make_plan
+
+    req = compat(1001)
+    pool = provision(req, region_root).pool_dir
+    holder = processes([sys.executable, "-c", HOLDER, str(pool / "mnt/r0-s000")], stdin=subprocess.PIPE)
+    assert holder.stdout.readline().strip() == "mapped"
+    assert layout_files.handed_out_problem(pool, make_plan(req), req) is None
+    rel = COMPAT_NAMES[0]
+    if kind == "file":  # a file of the pod's own under the name
+        (pool / rel).unlink()
+        (pool / rel).touch()  # the pool's mount is full: an empty one
+    else:
+        plant(pool, rel, kind, outside)
+    problem = layout_files.handed_out_problem(pool, make_plan(req), req)
+    assert problem is not None and f"{pool / rel} is " in problem and "not a link of segment" in problem
+    again = provision(req, region_root)
+    outside.untouched()
+    assert again.reused and not again.rebuilt, again
+    seg, link = os.lstat(pool / "mnt/r0-s000"), os.lstat(pool / rel)
+    assert (link.st_dev, link.st_ino) == (seg.st_dev, seg.st_ino)
+    assert layout_files.handed_out_problem(pool, make_plan(req), req) is None
+    assert pool_state(region_root, NAME).phase == "Ready"
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    assert holder.stdout.readline().strip() == "kept!"
 
 
 @pytest.mark.parametrize(("rel", "kind"), cases(OLD_NAMES))
@@ -328,8 +366,8 @@ def test_a_manifest_with_sizes_as_strings_is_refused_and_rewritten(region_root):
     ],
 )
 def test_manifest_content_is_checked_before_use(region_root, where, value, said):
-    from offloadpool.region.manifest import ManifestError
-    from offloadpool.region.manifest import load as load_manifest
+    from offloadpool.region.files.manifest import ManifestError
+    from offloadpool.region.files.manifest import load as load_manifest
 
     pool = provision(plain(1001), region_root).pool_dir
     manifest = json.loads((pool / "manifest.json").read_text())
@@ -416,10 +454,10 @@ for name in names:
                            capture_output=True, text=True, env=env, timeout=120)
         runs.append({"args": args, "rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr})
 from offloadpool.region.errors import RequestError
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
 from offloadpool.region.request import PoolRequest
-from offloadpool.region.status import pool_state
+from offloadpool.region.lifecycle.status import pool_state
 calls = []
 for name in names:
     for what, call in (
@@ -461,3 +499,103 @@ def test_bad_names_are_refused_at_every_entry_point_before_any_path_is_made(tmp_
     assert len(report["calls"]) == 3 * len(BAD_NAMES)
     for what, name, outcome in report["calls"]:
         assert outcome.startswith("refused: pool name"), (what, name, outcome)
+
+
+# -- bounded inputs: nothing a pod writes wedges status, release or a publish ------------------
+
+#: What a pod can write into a JSON file of its pool that a parser catching only decode errors
+#: does not survive: an integer beyond Python's int-string limit (ValueError) and nesting deeper
+#: than the decoder's recursion (RecursionError).
+HOSTILE_JSON = {
+    "5000-digit integer": b'{"format": "offloadpool.io/region-manifest", "version": 1, "generation": '
+    + b"9" * 5000
+    + b"}",
+    "deep nesting": b'{"extra": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+}
+
+
+def write_as_a_pod(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, as a root consumer can through its pool mount."""
+    if os.path.lexists(path):
+        path.unlink()
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["release", "release --force"])
+@pytest.mark.parametrize("payload", list(HOSTILE_JSON))
+def test_a_hostile_manifest_never_wedges_status_or_release(region_root, payload, force):
+    from offloadpool.cli.main import main as cli_main
+
+    pool = provision(plain(1001), region_root).pool_dir
+    write_as_a_pod(pool / "manifest.json", HOSTILE_JSON[payload])
+
+    state = pool_state(region_root, NAME)
+    assert state.phase == "Failed" and "manifest" in state.message, state
+    assert cli_main(["status", NAME, "--root", str(region_root)]) in (0, 1)
+    result = release(region_root, NAME, force=force)
+    assert result.existed and not mounts.mounts_under(region_root), "the memory is still mounted"
+    assert not pool.exists() and not (region_root / ".state" / NAME).exists()
+
+
+@pytest.mark.parametrize("payload", list(HOSTILE_JSON))
+def test_a_hostile_manifest_is_reported_and_rebuilt(region_root, payload):
+    from offloadpool.region.files.manifest import load as load_manifest
+
+    pool = provision(plain(1001), region_root).pool_dir
+    write_as_a_pod(pool / "manifest.json", HOSTILE_JSON[payload])
+    again = provision(plain(1001), region_root)
+    assert again.rebuilt
+    assert load_manifest(pool).total_bytes == 2 * SEG
+
+
+def test_a_hostile_old_record_in_the_pool_directory_is_not_adopted(region_root, hugepage_baseline):
+    req = PoolRequest(name=NAME, capacity=4 * MiB, medium="HugePages-2Mi")
+    pool = provision(req, region_root).pool_dir
+    make_old_layout(region_root)
+    write_as_a_pod(pool / "state.json", HOSTILE_JSON["deep nesting"])
+    again = provision(req, region_root)
+    assert again.rebuilt and not again.reused
+    assert not (pool / "state.json").exists()
+    release(region_root, NAME)
+
+
+def test_a_hostile_share_claim_record_never_wedges_status_or_a_reservation(region_root):
+    """An engine writes its claim record into the share's lease: 1 KiB of ``[`` is deeper than
+    the decoder's recursion. The node still sees the share held, status answers, a csi
+    reservation takes the other share, and release takes the pool apart."""
+    from offloadpool.region.holding import shares
+
+    req = PoolRequest(name=NAME, capacity=2 * SEG, medium="Memory", min_segment=SEG, partitions=2)
+    pool = provision(req, region_root).pool_dir
+    fd = os.open(pool / "shares" / "0" / "lease", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # an engine holding share 0
+        os.pwrite(fd, b"[" * shares.RECORD_LIMIT, 0)
+        state = pool_state(region_root, NAME)
+        assert [(s.index, bool(s.holders), s.owner) for s in state.shares] == [(0, True, ""), (1, False, "")]
+        assert shares.reserve(pool, 2, "a-pod", timeout=5) == 1
+        assert shares.unreserve(pool, 1, "a-pod")
+    finally:
+        os.close(fd)
+    assert release(region_root, NAME).existed
+    assert not mounts.mounts_under(region_root)
+
+
+def test_the_bounded_reader_refuses_each_unbounded_input_as_malformed():
+    from offloadpool.region.files import bounded
+
+    assert bounded.loads(b'{"a": [1, 2.5e-05, "x[[["], "b": {"c": null}}') == {
+        "a": [1, 2.5e-05, "x[[["],
+        "b": {"c": None},
+    }
+    for data, said in [
+        (b"[" * 17 + b"]" * 17, "deeper than 16"),
+        (b"1" * 33, "number of 33 characters"),
+        (b'{"n": NaN}', "NaN"),
+        (b'{"n": -Infinity}', "Infinity"),
+        (b"x" * 65, "more than 64 bytes"),
+        (b"\xff", "not valid JSON"),
+        (b"{", "not valid JSON"),
+    ]:
+        with pytest.raises(bounded.Malformed, match=said):
+            bounded.loads(data, limit=64)

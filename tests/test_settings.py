@@ -1,8 +1,9 @@
 """Each process's settings object is the one place its defaults are written.
 
 For the agent (``AgentConfig``), the operator (``OperatorConfig``, ``WebhookOptions``), the CLI
-(``CliConfig``) and the CSI node plugin (``CsiConfig``): every field has a docstring, parsing no
-flags (and no environment) gives exactly the fields' defaults, and the reference docs state the
+(``CliConfig``), the CSI node plugin (``CsiConfig``) and the DRA plugin (``DraConfig``): every
+field has a docstring, parsing no flags (and no environment) gives exactly the fields' defaults,
+and the reference docs state the
 defaults the objects hold. The chart's side (no value given: no flag passed) is in ``test_chart.py``.
 """
 
@@ -25,12 +26,13 @@ from offloadpool.api.constants import MIN_HEARTBEATS_PER_TIMEOUT
 from offloadpool.cli.config import CliConfig
 from offloadpool.cli.main import build_parser
 from offloadpool.csi.config import DRIVER_NAME, CsiConfig
+from offloadpool.dra.config import DraConfig
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.main import config_from_args, parse_args
 from offloadpool.operator.webhook import WebhookOptions, options_from_args
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-SETTINGS = (AgentConfig, OperatorConfig, WebhookOptions, CliConfig, CsiConfig)
+SETTINGS = (AgentConfig, OperatorConfig, WebhookOptions, CliConfig, CsiConfig, DraConfig)
 #: The operator's own environment, which would stand in for a flag's default.
 OPERATOR_ENV = (
     agent_env.POD_NAMESPACE_ENV,
@@ -75,15 +77,28 @@ def test_the_agents_environment_is_read_under_the_names_the_api_gives(tmp_path: 
         agent_env.POD_NAMESPACE_ENV: "ns",
         agent_env.ROOT_ENV: str(tmp_path),
         agent_env.HTTP_PORT_ENV: "1234",
+        agent_env.HTTP_ADDRESS_ENV: "::1",
         agent_env.HEARTBEAT_ENV: "2.5",
         agent_env.RETRY_ENV: "1.5",
         agent_env.WORKERS_ENV: "3",
+        agent_env.SIZED_FOR_ENV: "Memory/1024",
         agent_env.LOG_LEVEL_ENV: "debug",
         agent_env.KUBECONFIG_ENV: "/k",
     }
     got = load([], environ=env)
     want = AgentConfig(
-        "kv", "n1", "ns", tmp_path, 1234, 2.5, 1.5, workers=3, kubeconfig="/k", log_level="DEBUG"
+        "kv",
+        "n1",
+        "ns",
+        tmp_path,
+        1234,
+        http_address="::1",
+        heartbeat_seconds=2.5,
+        retry_seconds=1.5,
+        workers=3,
+        sized_for="Memory/1024",
+        kubeconfig="/k",
+        log_level="DEBUG",
     )
     assert got == want
     unread = [
@@ -91,7 +106,8 @@ def test_the_agents_environment_is_read_under_the_names_the_api_gives(tmp_path: 
         for f in dataclasses.fields(AgentConfig)
         if getattr(got, f.name) == getattr(AgentConfig, f.name, None)
     ]
-    assert unread == ["watch_timeout_seconds"]  # the one setting without a flag or a variable
+    # the settings without a flag or a variable
+    assert unread == ["http_timeout_seconds", "http_max_connections", "http_workers", "watch_timeout_seconds"]
 
 
 def test_the_operators_defaults_are_what_no_flag_and_no_environment_give(
@@ -146,6 +162,21 @@ def test_the_csi_plugin_registers_in_the_kubelets_plugin_watcher_directory() -> 
     assert CsiConfig(node_id="n").kubelet_dir == "/var/lib/kubelet"  # the kubelet's own default
 
 
+def test_the_dra_plugins_defaults_are_what_no_flag_gives_and_its_sockets_are_its_own() -> None:
+    """No flag: the fields' defaults. Its sockets follow the kubelet's directory, and its
+    registration socket is not the CSI plugin's (the kubelet keeps one plugin per socket)."""
+    assert DraConfig.from_args([], environ={agent_env.NODE_NAME_ENV: "n1"}) == DraConfig(node_id="n1")
+    given = ["--node-id", "n2", "--kubelet-dir", "/k", "--cdi-dir", "/c", "--kubeconfig", "/kc"]
+    assert DraConfig.from_args(given, environ={}) == DraConfig(
+        "n2", kubelet_dir="/k", cdi_dir="/c", kubeconfig="/kc"
+    )
+    for c in (DraConfig(node_id="n"), DraConfig.from_args(["--kubelet-dir", "/k"], environ={})):
+        assert os.path.dirname(c.registration) == f"{c.kubelet_dir}/plugins_registry"
+        assert c.endpoint == f"{c.kubelet_dir}/plugins/{DRIVER_NAME}/dra.sock"
+        assert c.registration != CsiConfig(node_id="n", kubelet_dir=c.kubelet_dir).registration
+    assert DraConfig(node_id="n").cdi_dir == "/var/run/cdi"
+
+
 def table_rows(doc: str, header: str) -> list[list[str]]:
     """The cells of each row of the markdown table whose header row starts with ``header``."""
     lines = (DOCS / doc).read_text().splitlines()
@@ -167,6 +198,7 @@ OPERATOR_FLAGS = {
     "--agent-service-account": "agent_service_account",
     "--agent-cpu-request": "agent_cpu_request",
     "--agent-memory-overhead": "agent_memory_overhead",
+    "--agent-http-address": "agent_http_address",
     "--heartbeat-timeout": "heartbeat_timeout_seconds",
     "--agent-heartbeat": "agent_heartbeat_seconds",
     "--resync": "resync_seconds",
@@ -193,6 +225,7 @@ def test_the_agent_docs_state_the_settings_defaults_and_environment_names() -> N
         "--namespace": ("namespace", agent_env.POD_NAMESPACE_ENV),
         "--root": ("root", agent_env.ROOT_ENV),
         "--http-port": ("http_port", agent_env.HTTP_PORT_ENV),
+        "--http-address": ("http_address", agent_env.HTTP_ADDRESS_ENV),
         "--heartbeat-seconds": ("heartbeat_seconds", agent_env.HEARTBEAT_ENV),
         "--retry-seconds": ("retry_seconds", agent_env.RETRY_ENV),
         "--workers": ("workers", agent_env.WORKERS_ENV),

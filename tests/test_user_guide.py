@@ -14,21 +14,31 @@ that changes under it fails here rather than running unsubstituted):
 
 - namespace `offloadpool-system` -> a fresh one: the session's other tests keep deploy/'s
   objects there;
-- the release `offloadpool` (`helm install/uninstall offloadpool`, `deploy/offloadpool-operator`,
-  `app.kubernetes.io/instance=offloadpool`, `[Role] offloadpool-agent` and `release "offloadpool"
-  uninstalled` in helm's output, ...) ->
+- the release `offloadpool` (`helm install/upgrade/uninstall offloadpool`,
+  `deploy/offloadpool-operator`, `ds/offloadpool-csi`, `app.kubernetes.io/instance=offloadpool`,
+  `[Role] offloadpool-agent` and `release "offloadpool" uninstalled` in helm's output, ...) ->
   a fresh name: the chart names cluster-wide objects after the release, as deploy/ names its own;
 - `--set image.repository=registry.example/offloadpool --set image.tag=0.1.0` -> the locally
-  built image with `pullPolicy=Never`, the operator tolerating the node's taint, and
-  `--take-ownership`: the node reaches no registry and is tainted, and the session's CRDs exist
-  already (the guide's "CRDs that already exist");
-- `-f examples/tmpfs-small.yaml` -> the same pool with the node's toleration and a nodeSelector
-  for it: the node is tainted, and the session's other Nodes have no kubelet;
-- `--image=busybox` -> the node's local busybox, `--image-pull-policy=Never` and the node's
+  built image with `pullPolicy=Never`, the operator and the CSI plugin tolerating the node's
+  taint, `csi.kubeletDir` at the node's kubelet root (as the try-it cluster's printed
+  `helm install` line sets it, so the "csi" block's `helm upgrade --reuse-values --set
+  csi.enabled=true` changes neither the operator nor the webhook configurations) and
+  `--take-ownership`: the node reaches no registry and is tainted, its kubelet's root is not
+  `/var/lib/kubelet`, and the session's CRDs exist already (the guide's "CRDs that already
+  exist");
+- `-f examples/<pool>.yaml` (`tmpfs-small`, `tmpfs-shares`, `hugepages-unschedulable`,
+  `tmpfs-csi`) -> the same pool with the node's toleration and a nodeSelector for it: the node
+  is tainted, and the session's other Nodes have no kubelet;
+- `-f examples/csi/csi-check.yaml` -> the same pod with the node's local busybox,
+  `imagePullPolicy: Never` and the node's toleration;
+- `--image=busybox:<tag>` -> the node's local busybox, `--image-pull-policy=Never` and the node's
   toleration (`--overrides`), for the same reasons;
 - `kubectl delete offloadpools --all` -> `kubectl delete offloadpools tmpfs-small`: other
   tests' pools share the control plane;
 - `kubectl delete -f crds/` is not run: the session's CRDs serve every other test.
+
+The "csi" block's namespace `inference` is the guide's own name (no other test of the session
+makes it); the fixture deletes it, and the CSIDriver the release made, whatever happened.
 """
 
 from __future__ import annotations
@@ -50,13 +60,32 @@ import yaml
 from fixtures.chart_node import REPO, import_offloadpool_image, node_values, remove_release
 from fixtures.node import TOLERATION, RealNode
 from fixtures.wait import wait_for
+from offloadpool.csi.config import DRIVER_NAME
 
 pytestmark = pytest.mark.node
 
 GUIDE = REPO / "docs" / "user-guide.md"
 #: the marked blocks, in the order a reader runs them
-BLOCKS = ("install", "check", "first-pool", "consumer", "delete-pools", "uninstall", "cleanup")
+BLOCKS = (
+    "install",
+    "check",
+    "first-pool",
+    "consumer",
+    "grow-held",
+    "shares",
+    "csi",
+    "unschedulable",
+    "delete-pools",
+    "uninstall",
+    "cleanup",
+)
 POOL = "tmpfs-small"
+#: the partitioned pool, the pool no node can take and the CSI pool (the "shares",
+#: "unschedulable" and "csi" blocks)
+SHARES, UNSCHEDULABLE, CSI_POOL = "tmpfs-shares", "hugepages-unschedulable", "tmpfs-csi"
+POOLS = (POOL, SHARES, UNSCHEDULABLE, CSI_POOL)
+#: the "csi" block's consumer namespace (Pod Security `restricted`) and pod
+CSI_NAMESPACE, CSI_POD = "inference", "csi-check"
 MARKED = re.compile(r"<!-- guide-test: (?P<name>[\w-]+) -->\n\s*```console\n(?P<body>.*?)\n\s*```", re.DOTALL)
 
 
@@ -116,26 +145,34 @@ class Guide:
         return self.node.control_plane
 
     def substitutions(self) -> Substitutions:
-        pool = yaml.safe_load((REPO / "examples" / f"{POOL}.yaml").read_text())
-        pool["spec"]["tolerations"] = [TOLERATION]
-        pool["spec"]["nodeSelector"] = {"kubernetes.io/hostname": self.node.name}
-        pool_file = self.tmp / f"{POOL}.yaml"
-        pool_file.write_text(yaml.safe_dump(pool))
+        for name in POOLS:
+            pool = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+            pool["spec"]["tolerations"] = [TOLERATION]
+            pool["spec"]["nodeSelector"] = {"kubernetes.io/hostname": self.node.name}
+            (self.tmp / f"{name}.yaml").write_text(yaml.safe_dump(pool))
+        pod = yaml.safe_load((REPO / "examples" / "csi" / f"{CSI_POD}.yaml").read_text())
+        pod["spec"]["tolerations"] = [TOLERATION]
+        for container in pod["spec"]["containers"]:
+            container["image"], container["imagePullPolicy"] = self.node.images["busybox"], "Never"
+        (self.tmp / f"{CSI_POD}.yaml").write_text(yaml.safe_dump(pod))
         toleration = shlex.quote(json.dumps({"apiVersion": "v1", "spec": {"tolerations": [TOLERATION]}}))
         busybox = self.node.images["busybox"]
-        values = shlex.join([*node_values(self.image), "--take-ownership"])
+        csi = ["--set", f"csi.kubeletDir={self.node.kubelet_dir}"]
+        csi += ["--set-json", f"csi.tolerations={json.dumps([TOLERATION])}"]
+        values = shlex.join([*node_values(self.image), *csi, "--take-ownership"])
         return Substitutions(
             [
                 (r"\boffloadpool-system\b", self.namespace),
-                (r"\b(helm (?:install|uninstall)) offloadpool\b", rf"\1 {self.release}"),
-                (r"\bdeploy/offloadpool-operator\b", f"deploy/{self.release}-operator"),
+                (r"\b(helm (?:install|upgrade|uninstall)) offloadpool\b", rf"\1 {self.release}"),
+                (r"\b(deploy|ds)/offloadpool-(operator|csi)\b", rf"\1/{self.release}-\2"),
                 (r"app\.kubernetes\.io/instance=offloadpool\b", f"app.kubernetes.io/instance={self.release}"),
                 (r"^\[(?!ServiceAccount\])(\w+)\] offloadpool-agent$", rf"[\1] {self.release}-agent"),
                 (r'^release "offloadpool" uninstalled$', f'release "{self.release}" uninstalled'),
                 (r"--set image\.repository=registry\.example/offloadpool --set image\.tag=0\.1\.0", values),
-                (rf"-f examples/{POOL}\.yaml", f"-f {pool_file}"),
+                (rf"-f examples/({'|'.join(POOLS)})\.yaml\b", rf"-f {self.tmp}/\1.yaml"),
+                (rf"-f examples/csi/{CSI_POD}\.yaml\b", f"-f {self.tmp}/{CSI_POD}.yaml"),
                 (
-                    r"--image=busybox\b",
+                    r"--image=busybox(?::[\w.-]+)?(?=\s)",
                     f"--image={busybox} --image-pull-policy=Never --overrides={toleration}",
                 ),
                 (r"\bdelete offloadpools --all\b", f"delete offloadpools {POOL}"),
@@ -166,6 +203,9 @@ class Guide:
                 ("get", "pods,daemonsets,events", "-n", ns, "-o", "wide"),
                 ("get", "offloadpools,offloadpoolnodes", "-o", "yaml"),
                 ("get", "pod", "pool-check", "-o", "yaml"),
+                ("get", "pods,events", "-n", CSI_NAMESPACE, "-o", "wide"),
+                ("get", "csinodes", "-o", "yaml"),
+                ("logs", "-n", ns, "-l", "app.kubernetes.io/name=offloadpool-csi", "--tail=40"),
                 ("logs", "-n", ns, operator, "--tail=60"),
             )
         )
@@ -183,8 +223,10 @@ def guide(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -> 
             yield g
         finally:
             cp = real_node.control_plane
-            cp.kubectl("delete", "pod", "pool-check", "--ignore-not-found", "--grace-period=1", check=False)
-            remove_release(cp, g.release, g.namespace, [POOL], real_node.name)
+            for pod in ("pool-check", "pool-hold", "share-check"):
+                cp.kubectl("delete", "pod", pod, "--ignore-not-found", "--grace-period=1", check=False)
+            remove_release(cp, g.release, g.namespace, POOLS, real_node.name, consumers=[CSI_NAMESPACE])
+            cp.kubectl("delete", "csidriver", DRIVER_NAME, "--ignore-not-found", check=False)
 
 
 def test_the_guide_marks_its_runnable_blocks() -> None:
@@ -230,6 +272,41 @@ def after(guide: Guide, block: str, printed: dict[str, str]) -> None:
         # What the pod printed came from the webhook: the environment and the pool's directory.
         assert f"OFFLOADPOOL_POOL={POOL}" in log and f"OFFLOADPOOL_POOL_DIR=/offloadpool/{POOL}" in log, log
         assert {"manifest.json", "lease", "mnt"} <= set(log.split()), log
+    elif block == "grow-held":
+        # while the pod held it: the old region Ready with LeaseHeld (never Failed); then applied
+        shown = next(out for line, out in printed.items() if line.startswith("kubectl get opn"))
+        assert shown.split() == ["Ready", "LeaseHeld"], shown
+        view = guide.get("offloadpool", POOL) or {}
+        assert view["status"]["phase"] == "Ready" and view["status"]["totalBytes"] == 1536 << 20, view
+    elif block == "shares":
+        # The pod of a partitioned pool was admitted (the validating webhook found it as the
+        # mutation wrote it), told its own uid and one share's capacity, and saw both shares.
+        log = next(out for line, out in printed.items() if line.startswith("kubectl logs share-check"))
+        uid = next(out for line, out in printed.items() if line.startswith("kubectl get pod share-check"))
+        assert f"uid={uid.strip()} capacity={256 << 20}" in log and uid.strip(), (log, uid)
+        assert log.split()[-2:] == ["0", "1"], log
+        assert guide.get("offloadpool", SHARES) is None, "kubectl delete returned with the pool there"
+    elif block == "csi":
+        # The pod in the `restricted` namespace was admitted with the inline csi volume and no
+        # sidecar, ran as the pool's uid/gid (non-root), read the pool's manifest and saw the
+        # pool's files; its deletion unpublished the volume, so the pool's deletion finished.
+        ran = {
+            line.split()[3]: out
+            for line, out in printed.items()
+            if line.startswith(f"kubectl -n {CSI_NAMESPACE} ")
+        }
+        log = ran["logs"]
+        assert "uid=1000 gid=1000" in log.splitlines(), log
+        assert f'"pool": "{CSI_POOL}"' in log, log
+        assert {"manifest.json", "lease", "mnt"} <= set(log.split()), log
+        stored = ran["get"]
+        assert stored.split() == [DRIVER_NAME], f"volumes' drivers and init containers: {stored!r}"
+        assert guide.get("offloadpool", CSI_POOL) is None, "kubectl delete returned with the pool there"
+    elif block == "unschedulable":
+        said = next(out for line, out in printed.items() if "failingNodes[0].message" in line)
+        assert "the agent pod cannot be scheduled" in said and "hugepages-2Mi" in said, said
+        # kubectl delete waited for the finalizer: the deletion finished by itself
+        assert guide.get("offloadpool", UNSCHEDULABLE) is None, "the pool outlived its deletion"
     elif block == "delete-pools":
         wait_for(f"OffloadPool {POOL} gone", lambda: guide.get("offloadpool", POOL) is None, 60)
         assert not (Path("/var/lib/offloadpool") / POOL).exists(), "the pool's memory was not released"

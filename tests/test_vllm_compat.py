@@ -1,6 +1,6 @@
 """Stock vLLM 0.33.0 adopts a compat pool made by the node engine — proven with vLLM's own code.
 
-Each test provisions a real pool (``offloadpool.region.provision``: tmpfs mount, files,
+Each test provisions a real pool (``offloadpool.region.lifecycle.provision``: tmpfs mount, files,
 pre-fault) with ``compat.vllm``, then starts a TP-N engine's offload workers with the pinned
 vLLM (tests/vllm_workers/stock_engine.py): forked workers in a private mount namespace whose
 /dev/shm is the pod's own tmpfs with the pool's files bind-mounted where the admission webhook
@@ -30,9 +30,10 @@ import yaml
 from offloadpool.api import OffloadPool
 from offloadpool.api import pool_request as request_from_pool
 from offloadpool.api.pods import compat_files
-from offloadpool.region import engine_id_mismatch, holders, vllm_compat
-from offloadpool.region.planner import plan
-from offloadpool.region.provision import ProvisionResult, provision
+from offloadpool.region.files import vllm_compat
+from offloadpool.region.files.planner import plan
+from offloadpool.region.holding import engine_id_mismatch, holders
+from offloadpool.region.lifecycle.provision import ProvisionResult, provision
 from offloadpool.region.request import PoolRequest
 
 pytestmark = pytest.mark.vllm

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from offloadpool.region.manifest import Manifest
-from offloadpool.region.planner import plan
+from offloadpool.region.files.manifest import Manifest
+from offloadpool.region.files.planner import plan
 from offloadpool.region.request import PoolRequest
 from offloadpool.vllm import geometry
 from offloadpool.vllm.geometry import EngineTier, PoolMismatch

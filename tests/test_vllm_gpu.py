@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from offloadpool.region.lease import Lease
-from offloadpool.region.provision import provision
+from offloadpool.region.holding.lease import Lease
+from offloadpool.region.lifecycle.provision import provision
 from offloadpool.region.request import PoolRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from offloadpool.region.manifest import load as load_manifest
-from offloadpool.region.provision import ProvisionResult, provision
+from offloadpool.region.files.manifest import load as load_manifest
+from offloadpool.region.lifecycle.provision import ProvisionResult, provision
 from offloadpool.region.request import PoolRequest
 
 pytestmark = pytest.mark.vllm

@@ -96,7 +96,7 @@ def test_messages_are_cut_in_one_place() -> None:
 
 
 def test_the_huge_page_test_is_written_once() -> None:
-    """``region.media.is_hugetlbfs`` (from ``Medium.hugetlb``) is the one test for a name."""
+    """``region.memory.media.is_hugetlbfs`` (from ``Medium.hugetlb``) is the one test for a name."""
     prefix = re.compile(r"""startswith\((["'])HugePages""")
     assert [m for m, text in SOURCES.items() if prefix.search(text)] == []
 

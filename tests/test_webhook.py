@@ -27,8 +27,11 @@ from kubernetes.client.exceptions import ApiException
 from fixtures.cluster import free_port
 from fixtures.cluster_client import ClusterClient
 from fixtures.operator_process import OperatorProcess
+from fixtures.sglang_pod_env import plugin_reads, resolved_env
 from fixtures.wait import wait_for
 from offloadpool.api.pods import (
+    ENV_CAPACITY_BYTES,
+    ENV_POD_UID,
     LEASE_READY_FILE,
     LEASE_SIDECAR_NAME,
     POD_POOL_LABEL,
@@ -324,21 +327,37 @@ def test_a_compat_pool_mounts_the_region_file_where_stock_vllm_looks(webhook: We
         "compat", medium="MemoryTHP", segments={"maxFiles": 1}, compat={"vllm": {"engineId": "llama-70b-tp4"}}
     )
     pod = wait_admitted(webhook, webhook.pod_body("compat", pool))
+    # no hostPath below the pool directory: the file is a subPath the kubelet resolves beneath it
+    assert [v["hostPath"]["path"] for v in pod["spec"]["volumes"] if "hostPath" in v] == [
+        f"/var/lib/offloadpool/{pool}"
+    ]
     assert {
-        "name": f"offloadpool-{pool}-vllm",
-        "hostPath": {
-            "path": f"/var/lib/offloadpool/{pool}/mnt/vllm_offload_llama-70b-tp4.mmap",
-            "type": "File",
-        },
-    } in pod["spec"]["volumes"]
-    assert {
-        "name": f"offloadpool-{pool}-vllm",
+        "name": f"offloadpool-{pool}",
         "mountPath": "/dev/shm/vllm_offload_llama-70b-tp4.mmap",
-        "mountPropagation": "HostToContainer",
+        "subPath": "mnt/vllm_offload_llama-70b-tp4.mmap",
     } in pod["spec"]["containers"][0]["volumeMounts"]
     assert {"name": "OFFLOADPOOL_VLLM_ENGINE_ID", "value": "llama-70b-tp4"} in pod["spec"]["containers"][0][
         "env"
     ]
+
+
+def test_a_pod_of_a_partitioned_pool_is_admitted_told_its_uid_and_a_shares_capacity(
+    webhook: Webhook,
+) -> None:
+    """A pool of 2 shares: the mutation adds the pod's uid by the downward API, and the API
+    server stores exactly what the webhook wrote (a ``fieldRef`` it would default otherwise), so
+    the validating webhook admits the pod it sees after the API server's defaults."""
+    pool = webhook.create_pool("parts", partitions=2)
+    pod = wait_admitted(webhook, webhook.pod_body("parts", pool, containers=2))
+    for container in pod["spec"]["containers"]:
+        env = {e["name"]: e for e in container["env"]}
+        assert env[ENV_POD_UID] == {
+            "name": ENV_POD_UID,
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}},
+        }
+        assert env[ENV_CAPACITY_BYTES]["value"] == str(512 << 20), "one share's capacity"
+    settings = InjectionSettings(sidecar_image=SIDECAR_IMAGE)
+    assert admission.differences(pod, webhook.pool(pool), settings) == []
 
 
 def test_mutating_a_mutated_pod_changes_nothing(webhook: Webhook) -> None:
@@ -495,6 +514,42 @@ def test_an_unlabelled_pod_with_a_hostpath_reaching_the_root_is_refused(webhook:
     assert f"volume 'state': hostPath {path!r} reaches /var/lib/offloadpool" in message, message
 
 
+KUBELET_PATHS = [
+    "/var/lib/kubelet",
+    "/var/lib/kubelet/",
+    "/var/lib/kubelet/pods",
+    "/var/lib/kubelet/plugins/offloadpool.io",
+    "/var/lib/kubelet/plugins_registry",
+    "/var/lib/kubelet/pod-resources/",
+    "//var/lib/kubelet/pods",
+    "/var/lib/./kubelet/plugins",
+    "/var/lib/kubelet/pods/.",
+]
+
+
+@pytest.mark.parametrize("path", KUBELET_PATHS)
+def test_a_hostpath_into_the_kubelets_tree_is_sent_to_the_guard_and_refused(
+    webhook: Webhook, path: str
+) -> None:
+    """Issue 36: ``pods/`` holds every CSI-published pool's memory and ``plugins/offloadpool.io``
+    the socket that publishes any pool; the guard's matchConditions send every spelling of the
+    kubelet's tree to the webhook, which refuses it, labelled or not."""
+    pool = webhook.create_pool(f"kl{secrets.token_hex(2)}")
+    for label in (None, pool):
+        body = webhook.pod_body(f"kl-{secrets.token_hex(3)}", label)
+        body["spec"].setdefault("volumes", []).append({"name": "kubelet", "hostPath": {"path": path}})
+        message = webhook.refusal(body)
+        # unlabelled, only the guard sees it (its matchConditions sent it); labelled, the
+        # validating webhook applies the same rule and may answer first
+        hooks = ["pods.guard"] if label is None else ["pods.guard", "pods.validate"]
+        assert any(f"{hook}.offloadpool.io" in message for hook in hooks), message
+        assert f"volume 'kubelet': hostPath {path!r} reaches /var/lib/kubelet" in message, message
+    # beside it: never sent (no wait for the operator), admitted as written
+    body = webhook.pod_body(f"kl-{secrets.token_hex(3)}", None)
+    body["spec"]["volumes"] = [{"name": "beside", "hostPath": {"path": "/var/lib/kubelet-other"}}]
+    assert webhook.create_pod(body)["spec"]["volumes"][0]["hostPath"]["path"] == "/var/lib/kubelet-other"
+
+
 def test_a_labelled_pod_may_not_add_another_hostpath_to_the_root(webhook: Webhook) -> None:
     pool = webhook.create_pool("hp2")
     other = webhook.create_pool("hp3")
@@ -622,3 +677,23 @@ def test_the_vllm_example_pods_are_admitted_and_get_their_pool(webhook: Webhook,
     assert {"name": "OFFLOADPOOL_POOL_DIR", "value": f"/offloadpool/{pool}"} in main["env"]
     if "compat" in example:
         assert any(m["mountPath"] == "/dev/shm/vllm_offload_llama-70b-tp4.mmap" for m in main["volumeMounts"])
+
+
+def test_the_sglang_example_pod_gets_everything_the_sglang_plugin_reads(webhook: Webhook) -> None:
+    """examples/sglang/pod-hicache.yaml through the real API server, for a PerRank pool of 2
+    shares: the stored pod's environment, resolved as the kubelet would (its real uid), is all
+    the SGLang plugin's own reader needs: the pool's directory and the pod's share."""
+    (body,) = list(yaml.safe_load_all((REPO / "examples" / "sglang" / "pod-hicache.yaml").read_text()))
+    pool = webhook.create_pool("ex-sglang", layout={"type": "PerRank", "ranks": 2}, partitions=2)
+    body["metadata"].update(namespace=webhook.namespace)
+    body["metadata"]["labels"][POD_POOL_LABEL] = pool
+    body["spec"]["automountServiceAccountToken"] = False
+    out = webhook.cp.kubectl("create", "-f", "-", "-o", "json", input=yaml.safe_dump(body))
+    pod = json.loads(out.stdout)
+    (engine,) = pod["spec"]["containers"]
+    assert engine["command"][:3] == ["python", "-m", "sglang.launch_server"]
+    reads = plugin_reads(resolved_env(pod, engine))
+    assert reads == {"pool_dir": f"/offloadpool/{pool}", "owner": pod["metadata"]["uid"]}
+    # what the API server stored (its fieldRef defaulted) mutates to itself: validation admits it
+    settings = InjectionSettings(sidecar_image=SIDECAR_IMAGE)
+    assert admission.not_mutated(pod, webhook.pool(pool), settings) == []

@@ -4,13 +4,14 @@ verifies them, are renewed before they expire, and given ones are used as they a
 
 from __future__ import annotations
 
-import datetime
 import ssl
 from pathlib import Path
 
 import pytest
 import yaml
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from offloadpool.operator import certs
 from offloadpool.operator.webhook import WebhookOptions
@@ -140,19 +141,60 @@ def test_a_ca_rotation_trusts_both_cas_until_the_overlap_has_passed(tmp_path: Pa
     assert _bundle(files) == [new] and verifies([new])
 
 
-def test_a_lost_certificate_directory_makes_a_new_ca_next_to_the_trusted_one(tmp_path: Path) -> None:
-    """A re-created pod (the chart's emptyDir is gone): the CA the configurations trust stays in
-    the bundle next to the new one, which the new serving certificate is issued under."""
+def test_a_lost_certificate_directory_makes_a_new_ca_and_trusts_only_it(tmp_path: Path) -> None:
+    """A re-created pod (the chart's emptyDir is gone): the CA the configurations trust has no
+    key here any more, so it is not carried over; the new CA is the bundle, and the new serving
+    certificate is issued under it."""
     first = certs.ensure(tmp_path / "a", ["127.0.0.1"])
     (old,) = _bundle(first)
     files = certs.ensure(tmp_path / "b", ["127.0.0.1"], published=[old])
     new = _cert(tmp_path / "b" / certs.CA_NAME)
-    assert _bundle(files) == [new, old] and _signed(_cert(files.cert), new)
-    foreign = certs.ensure(tmp_path / "c", ["x.example"])  # another CA of ours, expired: dropped
-    later = _cert(foreign.ca).not_valid_after_utc + datetime.timedelta(days=1)
-    (expired,) = _bundle(foreign)
-    gone = certs.ensure(tmp_path / "d", ["127.0.0.1"], now=later, published=[expired])
-    assert _bundle(gone) == [_cert(tmp_path / "d" / certs.CA_NAME)]
+    assert new != old and _bundle(files) == [new] and _signed(_cert(files.cert), new)
+
+
+def test_a_foreign_ca_of_the_same_name_in_the_configurations_is_never_adopted(tmp_path: Path) -> None:
+    """Anyone can make a self-signed CA named offloadpool-webhook-ca and write it into a
+    caBundle: neither a fresh directory nor one with its own CA takes it into the bundle or
+    issues under it."""
+    foreign_files = certs.ensure(tmp_path / "elsewhere", ["127.0.0.1"])
+    (foreign,) = _bundle(foreign_files)
+    assert (
+        foreign.subject.rfc4514_string() == f"CN={certs.CA_COMMON_NAME}" and foreign.subject == foreign.issuer
+    )
+    fresh = certs.ensure(tmp_path / "fresh", ["127.0.0.1"], published=[foreign])
+    own = _cert(tmp_path / "fresh" / certs.CA_NAME)
+    assert own != foreign and _bundle(fresh) == [own] and not _signed(_cert(fresh.cert), foreign)
+    # the operator's own CA is published next to the foreign one: still only its own
+    again = certs.ensure(tmp_path / "fresh", ["127.0.0.1"], published=[own, foreign])
+    assert _bundle(again) == [own] and _signed(_cert(again.cert), own)
+
+
+def test_a_published_ca_is_adopted_only_for_the_key_the_directory_holds(tmp_path: Path) -> None:
+    """ca.crt lost, ca.key kept: the published CA of that key is the same CA again (no new CA,
+    nothing re-issued); a certificate that only claims that key (signed by another) is not."""
+    files = certs.ensure(tmp_path, ["127.0.0.1"])
+    (own,) = _bundle(files)
+    served = files.cert.read_bytes()
+    (tmp_path / certs.CA_NAME).unlink()
+    key = serialization.load_pem_private_key((tmp_path / certs.CA_KEY_NAME).read_bytes(), password=None)
+    other = ec.generate_private_key(ec.SECP256R1())
+    claim = (  # our name and public key, signed with another key
+        x509.CertificateBuilder()
+        .subject_name(own.subject)
+        .issuer_name(own.subject)
+        .public_key(key.public_key())  # type: ignore[arg-type]
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(own.not_valid_before_utc)
+        .not_valid_after(own.not_valid_after_utc)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(other, hashes.SHA256())
+    )
+    adopted = certs.ensure(tmp_path, ["127.0.0.1"], published=[claim, own])
+    assert _cert(tmp_path / certs.CA_NAME) == own and _bundle(adopted) == [own]
+    assert files.cert.read_bytes() == served
+    (tmp_path / certs.CA_NAME).unlink()
+    certs.ensure(tmp_path, ["127.0.0.1"], published=[claim])
+    assert _cert(tmp_path / certs.CA_NAME) not in (own, claim)
 
 
 def _signed(cert: x509.Certificate, ca: x509.Certificate) -> bool:

@@ -20,7 +20,14 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from fixtures.wait import wait_for
-from offloadpool.api.pods import CSI_DRIVER, CSI_POOL_ATTRIBUTE, ENV_POOL_DIR, POD_POOL_LABEL
+from offloadpool.api.pods import (
+    CSI_DRIVER,
+    CSI_POOL_ATTRIBUTE,
+    ENV_CAPACITY_BYTES,
+    ENV_POD_UID,
+    ENV_POOL_DIR,
+    POD_POOL_LABEL,
+)
 from offloadpool.operator import admission
 from offloadpool.operator.admission import InjectionSettings
 from test_webhook import SIDECAR_IMAGE, Webhook, serving_operator, wait_admitted
@@ -110,6 +117,20 @@ def test_restricted_namespace_admits_a_csi_pool_pod_as_the_webhook_mutates_it(
         assert (resource in asked) == (i == 0), container.get("resources")
     settings = InjectionSettings(sidecar_image=SIDECAR_IMAGE)
     assert admission.not_mutated(pod, wh.pool(pool), settings) == []
+
+
+def test_restricted_namespace_admits_a_pod_of_a_partitioned_csi_pool(
+    restricted: tuple[Webhook, str],
+) -> None:
+    """CSI delivery of a pool of 2 shares: the pod is admitted as the API server stores it
+    (the uid's ``fieldRef`` as it defaults it), with one share's capacity in its environment."""
+    wh, ns = restricted
+    pool = wh.create_pool("csiparts", partitions=2, consumers={"delivery": "CSI", "namespaces": [ns]})
+    pod = wait_admitted(wh, restricted_pod("parts", pool), ns)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env[ENV_POD_UID]["valueFrom"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}
+    assert env[ENV_CAPACITY_BYTES]["value"] == str(512 << 20)
+    assert admission.differences(pod, wh.pool(pool), InjectionSettings(sidecar_image=SIDECAR_IMAGE)) == []
 
 
 def test_restricted_namespace_refuses_the_same_pod_for_a_hostpath_pool(

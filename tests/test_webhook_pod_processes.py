@@ -25,7 +25,7 @@ from fixtures.wait import wait_for
 from offloadpool.api.pods import LEASE_READY_FILE
 from offloadpool.operator import admission
 from offloadpool.operator.admission import InjectionSettings
-from offloadpool.region.lease import count_holders, lease_path
+from offloadpool.region.holding.lease import count_holders, lease_path
 
 Start = Callable[..., subprocess.Popen]
 
@@ -43,6 +43,8 @@ def run_container(
     script = ["set -e"]
     for mount in container.get("volumeMounts", []):
         source, target = volumes[mount["name"]], str(root) + mount["mountPath"]
+        if mount.get("subPath"):  # a compat file: the kubelet binds it from beneath the volume
+            source = str(Path(source) / mount["subPath"])
         make = (
             f"mkdir -p {shlex.quote(target)}"
             if Path(source).is_dir()

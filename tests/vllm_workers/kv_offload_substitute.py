@@ -19,8 +19,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from offloadpool.region.provision import provision
-from offloadpool.region.release import release
+from offloadpool.region.lifecycle.provision import provision
+from offloadpool.region.lifecycle.release import release
 from offloadpool.region.request import PoolRequest
 
 POOL = "vllm-kv-offload-tests"

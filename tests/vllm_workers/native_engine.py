@@ -196,7 +196,7 @@ def main() -> int:
 
 def run_engine(cfg: dict[str, Any]) -> dict[str, Any]:
     """Start one engine's workers, check the lease while they hold the pool, wait for them."""
-    from offloadpool.region.lease import Lease, LeaseHeld
+    from offloadpool.region.holding.lease import Lease, LeaseHeld
 
     pod_dirs = cfg["pod_dirs"]
     ctx = mp.get_context("fork")

@@ -1,0 +1,572 @@
+"""An upgrade from the last release with engines running, and the rollback, on the real node.
+
+Why real: what an upgrade must not do — restart an engine's container, lose a byte it wrote,
+re-provision or re-fault its pool, unpublish its CSI volume, flip its pool's status — is decided
+by the kubelet, the runtime, the DaemonSet and Deployment controllers and the two versions' own
+code meeting in one cluster; only the real ones can say it holds. docs/user-guide.md §9.
+
+One module-scoped release, tests in order: the last release of hack/releases.json (built from
+its recorded commit by ``hack/release.py build``: its own chart, its own image) is installed with
+the CSI plugin; a HostPath pool and a CSI pool become Ready; a consumer pod per pool attaches,
+writes a pattern over the whole region and keeps it mapped. Then ``helm upgrade`` to the working
+tree's chart and image, the guide's step 2 (agent pods deleted by hand: the DaemonSets are
+``OnDelete``), and the same checks after ``helm rollback``. In between, each direction's skew
+(an operator of one version over agents of the other, as every rollout has) is held and shown to
+aggregate and delete nothing. A watch of the pools and their OffloadPoolNodes runs throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.chart_node import (
+    CHART,
+    REPO,
+    ReleaseOnNode,
+    host_mounts,
+    import_offloadpool_image,
+    node_values,
+    remove_release,
+)
+from fixtures.node import TOLERATION, RealNode
+from offloadpool import __version__
+from offloadpool.api.constants import AGENT_HTTP_PORT, POOL_NAME_LABEL
+from offloadpool.csi.config import DRIVER_NAME
+from offloadpool.region.files import manifest as manifests
+from offloadpool.region.files import record as records
+from offloadpool.region.holding import published
+
+pytestmark = pytest.mark.node
+
+RELEASE = "up"
+POOL_BYTES = 16 << 20
+AGENTS = "app.kubernetes.io/name=offloadpool-agent"
+OPERATOR = "app.kubernetes.io/name=offloadpool-operator"
+PLUGIN = "app.kubernetes.io/name=offloadpool-csi"
+#: the engine: attach, write the pattern over every byte of the region, keep it mapped
+ENGINE = """
+import sys, time
+from offloadpool.pinning import attach
+pool_dir, shift = sys.argv[1], int(sys.argv[2])
+with attach(pool_dir, rank=0) as region:
+    block = bytes((j + shift) % 251 for j in range(251))
+    view = region.memoryview()
+    view[:] = (block * (region.size // 251 + 1))[: region.size]
+    view.release()
+    print(f"WROTE {region.size}", flush=True)
+    time.sleep(3600)
+"""
+#: what the CSI pool's consumer runs as (the pool's files are given to uid/gid 1000)
+AS_1000 = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+GUIDE = REPO / "docs" / "user-guide.md"
+MARKED = re.compile(
+    r"<!-- upgrade-test: (?P<name>[\w-]+) -->\n\s*```console\n(?P<body>.*?)\n\s*```", re.DOTALL
+)
+
+
+def guide_commands(name: str, substitutions: dict[str, str]) -> list[list[str]]:
+    """The ``$`` lines of the guide's §9 block marked ``upgrade-test: NAME``, each
+    substitution applied (each must find its text: a guide that changed under the test fails
+    here rather than running unsubstituted), split into words."""
+    blocks = {m["name"]: m["body"] for m in MARKED.finditer(GUIDE.read_text())}
+    assert name in blocks, f"docs/user-guide.md has no block marked upgrade-test: {name}"
+    lines = [line.strip()[2:] for line in blocks[name].splitlines() if line.strip().startswith("$ ")]
+    text = "\n".join(lines)
+    for old, new in substitutions.items():
+        assert old in text, f"{old!r} is not in the guide's {name} block any more:\n{text}"
+        text = text.replace(old, new)
+    return [shlex.split(line) for line in text.splitlines()]
+
+
+def pattern(shift: int, size: int) -> bytes:
+    block = bytes((j + shift) % 251 for j in range(251))
+    return (block * (size // 251 + 1))[:size]
+
+
+def last_release() -> dict[str, str]:
+    """The newest entry of hack/releases.json: what a user upgrades from."""
+    return json.loads((REPO / "hack" / "releases.json").read_text())["releases"][-1]
+
+
+def build_release(helm: Path, version: str) -> dict[str, str]:
+    """``hack/release.py build``: the release's image archive and chart (cached by commit)."""
+    run = subprocess.run(
+        [sys.executable, "hack/release.py", "build", version, "--helm", str(helm)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert run.returncode == 0, f"hack/release.py build {version} failed:\n{run.stderr[-4000:]}"
+    return json.loads(run.stdout[run.stdout.index("{") :])
+
+
+def import_archive(node: RealNode, archive: str) -> str:
+    """An image archive of hack/image.py imported into the node's containerd; its name."""
+    index = json.loads((Path(archive).parent / "index.json").read_text())
+    ref = index["manifests"][0]["annotations"]["io.containerd.image.name"]
+    node.ctr("images", "import", "--platform", "linux/amd64", archive)
+    assert ref in node.ctr("images", "ls", "-q").stdout.split()
+    return ref
+
+
+class Watch:
+    """``kubectl get <resource> -w``: every event, with the time it was read."""
+
+    def __init__(self, kubectl: Path, env: dict[str, str], resource: str) -> None:
+        self.events: list[tuple[float, str, dict]] = []
+        self.proc = subprocess.Popen(
+            [str(kubectl), "get", resource, "-w", "-o", "json", "--output-watch-events"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        decoder, buf = json.JSONDecoder(), ""
+        for line in self.proc.stdout:
+            buf += line
+            while buf.strip():
+                try:
+                    obj, end = decoder.raw_decode(buf.lstrip())
+                except ValueError:
+                    break
+                buf = buf.lstrip()[end:]
+                self.events.append((time.monotonic(), obj["type"], obj["object"]))
+
+    def of(self, names: set[str], since: float) -> list[tuple[str, dict]]:
+        return [(t, o) for at, t, o in list(self.events) if at >= since and o["metadata"]["name"] in names]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@dataclass
+class Upgrade(ReleaseOnNode):
+    node: RealNode
+    root: Path
+    ns: str
+    consumers_ns: str
+    old: dict[str, str]  # version, chart, image
+    new: dict[str, str]
+    pools: dict[str, str]  # delivery -> pool
+    kubelet_dir: str
+    seen: dict[str, Any] = field(default_factory=dict)
+    watches: list[Watch] = field(default_factory=list)
+
+    def diagnostics(self) -> str:
+        cp = self.cp
+        return "\n".join(
+            [
+                cp.kubectl("get", "pods,daemonsets,events", "-n", self.ns, "-o", "wide", check=False).stdout,
+                cp.kubectl("get", "pods,events", "-n", self.consumers_ns, check=False).stdout,
+                cp.kubectl("get", "offloadpools,offloadpoolnodes", "-o", "yaml", check=False).stdout,
+                cp.kubectl("logs", "-n", self.ns, "-l", AGENTS, "--tail=30", check=False).stdout,
+                cp.kubectl("logs", "-n", self.ns, "-l", PLUGIN, "--tail=30", check=False).stdout,
+                cp.kubectl("logs", "-n", self.ns, "-l", OPERATOR, "--tail=60", check=False).stdout,
+            ]
+        )
+
+    def pods(self, selector: str, ns: str | None = None) -> list[dict]:
+        found = self.get("pods", "-n", ns or self.ns, "-l", selector)
+        return [] if found is None else found["items"]
+
+    def pool_node(self, pool: str) -> dict:
+        return self.get("offloadpoolnodes", f"{pool}.{self.node.name}") or {}
+
+    def ready_pod(
+        self, selector: str, image: str, not_uids: frozenset[str] | set[str] = frozenset()
+    ) -> dict | None:
+        for p in self.pods(selector):
+            conditions = {c["type"]: c["status"] for c in p["status"].get("conditions", [])}
+            if (
+                p["metadata"]["uid"] not in not_uids
+                and not p["metadata"].get("deletionTimestamp")
+                and p["spec"]["containers"][0]["image"] == image
+                and conditions.get("Ready") == "True"
+            ):
+                return p
+        return None
+
+    def consumers(self) -> dict[str, dict[str, tuple[str, int]]]:
+        """Each consumer pod's containers (the lease sidecar too): id and restart count."""
+        found = {}
+        for pool in self.pools.values():
+            pod = self.get("pod", f"engine-{pool}", "-n", self.consumers_ns) or {}
+            status = pod.get("status") or {}
+            found[pool] = {
+                c["name"]: (c.get("containerID", ""), c["restartCount"])
+                for c in status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
+            }
+        return found
+
+    def node_side(self, pool: str) -> dict[str, Any]:
+        """What the node keeps of the pool: the record (less its write time and the request as
+        the writing version spells it), the manifest's generation, mount id, segment inodes."""
+        pool_dir = self.root / pool
+        rec = records.load(pool_dir)
+        assert rec is not None, f"no record of {pool}"
+        kept = {k: v for k, v in vars(rec).items() if k not in ("updated", "request")}
+        manifest = manifests.load(pool_dir)
+        mount_ids = {}
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                f = line.split()
+                if f[4].startswith(f"{pool_dir}/"):
+                    mount_ids[f[4]] = f[0]
+        inodes = {s.file: (pool_dir / s.file).stat().st_ino for r in manifest.regions for s in r.segments}
+        return {"record": kept, "generation": manifest.generation, "mounts": mount_ids, "inodes": inodes}
+
+    def region_bytes(self, pool: str) -> bytes:
+        pool_dir = self.root / pool
+        out = b""
+        for seg in manifests.load(pool_dir).regions[0].segments:
+            with open(pool_dir / seg.file, "rb") as fh:
+                out += fh.read(seg.bytes)
+        return out
+
+    def agent_metrics(self, pod: dict) -> str:
+        url = f"http://{pod['status']['podIP']}:{AGENT_HTTP_PORT}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.read().decode()
+
+    def operator_first_line(self, pod: dict) -> str:
+        """The message of the operator pod's first log line (less the time, logger and level
+        logging puts before it), once the kubelet has one to give."""
+        name = pod["metadata"]["name"]
+
+        def first() -> str | None:
+            out = self.cp.kubectl("logs", "-n", self.ns, name, check=False)
+            return out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+        line = str(self.wait(f"a log line of {name}", first, 60))
+        logged = re.fullmatch(r"\[[^\]]*\] \S+ \[[^\]]*\] (?P<message>.*)", line)
+        assert logged is not None, f"not a log line of the operator's: {line!r}"
+        return logged["message"]
+
+
+@pytest.fixture(scope="module")
+def upgrade(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -> Iterator[Upgrade]:
+    """The last release installed with its own chart and image (the CSI plugin on); the working
+    tree's image imported for the upgrade. Afterwards: consumers, pools, release, namespaces."""
+    cp = real_node.cp
+    t0 = time.monotonic()
+    release = last_release()
+    built = build_release(cp.bin_dir / "helm", release["version"])
+    old_image = import_archive(real_node, built["image_archive"])
+    new_image = import_offloadpool_image(real_node)
+    assert old_image != new_image, "the working tree's image carries the release's tag"
+    suffix = uuid.uuid4().hex[:6]
+    kubelet_dir = str(real_node.workdir / "kubelet")
+    up = Upgrade(
+        node=real_node,
+        root=shared_agent_root,
+        ns=f"offloadpool-up-{suffix}",
+        consumers_ns=f"up-consumers-{suffix}",
+        old={"version": release["version"], "chart": built["chart"], "image": old_image},
+        new={"version": __version__, "chart": str(CHART), "image": new_image},
+        pools={"HostPath": f"up-hp-{suffix}", "CSI": f"up-csi-{suffix}"},
+        kubelet_dir=kubelet_dir,
+    )
+    print(f"upgrade: {release['version']} built and both images imported in {time.monotonic() - t0:.1f}s")
+    try:
+        cp.kubectl("create", "namespace", up.consumers_ns)
+        cp.helm(
+            "install",
+            RELEASE,
+            up.old["chart"],
+            "--namespace",
+            up.ns,
+            "--create-namespace",
+            "--take-ownership",
+            *node_values(old_image),
+            "--set",
+            "csi.enabled=true",
+            "--set",
+            f"csi.kubeletDir={kubelet_dir}",
+            "--set-json",
+            f"csi.tolerations={json.dumps([TOLERATION])}",
+            timeout=120,
+        )
+        for resource in ("offloadpools", "offloadpoolnodes"):
+            up.watches.append(Watch(cp.bin_dir / "kubectl", cp.env, resource))
+        yield up
+    finally:
+        for w in up.watches:
+            w.stop()
+        remove_release(cp, RELEASE, up.ns, up.pools.values(), real_node.name, [up.consumers_ns])
+        cp.kubectl("delete", "csidriver", DRIVER_NAME, "--ignore-not-found", check=False)
+
+
+def _engine_pod(up: Upgrade, delivery: str, shift: int) -> dict:
+    pool = up.pools[delivery]
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": up.old["image"],
+        "imagePullPolicy": "Never",
+        "command": ["python", "-c", ENGINE, "$(OFFLOADPOOL_POOL_DIR)", str(shift)],
+        "resources": {"limits": {"memory": "96Mi", "cpu": "100m"}},
+    }
+    if delivery == "CSI":
+        container["securityContext"] = AS_1000
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"engine-{pool}", "labels": {POOL_NAME_LABEL: pool}},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "tolerations": [TOLERATION],
+            "containers": [container],
+        },
+    }
+
+
+def test_upgrade_the_release_runs_two_pools_with_engines_holding_them(upgrade: Upgrade) -> None:
+    """The release's operator, agents and CSI plugin run its version; a HostPath and a CSI pool
+    are Ready; an engine per pool writes every byte and keeps the region mapped."""
+    up, cp = upgrade, upgrade.cp
+    t0 = time.monotonic()
+    operator = up.wait("the release's operator Ready", lambda: up.ready_pod(OPERATOR, up.old["image"]), 180)
+    assert up.operator_first_line(operator).startswith(f"offloadpool-operator {up.old['version']}:")
+    up.wait("the release's CSI plugin Ready", lambda: up.ready_pod(PLUGIN, up.old["image"]), 180)
+    up.ready_memory_pool(up.pools["HostPath"], {"namespaces": [up.consumers_ns]})
+    csi = {"namespaces": [up.consumers_ns], "uid": 1000, "gid": 1000, "delivery": "CSI"}
+    up.ready_memory_pool(up.pools["CSI"], csi)
+    for shift, delivery in enumerate(up.pools, start=7):
+        manifest = json.dumps(_engine_pod(up, delivery, shift))
+
+        def admitted(manifest: str = manifest) -> bool:
+            out = cp.kubectl("apply", "-n", up.consumers_ns, "-f", "-", input=manifest, check=False)
+            assert out.returncode == 0 or "failed calling webhook" in out.stderr, out.stderr
+            return out.returncode == 0
+
+        up.wait("the engine pod admitted through the webhook", admitted, 180)
+        up.seen[up.pools[delivery]] = {"shift": shift}
+    for pool in up.pools.values():
+
+        def wrote(pool: str = pool) -> bool:
+            out = cp.kubectl("logs", f"engine-{pool}", "-n", up.consumers_ns, "-c", "engine", check=False)
+            return f"WROTE {POOL_BYTES}" in out.stdout
+
+        up.wait(f"the engine of {pool} wrote its pattern", wrote, 180)
+        assert up.region_bytes(pool) == pattern(up.seen[pool]["shift"], POOL_BYTES)
+        status = up.wait(
+            f"{pool}: the engine counted as attached",
+            lambda pool=pool: (s := up.pool_node(pool).get("status") or {}).get("enginesAttached") and s,
+            60,
+        )
+        assert status["phase"] == "Ready" and status["agentVersion"] == up.old["version"], status
+        up.seen[pool]["node"] = up.node_side(pool)
+    (holder,) = published.load_all(up.root / up.pools["CSI"])
+    assert holder.target_path in host_mounts()
+    up.seen["csi target"] = holder.target_path
+    up.seen["consumers"] = up.consumers()
+    assert all(c[1] == 0 and c[0] for pod in up.seen["consumers"].values() for c in pod.values())
+    up.seen["ds uids"] = {
+        d["metadata"]["name"]: d["metadata"]["uid"]
+        for d in (up.get("daemonsets", "-n", up.ns) or {})["items"]
+    }
+    print(f"upgrade: release up, pools Ready, engines attached in {time.monotonic() - t0:.1f}s")
+
+
+def _move(up: Upgrade, to: dict[str, str], frm: dict[str, str], command: list[str]) -> None:
+    """``helm upgrade``/``rollback`` to ``to``, the skew held and checked, the guide's step 2
+    (each agent pod deleted), and everything the engines rely on checked unchanged."""
+    cp, pools = up.cp, set(up.pools.values())
+    assert "consumers" in up.seen, "the release did not come up (the test before)"
+    t0 = time.monotonic()
+    since = time.monotonic()
+    old_operator = up.pods(OPERATOR)[0]["metadata"]["uid"]
+    old_plugin = up.pods(PLUGIN)[0]["metadata"]["uid"]
+    old_agents = {p["metadata"]["uid"] for p in up.pods(AGENTS)}
+    cp.helm(*command, timeout=180)
+
+    # The operator and the CSI plugin are replaced by the chart's own rollout, one node at a
+    # time (the plugin's DaemonSet says so), and run the target version.
+    operator = up.wait(
+        f"the operator of {to['version']} Ready",
+        lambda: up.ready_pod(OPERATOR, to["image"], {old_operator}),
+        180,
+    )
+    assert up.operator_first_line(operator).startswith(f"offloadpool-operator {to['version']}:"), (
+        up.operator_first_line(operator)
+    )
+    plugin = up.wait(
+        f"the CSI plugin of {to['version']} Ready",
+        lambda: up.ready_pod(PLUGIN, to["image"], {old_plugin}),
+        180,
+    )
+    ds = up.get("daemonset", "-n", up.ns, f"{RELEASE}-csi") or {}
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+    }, ds["spec"]["updateStrategy"]
+    up.wait(
+        "the new plugin registered",
+        lambda: (
+            "registered with the kubelet"
+            in cp.kubectl("logs", "-n", up.ns, plugin["metadata"]["name"], check=False).stdout
+        ),
+        60,
+    )
+
+    # Skew: the operator of one version over agents of the other. The agents' DaemonSets are
+    # OnDelete: re-rendered with the target image, they restart nothing, so the skew holds here
+    # for as long as a user leaves it (the guide's step 2 ends it).
+    for pool in pools:
+        name = f"offloadpool-agent-{pool}"
+
+        def rendered(name: str = name) -> dict | None:
+            d = up.get("daemonset", "-n", up.ns, name) or {}
+            template = ((d.get("spec") or {}).get("template") or {}).get("spec") or {}
+            return d if template.get("containers", [{}])[0].get("image") == to["image"] else None
+
+        d = up.wait(f"{name} re-rendered with {to['image']}", rendered, 120)
+        assert d["spec"]["updateStrategy"] == {"type": "OnDelete"}, d["spec"]["updateStrategy"]
+    assert {p["metadata"]["uid"] for p in up.pods(AGENTS)} == old_agents, "the upgrade restarted an agent"
+    # The pass that re-rendered each DaemonSet aggregated the other version's reports too (a
+    # pass writes the pool's status only when it changed: the watch below sees any change).
+    for pool in pools:
+        line = f"pool {pool}: updated DaemonSet offloadpool-agent-{pool}"
+        up.wait(
+            f"the operator of {to['version']} logged its pass over {pool}",
+            lambda line=line: line in cp.kubectl("logs", "-n", up.ns, operator["metadata"]["name"]).stdout,
+            60,
+        )
+    for pool in pools:
+        status = up.pool_node(pool)["status"]
+        assert status["agentVersion"] == frm["version"] and status["phase"] == "Ready", status
+        aggregate = up.get("offloadpool", pool)["status"]  # type: ignore[index]
+        assert (aggregate["phase"], aggregate["readyNodes"], aggregate["desiredNodes"]) == ("Ready", 1, 1), (
+            aggregate
+        )
+    skew = time.monotonic()
+
+    # The guide's step 2, its commands for each pool: the agent pod deleted, with the engine
+    # attached; the replacement reuses the region.
+    for pool in pools:
+        for kubectl, *args in guide_commands(
+            "agents",
+            {
+                "offloadpool-system": up.ns,
+                "offloadpool.io/pool=kv": f"{POOL_NAME_LABEL}={pool}",
+                "kv.gpu-1": f"{pool}.{up.node.name}",
+                "gpu-1": up.node.name,
+            },
+        ):
+            assert kubectl == "kubectl"
+            print(cp.kubectl(*args, timeout=120).stdout.rstrip())
+    for pool in pools:
+        agent = up.wait(
+            f"the agent of {pool} at {to['version']} Ready",
+            lambda pool=pool: up.ready_pod(f"{AGENTS},{POOL_NAME_LABEL}={pool}", to["image"], old_agents),
+            120,
+        )
+        status = up.wait(
+            f"{pool} reported by an agent of {to['version']}",
+            lambda pool=pool: (
+                (s := up.pool_node(pool).get("status") or {}).get("agentVersion") == to["version"] and s
+            ),
+            60,
+        )
+        assert status["phase"] == "Ready" and status["reason"] == "Reused", status
+        assert "nothing re-populated" in status["message"], status
+        metrics = up.agent_metrics(agent)
+        assert f'offloadpool_agent_build_info{{version="{to["version"]}"}} 1.0' in metrics, metrics
+        populated = [
+            line for line in metrics.splitlines() if line.startswith("offloadpool_populated_bytes_total")
+        ]
+        assert populated and all(line.endswith(" 0.0") for line in populated), populated
+        # No re-provision, no re-fault, no scrub: the node's record, manifest, mounts and files
+        # are those the release made, and every byte the engine wrote reads back.
+        assert up.node_side(pool) == up.seen[pool]["node"], (up.node_side(pool), up.seen[pool]["node"])
+        assert up.region_bytes(pool) == pattern(up.seen[pool]["shift"], POOL_BYTES), f"{pool}: bytes changed"
+
+    # The engines never restarted (same containers, no restart), the CSI volume stayed published.
+    assert up.consumers() == up.seen["consumers"], (up.consumers(), up.seen["consumers"])
+    assert up.seen["csi target"] in host_mounts(), "the CSI volume was unpublished"
+    (holder,) = published.load_all(up.root / up.pools["CSI"])
+    assert holder.target_path == up.seen["csi target"]
+    # Nothing was deleted, and the pools stayed Ready throughout, seen by a watch.
+    ds_uids = {
+        d["metadata"]["name"]: d["metadata"]["uid"]
+        for d in (up.get("daemonsets", "-n", up.ns) or {})["items"]
+    }
+    assert ds_uids == up.seen["ds uids"], (ds_uids, up.seen["ds uids"])
+    assert all(w.proc.poll() is None for w in up.watches), "a watch ended: the history is not whole"
+    nodes_seen = up.watches[1].of({f"{p}.{up.node.name}" for p in pools}, since)
+    pools_seen = up.watches[0].of(pools, since)
+    # the watch saw the move: each new agent's first report (agentVersion changed) at least
+    reporters = {
+        o["metadata"]["name"]
+        for _e, o in nodes_seen
+        if (o.get("status") or {}).get("agentVersion") == to["version"]
+    }
+    assert reporters == {f"{p}.{up.node.name}" for p in pools}, (reporters, nodes_seen)
+    for kind, seen in (("OffloadPoolNode", nodes_seen), ("OffloadPool", pools_seen)):
+        for event, obj in seen:
+            assert event != "DELETED", f"{kind} {obj['metadata']['name']} deleted"
+            status = obj.get("status") or {}
+            assert status.get("phase") == "Ready", (kind, event, status)
+    for _event, obj in pools_seen:
+        conditions = {c["type"]: c for c in obj["status"].get("conditions", [])}
+        assert conditions["Ready"]["status"] == "True", conditions
+        assert conditions.get("Degraded", {}).get("status", "False") == "False", conditions
+    print(
+        f"upgrade to {to['version']}: {time.monotonic() - t0:.1f}s (skew held {skew - since:.1f}s); "
+        f"watched {len(nodes_seen)} OffloadPoolNode and {len(pools_seen)} OffloadPool events, all Ready"
+    )
+
+
+def test_upgrade_helm_upgrade_to_the_working_tree_leaves_the_engines_and_their_memory(
+    upgrade: Upgrade,
+) -> None:
+    """The guide's step 1 (its command, with the test's release, namespace and image) and
+    step 2, from the release to the working tree."""
+    up = upgrade
+    repository, tag = up.new["image"].rsplit(":", 1)
+    ((helm, *command),) = guide_commands(
+        "operator",
+        {
+            "helm upgrade offloadpool charts/offloadpool": f"helm upgrade {RELEASE} {up.new['chart']}",
+            "-n offloadpool-system": f"-n {up.ns}",
+            "--set image.tag=0.2.0": f"--set image.repository={repository} --set image.tag={tag}",
+        },
+    )
+    assert helm == "helm"
+    _move(up, up.new, up.old, command)
+
+
+def test_upgrade_helm_rollback_to_the_release_leaves_them_too(upgrade: Upgrade) -> None:
+    up = upgrade
+    _move(up, up.old, up.new, ["rollback", RELEASE, "1", "-n", up.ns])
