@@ -16,14 +16,13 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fixtures.cgroups import Cgroups, in_cgroups
 from fixtures.host import cli_argv, hugepage_totals
 from offloadpool.api import agent_env
 from offloadpool.region.memory import cgroup_limits, mounts
@@ -32,63 +31,6 @@ pytestmark = pytest.mark.root  # builds images, mounts, cgroups: root only
 
 MiB = 1 << 20
 GROUP, VERSION = "offloadpool.io", "v1alpha1"
-
-
-class Cgroups:
-    """Child cgroups of this test process's own, removed (deepest first) at the end.
-
-    On cgroup v2 the parent must enable the controller for its children (``+hugetlb`` in
-    ``cgroup.subtree_control``). That stays on in the hierarchy's existing cgroups, as on a
-    cgroup-v2 node: taking it back would pull the limit files from under anyone else's child
-    cgroups (a concurrent test, the real node's ``kubepods``)."""
-
-    def __init__(self) -> None:
-        self.made: list[Path] = []
-
-    def child(self, controller: str, parent: Path | None = None) -> Path:
-        h = cgroup_limits.hierarchy(controller)
-        assert h is not None, f"no {controller} cgroup hierarchy is mounted on this machine"
-        base = parent or h.directory
-        if h.version == 2:
-            control = base / "cgroup.subtree_control"
-            if controller not in control.read_text().split():
-                control.write_text(f"+{controller}")
-        path = base / f"offloadpool-test-{uuid.uuid4().hex[:8]}"
-        path.mkdir()
-        self.made.append(path)
-        return path
-
-    def cleanup(self) -> None:
-        for path in sorted(self.made, key=lambda p: len(p.parts), reverse=True):
-            for _ in range(50):  # a process just killed may still be leaving the cgroup
-                try:
-                    path.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            else:
-                raise AssertionError(
-                    f"cannot remove test cgroup {path}: {(path / 'cgroup.procs').read_text()!r}"
-                )
-
-
-@pytest.fixture
-def cgroups() -> Iterator[Cgroups]:
-    if os.geteuid() != 0:
-        pytest.fail("cgroup tests need root")
-    made = Cgroups()
-    try:
-        yield made
-    finally:
-        made.cleanup()
-
-
-def in_cgroups(groups: list[Path], argv: list[str]) -> list[str]:
-    """``argv`` run by a shell that first moves itself into every cgroup of ``groups``."""
-    moves = " && ".join(f"echo $$ > '{g}/cgroup.procs'" for g in groups)
-    return ["sh", "-c", f'{moves} && exec "$@"', "sh", *argv]
 
 
 def run_provision(

@@ -7,7 +7,8 @@ plugins through a real entry point (a dist-info carrying pyproject.toml's
 ``MLATokenToKVPoolHost``. What is checked: the host buffer is the pool's file in
 /proc/self/maps, construction takes almost no minor faults (SGLang's own allocation faults
 every page), each rank's bytes land only in its region or part (read from this process), the
-lease is held while the ranks run, and a pool too small for the rank stops it naming both numbers.
+lease is held while the ranks run, a request stock SGLang refuses under its container's memory
+limit is served from the pool, and a pool too small for the rank stops it naming both numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.cgroups import Cgroups, in_cgroups
 from offloadpool.region.holding.lease import Lease, LeaseHeld
 from offloadpool.region.lifecycle.provision import ProvisionResult, provision
 from offloadpool.region.request import PoolRequest
@@ -31,6 +33,10 @@ from offloadpool.sglang import PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_TARGET
 pytestmark = pytest.mark.sglang
 
 MiB = 1 << 20
+GiB = 1 << 30
+#: sglang.srt.mem_cache.pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES of the pinned SGLang: what
+#: its budget check leaves to the rest of the machine (or of the container) before sizing a pool
+SGLANG_HOST_RESERVE = 10 * GiB
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "sglang_workers" / "host_pool.py"
 # bytes per token: MHA 4 layers x (K + V) x 2 heads x 64 x bf16; MLA 4 layers x 576 x bf16
@@ -69,8 +75,10 @@ def run_ranks(
     layout: str = "page_first",
     tokens: int,
     hold: bool = False,
+    cgroup: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Start ``world`` ranks at once; return each one's JSON line (rank order)."""
+    """Start ``world`` ranks at once (each moved into ``cgroup`` first, when given); return each
+    one's JSON line (rank order)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
     env.pop("OFFLOADPOOL_POOL_DIR", None)
     if pool is not None:
@@ -92,9 +100,10 @@ def run_ranks(
             "plugins_dir": str(plugins_dir(tmp_path, pool is not None)),
             **({"hold_file": str(hold_file)} if hold else {}),
         }
+        argv = [str(python), str(WORKER), json.dumps(cfg)]
         procs.append(
             subprocess.Popen(
-                [str(python), str(WORKER), json.dumps(cfg)],
+                in_cgroups([cgroup], argv) if cgroup is not None else argv,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -187,6 +196,32 @@ def test_stock_sglang_allocates_its_own_anonymous_memory(tmp_path: Path, sglang_
     assert "error" not in out, out
     assert all("offloadpool" not in m and "/mnt/" not in m for m in out["maps"]), out
     assert out["minor_faults"] > out["bytes"] // 4096 // 2, out
+
+
+def test_a_request_stock_sglang_refuses_in_its_container_is_served_from_the_pool(
+    region_root: Path, tmp_path: Path, sglang_python: Path, cgroups: Cgroups
+) -> None:
+    """SGLang sizes a host pool against what the rank's memory cgroup has left (minus a 10 GiB
+    reserve), as in a container: a pool the node provisioned outside that budget (its pages are
+    the agent's, as reserved huge pages are nobody's MemAvailable) is refused by stock SGLang.
+    The same request, in the same cgroup, with the plugin: served from the pool's file."""
+    cg = cgroups.child("memory")
+    limit = SGLANG_HOST_RESERVE + 1 * GiB  # the budget is at most 1 GiB, less what the rank uses
+    limit_name = "memory.max" if (cg / "memory.max").exists() else "memory.limit_in_bytes"
+    (cg / limit_name).write_text(str(limit))
+    tokens = (1 * GiB + 64 * MiB) // PER_TOKEN["mha"] // 16 * 16  # page-aligned, over the budget
+    asked = tokens * PER_TOKEN["mha"]
+    (stock,) = run_ranks(sglang_python, tmp_path, None, 1, kind="mha", tokens=tokens, cgroup=cg)
+    assert stock.get("error", "").startswith(
+        f"ValueError: Not enough host memory available. Requesting {asked / 1e9:.2f} GB"
+    ), stock
+    pool = make_pool(region_root, "big", asked + 16 * MiB, "Replicated", 1)
+    (served,) = run_ranks(sglang_python, tmp_path, pool, 1, kind="mha", tokens=tokens, cgroup=cg)
+    assert "error" not in served, served
+    assert served["bytes"] == served["requested"] == asked, served
+    files = {str(pool.pool_dir / s.file) for s in pool.manifest.regions[0].segments}
+    assert served["maps"] and set(served["maps"]) <= files, (served["maps"], files)
+    assert set(region_bytes(pool, 0)[:asked]) == {0x11}  # the rank wrote the pool's memory
 
 
 def test_a_pool_too_small_for_the_rank_stops_it_naming_both_numbers(
