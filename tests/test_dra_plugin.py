@@ -106,7 +106,9 @@ def claims(control_plane: Any) -> Any:
                 core.delete_namespace(ns)
             except client.ApiException:
                 pass
+        # deploy/dra.yaml's DaemonSet would otherwise put plugin pods on every later test's Nodes
         api.close()
+        control_plane.kubectl("delete", "--ignore-not-found", "-f", str(REPO / "deploy" / "dra.yaml"))
 
 
 def scenario(tmp_path: Path, name: str, kubeconfig: str, claims: dict[str, list[str]]) -> dict[str, Any]:
