@@ -386,9 +386,9 @@ def test_an_unschedulable_agent_pod_is_named_with_the_schedulers_reason(
     assert "provisioning" not in c["Progressing"]["message"], dump(c)
 
 
-def kubelet_ready(w: World, node: str) -> None:
-    """The Node Ready with room, as its kubelet reports it: else it stays tainted not-ready and
-    the DaemonSet controller makes it no agent pod at all."""
+def kubelet_ready(w: World, node: str, memory: str = "16Gi") -> None:
+    """The Node Ready with room (``memory`` of it), as its kubelet reports it: else it stays
+    tainted not-ready and the DaemonSet controller makes it no agent pod at all."""
     stamp = format_time(now())
     ready = {
         "type": "Ready",
@@ -397,7 +397,7 @@ def kubelet_ready(w: World, node: str) -> None:
         "lastHeartbeatTime": stamp,
         "lastTransitionTime": stamp,
     }
-    room = {"cpu": "8", "memory": "16Gi", "pods": "110"}
+    room = {"cpu": "8", "memory": memory, "pods": "110"}
     w.core.patch_node_status(node, {"status": {"capacity": room, "allocatable": room, "conditions": [ready]}})
 
 
@@ -416,8 +416,10 @@ def test_deleting_a_pool_whose_agent_never_ran_finishes_and_one_that_may_hold_me
         w.add_node("never", {"offloadpool-test/group": group}),
         w.add_node("quiet", {"offloadpool-test/group": group}),
     )
-    for node in (never, quiet):
-        kubelet_ready(w, node)
+    # "never" has no room for the agent pod, so that a real scheduler of the session (the real
+    # node's, when its tests ran first) cannot place it either: the test's PodScheduled is true
+    kubelet_ready(w, never, memory="1Mi")
+    kubelet_ready(w, quiet)
     pool = w.create_pool(
         "noagent", {"capacity": "64Mi", "medium": "Memory", "nodeSelector": {"offloadpool-test/group": group}}
     )
