@@ -104,6 +104,41 @@ INVALID_POOLS: list[InvalidPool] = [
         _s(layout={"type": "Interleaved", "ranks": 2, "slotSize": "0"}),
         "spec.layout.slotSize",
     ),
+    InvalidPool(
+        "rowsize-on-interleaved",
+        _s(layout={"type": "Interleaved", "ranks": 2, "rowSize": "1Mi"}),
+        "spec.layout.rowSize",
+    ),
+    InvalidPool(
+        "rowsize-not-dividing-capacity",
+        _s(capacity="64Mi", layout={"type": "Replicated", "rowSize": "3Mi"}),
+        "spec.layout.rowSize",
+    ),
+    InvalidPool(
+        "rowsize-not-dividing-a-rank-region",
+        _s(capacity="64Mi", layout={"type": "PerRank", "ranks": 4, "rowSize": "32Mi"}),
+        "spec.layout.rowSize",
+    ),
+    InvalidPool(
+        "rowsize-not-dividing-a-share",
+        _s(capacity="64Mi", partitions=4, layout={"type": "Replicated", "rowSize": "32Mi"}),
+        "spec.layout.rowSize",
+    ),
+    InvalidPool(
+        "rowsize-zero",
+        _s(layout={"type": "Replicated", "rowSize": "0"}),
+        "spec.layout.rowSize",
+    ),
+    InvalidPool(
+        "rowsize-with-compat",
+        _s(
+            capacity="8Mi",
+            layout={"type": "Replicated", "rowSize": "1Mi"},
+            segments={"maxFiles": 1},
+            compat={"vllm": {"engineId": "e-1"}},
+        ),
+        "spec.layout.rowSize",
+    ),
     InvalidPool("maxfiles-33", _s(segments={"maxFiles": 33}), "spec.segments.maxFiles"),
     InvalidPool("maxfiles-zero", _s(segments={"maxFiles": 0}), "spec.segments.maxFiles"),
     InvalidPool(

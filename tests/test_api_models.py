@@ -30,6 +30,7 @@ from offloadpool.api import (
     page_size,
     parse_quantity,
     pool_label_key,
+    pool_request,
     split_node_object_name,
 )
 
@@ -251,3 +252,41 @@ def test_status_keeps_fields_it_does_not_know() -> None:
     """A newer operator's status must survive a read-modify-write by an older component."""
     status = OffloadPoolStatus.model_validate({"readyNodes": 1, "futureField": {"x": 1}})
     assert status.model_dump(by_alias=True, exclude_none=True) == {"readyNodes": 1, "futureField": {"x": 1}}
+
+
+def test_a_row_size_splits_replicated_and_per_rank_files_on_whole_rows() -> None:
+    """``layout.rowSize`` reaches the engine as its row: every segment file is whole rows, where
+    the same pool without it splits on pages alone (7.5 MiB files, no row boundary)."""
+    from offloadpool.region.files.planner import plan
+
+    row = 3 * 2**20
+    base = {"capacity": "30Mi", "medium": "Memory", "segments": {"maxFiles": 4, "minSize": "4Ki"}}
+    for layout, regions in (({"type": "Replicated"}, 1), ({"type": "PerRank", "ranks": 2}, 2)):
+        capacity = "30Mi" if regions == 1 else "60Mi"
+        pool = {"metadata": {"name": "kv", "uid": "u"}, "spec": {**base, "capacity": capacity}}
+        spec = pool["spec"]
+        plain = pool_request(OffloadPool.model_validate({**pool, "spec": {**spec, "layout": layout}}))
+        rowed_layout = {**layout, "rowSize": "3Mi"}
+        rowed = pool_request(OffloadPool.model_validate({**pool, "spec": {**spec, "layout": rowed_layout}}))
+        assert plain.slot_bytes is None and rowed.slot_bytes == row
+        assert rowed.fingerprint() != plain.fingerprint()  # a shape field
+        sizes = [s.bytes for r in plan(rowed).regions for s in r.segments]
+        assert len(plan(rowed).regions) == regions and all(b % row == 0 for b in sizes), sizes
+        assert plan(rowed).layout.row_bytes == row
+        plain_sizes = [s.bytes for r in plan(plain).regions for s in r.segments]
+        assert any(b % row for b in plain_sizes), plain_sizes
+
+
+def test_a_pool_without_row_size_keeps_the_fingerprint_of_the_release_before() -> None:
+    """Pools made by 0.1.0 (which had no ``layout.rowSize``) must not look reshaped to an agent
+    that knows the field: their fingerprint is the one 0.1.0 recorded (computed by 0.1.0's
+    ``PoolRequest.fingerprint`` for this spec), so an upgrade re-provisions nothing."""
+    pool = {
+        "metadata": {"name": "kv", "uid": "u"},
+        "spec": {"capacity": "64Mi", "medium": "Memory", "layout": {"type": "PerRank", "ranks": 2}},
+    }
+    assert pool_request(OffloadPool.model_validate(pool)).fingerprint() == RELEASE_0_1_0_FINGERPRINT
+
+
+#: ``pool_request(...).fingerprint()`` of the pool above, as offloadpool 0.1.0 (45a1a73) computes it
+RELEASE_0_1_0_FINGERPRINT = "c1d23e6e53024a43"

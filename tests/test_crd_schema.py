@@ -104,6 +104,7 @@ def test_quantity_fields_are_int_or_string_with_a_pattern() -> None:
     assert [p for p, _ in props] == [
         ".spec.capacity",
         ".spec.layout.slotSize",
+        ".spec.layout.rowSize",
         ".spec.segments.minSize",
         ".spec.compat.vllm.rowSize",
     ]

@@ -151,6 +151,13 @@ def test_valid_edge_values_are_accepted(cr_objects: CustomObjects) -> None:
             "medium": "HugePages-2Mi",
             "layout": {"type": "Interleaved", "ranks": 3, "slotSize": 1048576},
         },
+        "edge-row-per-rank-region": {
+            "capacity": "12Mi",
+            "medium": "Memory",
+            "partitions": 2,
+            "layout": {"type": "PerRank", "ranks": 2, "rowSize": "3Mi"},
+        },
+        "edge-row-is-capacity-replicated": {"capacity": "2Mi", "layout": {"rowSize": 2097152}},
         "p" * 40: {"capacity": "2Mi"},
         "edge-tolerations": {
             "capacity": "2Mi",

@@ -47,7 +47,8 @@ def pool_request(pool: OffloadPool | Mapping[str, Any], workers_override: int = 
         medium=spec.medium,
         layout_type=spec.layout.type,
         ranks=spec.layout.rank_count,
-        slot_bytes=spec.slot_size_bytes(),
+        # the engine's one row field: an Interleaved slot, or a Replicated/PerRank row
+        slot_bytes=spec.slot_size_bytes() or spec.layout_row_size_bytes(),
         max_files=spec.segments.max_files,
         min_segment=spec.min_size_bytes(),
         workers=workers_override or spec.prefault.workers,

@@ -80,6 +80,9 @@ class LayoutSpec(SpecModel):
     ranks: int | None = Field(default=None, ge=1, le=MAX_RANKS)
     #: Interleaved only: bytes per rank per row (row = ranks × slotSize).
     slot_size: Quantity | None = None
+    #: Replicated and PerRank only: the engine's row (its copy unit), so that segment files
+    #: split on whole rows; an Interleaved row is ranks × slotSize instead.
+    row_size: Quantity | None = None
 
     @model_validator(mode="after")
     def _rules(self) -> LayoutSpec:
@@ -87,6 +90,11 @@ class LayoutSpec(SpecModel):
             raise ValueError("spec.layout.ranks is required when spec.layout.type is PerRank or Interleaved")
         if self.slot_size is not None and self.type != INTERLEAVED:
             raise ValueError("spec.layout.slotSize is only valid when spec.layout.type is Interleaved")
+        if self.row_size is not None and self.type == INTERLEAVED:
+            raise ValueError(
+                "spec.layout.rowSize is for Replicated and PerRank layouts: an Interleaved row is "
+                "spec.layout.ranks × spec.layout.slotSize"
+            )
         return self
 
     @property
@@ -268,6 +276,19 @@ class OffloadPoolSpec(SpecModel):
                     f"spec.layout.slotSize does not fit: spec.capacity ({self.capacity}) must be a "
                     f"whole number of rows of {self.layout.ranks} × {slot} bytes"
                 )
+        row = self.layout_row_size_bytes()
+        if row is not None and self.layout.type != INTERLEAVED:
+            regions = self.partitions * (self.layout.rank_count if self.layout.type == PER_RANK else 1)
+            if cap % (regions * row):
+                raise ValueError(
+                    f"spec.layout.rowSize does not fit: every region (spec.capacity {self.capacity} / "
+                    f"{regions}) must be a whole number of {row}-byte rows"
+                )
+            if self.compat is not None and self.compat.vllm is not None:
+                raise ValueError(
+                    "spec.layout.rowSize cannot be combined with spec.compat.vllm: stock vLLM's files "
+                    "are split on its own row, spec.compat.vllm.rowSize"
+                )
         if self.min_size_bytes() < page:
             raise ValueError(
                 f"spec.segments.minSize ({self.segments.min_size}) must be at least one page of "
@@ -323,6 +344,10 @@ class OffloadPoolSpec(SpecModel):
     def slot_size_bytes(self) -> int | None:
         """Interleaved slot bytes per rank per row, or None when not given."""
         return None if self.layout.slot_size is None else parse_quantity(self.layout.slot_size)
+
+    def layout_row_size_bytes(self) -> int | None:
+        """``layout.rowSize`` in bytes (Replicated and PerRank), or None when not given."""
+        return None if self.layout.row_size is None else parse_quantity(self.layout.row_size)
 
     def row_bytes(self) -> int | None:
         """Interleaved row bytes (ranks × slotSize), or None when not given."""

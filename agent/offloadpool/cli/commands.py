@@ -24,6 +24,7 @@ POOL_FLAGS = (
     "layout",
     "ranks",
     "slot_size",
+    "row_size",
     "max_files",
     "min_size",
     "workers",

@@ -41,6 +41,9 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layout", choices=LAYOUTS)
     g.add_argument("--ranks", type=int)
     g.add_argument("--slot-size", help="Interleaved: bytes per rank per row, e.g. 1Mi")
+    g.add_argument(
+        "--row-size", help="Replicated/PerRank: the engine's row, files split on whole rows, e.g. 1Mi"
+    )
     g.add_argument("--max-files", type=int)
     g.add_argument("--min-size", help="smallest segment file, e.g. 1Gi")
     g.add_argument("--workers", type=int, help="pre-fault threads (0 = cores available)")

@@ -45,6 +45,7 @@ def pool_from_flags(base: dict[str, Any] | None, **flags: Any) -> OffloadPool:
         ("layout", "layout", "type"),
         ("ranks", "layout", "ranks"),
         ("slot_size", "layout", "slotSize"),
+        ("row_size", "layout", "rowSize"),
         ("max_files", "segments", "maxFiles"),
         ("min_size", "segments", "minSize"),
         ("workers", "prefault", "workers"),
