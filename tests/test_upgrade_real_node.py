@@ -1,18 +1,21 @@
-"""An upgrade from the last release with engines running, and the rollback, on the real node.
+"""An upgrade from a release with engines running, and the rollback, on the real node.
 
 Why real: what an upgrade must not do — restart an engine's container, lose a byte it wrote,
 re-provision or re-fault its pool, unpublish its CSI volume, flip its pool's status — is decided
 by the kubelet, the runtime, the DaemonSet and Deployment controllers and the two versions' own
 code meeting in one cluster; only the real ones can say it holds. docs/user-guide.md §9.
 
-One module-scoped release, tests in order: the last release of hack/releases.json (built from
-its recorded commit by ``hack/release.py build``: its own chart, its own image) is installed with
-the CSI plugin; a HostPath pool and a CSI pool become Ready; a consumer pod per pool attaches,
-writes a pattern over the whole region and keeps it mapped. Then ``helm upgrade`` to the working
-tree's chart and image, the guide's step 2 (agent pods deleted by hand: the DaemonSets are
-``OnDelete``), and the same checks after ``helm rollback``. In between, each direction's skew
-(an operator of one version over agents of the other, as every rollout has) is held and shown to
-aggregate and delete nothing. A watch of the pools and their OffloadPoolNodes runs throughout.
+One module-scoped release, tests in order: the release upgraded from (``upgrade_source``: the
+first release of the working tree's minor line, the widest upgrade the line promises; the last
+release when the line has none yet), built from its recorded commit by ``hack/release.py build``
+(its own chart, its own image, its own CRDs), is installed with the CSI plugin; a HostPath pool
+and a CSI pool become Ready; a consumer pod per pool attaches, writes a pattern over the whole
+region and keeps it mapped. Then ``helm upgrade`` to the working tree's chart and image, the
+guide's step 2 (agent pods deleted by hand: the DaemonSets are ``OnDelete``), the CRD fields
+the working tree adds served and a shape change under an engine held back (``LeaseHeld``), and
+the same checks after ``helm rollback``. In between, each direction's skew (an operator of one
+version over agents of the other, as every rollout has) is held and shown to aggregate and
+delete nothing. A watch of the pools and their OffloadPoolNodes runs throughout.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from fixtures.chart_node import (
     CHART,
@@ -42,9 +46,10 @@ from fixtures.chart_node import (
     node_values,
     remove_release,
 )
+from fixtures.crds import CRD_DIR
 from fixtures.node import TOLERATION, RealNode
 from offloadpool import __version__
-from offloadpool.api.constants import AGENT_HTTP_PORT, POOL_NAME_LABEL
+from offloadpool.api.constants import AGENT_HTTP_PORT, POOL_NAME_LABEL, extended_resource_name, pool_label_key
 from offloadpool.csi.config import DRIVER_NAME
 from offloadpool.region.files import manifest as manifests
 from offloadpool.region.files import record as records
@@ -106,9 +111,33 @@ def pattern(shift: int, size: int) -> bytes:
     return (block * (size // 251 + 1))[:size]
 
 
-def last_release() -> dict[str, str]:
-    """The newest entry of hack/releases.json: what a user upgrades from."""
-    return json.loads((REPO / "hack" / "releases.json").read_text())["releases"][-1]
+def upgrade_source() -> dict[str, str]:
+    """The release the test upgrades from: the first release of the working tree's minor line
+    (``0.1.0`` for ``0.1.2-dev``), so the upgrade crosses every schema change the line made —
+    the widest upgrade the line promises (docs/user-guide.md §9); the newest release when the
+    line has none yet (a new minor line upgrades from the last release of the one before)."""
+    releases = json.loads((REPO / "hack" / "releases.json").read_text())["releases"]
+    line = __version__.split("-")[0].rsplit(".", 1)[0] + "."
+    same_line = [r for r in releases if r["version"].startswith(line)]
+    return same_line[0] if same_line else releases[-1]
+
+
+def spec_fields(crd: dict) -> set[str]:
+    """Every property path of an OffloadPool CRD's spec schema (``layout.rowSize``, ...)."""
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    found: set[str] = set()
+
+    def walk(node: dict, prefix: str) -> None:
+        for name, sub in (node.get("properties") or {}).items():
+            found.add(prefix + name)
+            walk(sub, prefix + name + ".")
+
+    walk(schema, "")
+    return found
+
+
+def crd_file_fields(crd_dir: Path) -> set[str]:
+    return spec_fields(yaml.safe_load((crd_dir / "offloadpool.io_offloadpools.yaml").read_text()))
 
 
 def build_release(helm: Path, version: str) -> dict[str, str]:
@@ -253,6 +282,12 @@ class Upgrade(ReleaseOnNode):
                 out += fh.read(seg.bytes)
         return out
 
+    def served_fields(self) -> set[str]:
+        """The spec fields the API server's OffloadPool CRD has now."""
+        crd = self.get("crd", "offloadpools.offloadpool.io")
+        assert crd is not None
+        return spec_fields(crd)
+
     def agent_metrics(self, pod: dict) -> str:
         url = f"http://{pod['status']['podIP']}:{AGENT_HTTP_PORT}/metrics"
         with urllib.request.urlopen(url, timeout=10) as resp:
@@ -279,8 +314,12 @@ def upgrade(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
     tree's image imported for the upgrade. Afterwards: consumers, pools, release, namespaces."""
     cp = real_node.cp
     t0 = time.monotonic()
-    release = last_release()
+    release = upgrade_source()
     built = build_release(cp.bin_dir / "helm", release["version"])
+    # The release's own CRDs, exactly as a user of it has them (the session's are the working
+    # tree's): replaced whole, so no field the tree added survives under another field manager.
+    release_crds = Path(built["source"]) / "crds"
+    cp.kubectl("replace", "-f", str(release_crds))
     old_image = import_archive(real_node, built["image_archive"])
     new_image = import_offloadpool_image(real_node)
     assert old_image != new_image, "the working tree's image carries the release's tag"
@@ -291,11 +330,17 @@ def upgrade(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
         root=shared_agent_root,
         ns=f"offloadpool-up-{suffix}",
         consumers_ns=f"up-consumers-{suffix}",
-        old={"version": release["version"], "chart": built["chart"], "image": old_image},
+        old={
+            "version": release["version"],
+            "chart": built["chart"],
+            "image": old_image,
+            "source": built["source"],
+        },
         new={"version": __version__, "chart": str(CHART), "image": new_image},
         pools={"HostPath": f"up-hp-{suffix}", "CSI": f"up-csi-{suffix}"},
         kubelet_dir=kubelet_dir,
     )
+    up.seen["new fields"] = crd_file_fields(CRD_DIR) - crd_file_fields(release_crds)
     print(f"upgrade: {release['version']} built and both images imported in {time.monotonic() - t0:.1f}s")
     try:
         cp.kubectl("create", "namespace", up.consumers_ns)
@@ -324,6 +369,8 @@ def upgrade(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
             w.stop()
         remove_release(cp, RELEASE, up.ns, up.pools.values(), real_node.name, [up.consumers_ns])
         cp.kubectl("delete", "csidriver", DRIVER_NAME, "--ignore-not-found", check=False)
+        # the working tree's CRDs again, for the session's later tests
+        cp.kubectl("replace", "-f", str(CRD_DIR), check=False)
 
 
 def _engine_pod(up: Upgrade, delivery: str, shift: int) -> dict:
@@ -356,6 +403,10 @@ def test_upgrade_the_release_runs_two_pools_with_engines_holding_them(upgrade: U
     are Ready; an engine per pool writes every byte and keeps the region mapped."""
     up, cp = upgrade, upgrade.cp
     t0 = time.monotonic()
+    served = up.served_fields()
+    assert not served & up.seen["new fields"] and served == crd_file_fields(
+        Path(up.old["source"]) / "crds"
+    ), f"the API server does not serve the release's CRD: {sorted(served ^ crd_file_fields(CRD_DIR))}"
     operator = up.wait("the release's operator Ready", lambda: up.ready_pod(OPERATOR, up.old["image"]), 180)
     assert up.operator_first_line(operator).startswith(f"offloadpool-operator {up.old['version']}:")
     up.wait("the release's CSI plugin Ready", lambda: up.ready_pod(PLUGIN, up.old["image"]), 180)
@@ -567,6 +618,101 @@ def test_upgrade_helm_upgrade_to_the_working_tree_leaves_the_engines_and_their_m
     _move(up, up.new, up.old, command)
 
 
+def test_upgrade_new_fields_are_served_and_a_new_shape_waits_for_the_engine(upgrade: Upgrade) -> None:
+    """After the upgrade the API server serves every spec field the working tree's CRD adds over
+    the release's (the pools made under the release converged on it untouched: the test before).
+    A field the release did not know (``layout.rowSize``), set on the pool an engine holds,
+    reshapes it: the new agent holds the change back — ``LeaseHeld``, the old region Ready and
+    advertised, the pool Ready with ``RolloutPending``, not a byte or page touched — and the
+    pool is as it was once the field is taken back (before the rollback, whose CRD lacks it)."""
+    up, cp = upgrade, upgrade.cp
+    pool = up.pools["HostPath"]
+    status = up.pool_node(pool).get("status") or {}
+    assert status.get("agentVersion") == up.new["version"], "the upgrade did not happen (the test before)"
+    assert up.served_fields() == crd_file_fields(CRD_DIR), "the upgrade did not carry the working tree's CRD"
+    added = sorted(up.seen["new fields"])
+    print(f"upgrade: fields the working tree's CRD adds over {up.old['version']}: {added}")
+    before = up.node_side(pool)
+    consumers = up.consumers()
+    node = up.node.name
+
+    def advertised() -> bool:
+        n = up.get("node", node) or {}
+        return pool_label_key(pool) in n["metadata"].get("labels", {}) and extended_resource_name(pool) in (
+            n.get("status") or {}
+        ).get("allocatable", {})
+
+    assert advertised()
+    cp.kubectl(
+        "patch",
+        "offloadpool",
+        pool,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"layout": {"rowSize": "1Mi"}}}),
+    )
+    generation = up.get("offloadpool", pool)["metadata"]["generation"]  # type: ignore[index]
+    held = up.wait(
+        f"{pool}: generation {generation} held back by the engine",
+        lambda: (s := up.pool_node(pool).get("status") or {}).get("pendingGeneration") == generation and s,
+        90,
+    )
+    assert (held["phase"], held["reason"]) == ("Ready", "LeaseHeld"), held
+    aggregate = up.wait(
+        f"{pool}: RolloutPending",
+        lambda: (
+            (st := (up.get("offloadpool", pool) or {}).get("status") or {})
+            and {c["type"]: c.get("reason") for c in st.get("conditions", [])}.get("Progressing")
+            == "RolloutPending"
+            and st
+        ),
+        60,
+    )
+    conditions = {c["type"]: c["status"] for c in aggregate["conditions"]}
+    assert aggregate["phase"] == "Ready" and conditions["Ready"] == "True", aggregate
+    assert advertised(), "the held node lost its label or extended resource"
+    assert up.node_side(pool) == before, "the held region was touched"
+    assert up.region_bytes(pool) == pattern(up.seen[pool]["shift"], POOL_BYTES)
+
+    # taken back: the spec is the region's shape again; nothing was rebuilt meanwhile
+    cp.kubectl(
+        "patch", "offloadpool", pool, "--type=json", "-p", '[{"op":"remove","path":"/spec/layout/rowSize"}]'
+    )
+    generation += 1
+    status = up.wait(
+        f"{pool}: generation {generation} applied in place",
+        lambda: (
+            (s := up.pool_node(pool).get("status") or {}).get("observedGeneration") == generation
+            and not s.get("pendingGeneration")
+            and s
+        ),
+        90,
+    )
+    assert status["phase"] == "Ready" and status["reason"] != "LeaseHeld", status
+    after = up.node_side(pool)
+    kept = ("fingerprint", "populate", "hugepages_added", "scrub", "consumer")
+    assert {k: after["record"][k] for k in kept} == {k: before["record"][k] for k in kept}, (after, before)
+    assert (after["mounts"], after["inodes"]) == (before["mounts"], before["inodes"])
+    assert up.region_bytes(pool) == pattern(up.seen[pool]["shift"], POOL_BYTES)
+    assert up.consumers() == consumers and advertised()
+    up.wait(
+        f"{pool}: rollout Complete",
+        lambda: (
+            {
+                c["type"]: c.get("reason")
+                for c in (up.get("offloadpool", pool) or {})["status"]["conditions"]
+            }.get("Progressing")
+            == "Complete"
+        ),
+        60,
+    )
+    up.seen[pool]["node"] = after  # what the rollback must leave as it is
+
+
 def test_upgrade_helm_rollback_to_the_release_leaves_them_too(upgrade: Upgrade) -> None:
     up = upgrade
     _move(up, up.old, up.new, ["rollback", RELEASE, "1", "-n", up.ns])
+    # the release's CRD again: what the working tree added is not served any more
+    assert up.served_fields() == crd_file_fields(Path(up.old["source"]) / "crds"), sorted(
+        up.served_fields() ^ crd_file_fields(Path(up.old["source"]) / "crds")
+    )
