@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from fixtures.chart_node import CHART, ReleaseOnNode, import_offloadpool_image, node_values, remove_release
 from fixtures.node import TOLERATION, RealNode
@@ -32,6 +33,9 @@ RELEASE = "dra"
 ENFORCE = "pod-security.kubernetes.io/enforce"
 PLUGIN_PODS = "app.kubernetes.io/name=offloadpool-dra"
 TEMPLATE = "kv-share"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "dra"
+EXAMPLE_TEMPLATE = EXAMPLES / "claim-template.yaml"
+EXAMPLE_POD = EXAMPLES / "pod.yaml"
 POOL_BYTES = 16 << 20
 SECURITY = {
     "runAsNonRoot": True,
@@ -85,31 +89,25 @@ class DraE2E(ReleaseOnNode):
         return self.get("pod", name, "-n", self.consumer_ns)
 
     def engine(self, name: str, token: str) -> None:
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "restartPolicy": "Never",
-                "automountServiceAccountToken": False,
-                "terminationGracePeriodSeconds": 1,
-                "tolerations": [TOLERATION],
-                "resourceClaims": [{"name": "kv", "resourceClaimTemplateName": TEMPLATE}],
-                "containers": [
-                    {
-                        "name": "engine",
-                        "image": self.image,
-                        "imagePullPolicy": "Never",
-                        "command": ["python", "-c", ENGINE, token],
-                        "resources": {
-                            "limits": {"memory": "64Mi", "cpu": "100m"},
-                            "claims": [{"name": "kv"}],
-                        },
-                        "securityContext": SECURITY,
-                    }
-                ],
-            },
-        }
+        """examples/dra/pod.yaml with the test's name, image, engine and node toleration: its
+        claim from the template, its claim in the container's resources, its security."""
+        body = yaml.safe_load(EXAMPLE_POD.read_text())
+        assert body["spec"]["resourceClaims"] == [{"name": "kv", "resourceClaimTemplateName": TEMPLATE}]
+        (container,) = body["spec"]["containers"]
+        assert (
+            container["resources"] == {"claims": [{"name": "kv"}]}
+            and container["securityContext"] == SECURITY
+        )
+        body["metadata"] = {"name": name}
+        body["spec"].update(
+            automountServiceAccountToken=False, terminationGracePeriodSeconds=1, tolerations=[TOLERATION]
+        )
+        container.update(
+            image=self.image,
+            imagePullPolicy="Never",
+            command=["python", "-c", ENGINE, token],
+            resources={"limits": {"memory": "64Mi", "cpu": "100m"}, "claims": [{"name": "kv"}]},
+        )
         self.cp.kubectl("apply", "-n", self.consumer_ns, "-f", "-", input=json.dumps(body))
 
     def wrote(self, name: str, token: str) -> str:
@@ -160,33 +158,17 @@ def dra_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
             f"csi.tolerations={json.dumps([TOLERATION])}",
             timeout=120,
         )
-        template = {
-            "apiVersion": dra.RESOURCE_API_VERSION,
-            "kind": "ResourceClaimTemplate",
-            "metadata": {"name": TEMPLATE},
-            "spec": {
-                "spec": {
-                    "devices": {
-                        "requests": [
-                            {
-                                "name": "kv",
-                                "exactly": {
-                                    "deviceClassName": dra.DEVICE_CLASS,
-                                    "selectors": [
-                                        {
-                                            "cel": {
-                                                "expression": f'device.attributes["{dra.DRA_DRIVER}"].pool'
-                                                f' == "{e2e.pool}"'
-                                            }
-                                        }
-                                    ],
-                                },
-                            }
-                        ]
-                    }
-                }
-            },
-        }
+        # examples/dra/claim-template.yaml as a user applies it, its pool and namespace renamed
+        template = yaml.safe_load(EXAMPLE_TEMPLATE.read_text())
+        assert template["metadata"]["name"] == TEMPLATE
+        (request,) = template["spec"]["spec"]["devices"]["requests"]
+        (selector,) = request["exactly"]["selectors"]
+        assert request["exactly"]["deviceClassName"] == dra.DEVICE_CLASS
+        selector["cel"]["expression"] = selector["cel"]["expression"].replace(
+            '"tmpfs-shares"', f'"{e2e.pool}"'
+        )
+        assert e2e.pool in selector["cel"]["expression"]
+        template["metadata"]["namespace"] = e2e.consumer_ns
         cp.kubectl("apply", "-n", e2e.consumer_ns, "-f", "-", input=json.dumps(template))
         pool = {
             "apiVersion": "offloadpool.io/v1alpha1",
