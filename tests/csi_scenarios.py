@@ -702,7 +702,7 @@ def locks(w: World) -> dict[str, Any]:
     import threading
     import time
 
-    from offloadpool.region.files import places
+    from offloadpool.region.files.handle import open_pool
     from offloadpool.region.lifecycle.provision import provision
     from offloadpool.region.request import PoolRequest
 
@@ -718,7 +718,7 @@ def locks(w: World) -> dict[str, Any]:
     held, release_kv = threading.Event(), threading.Event()
 
     def hold_kv() -> None:  # the agent provisioning (or scrubbing) kv meanwhile
-        with places.lock(f"{w.root}/kv"):
+        with open_pool(f"{w.root}/kv", lock=True):
             held.set()
             release_kv.wait(20)
 

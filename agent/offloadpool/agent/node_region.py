@@ -13,6 +13,7 @@ from pathlib import Path
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import layout_files, places
 from offloadpool.region.files import record as records
+from offloadpool.region.files.handle import open_pool
 from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding import engine_id_mismatch, holders, shares
 from offloadpool.region.holding.lease import LeaseHeld
@@ -74,14 +75,15 @@ class NodeRegion:
         """Why the pool cannot be changed now (its holders, named as a provision would), or
         None when nothing holds it. Takes and lets go of the exclusive lease, as a provision
         does before it changes anything."""
-        if not places.exists(self.pool_dir):
+        with open_pool(self.pool_dir) as pool:
+            if not pool.exists():
+                return None
+            try:
+                with pool.lock():
+                    holders.exclusive_unused(pool).close()
+            except LeaseHeld as exc:
+                return exc
             return None
-        try:
-            with places.lock(self.pool_dir):
-                holders.exclusive_unused(self.pool_dir).close()
-        except LeaseHeld as exc:
-            return exc
-        return None
 
     def shares(self, partitions: int) -> list[shares.ShareState] | None:
         """Each share of a partitioned pool, claimed or free, and by whom (None: no shares,

@@ -38,6 +38,7 @@ from offloadpool.bench.populate import _workspace, reserved_pages
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.files import places
+from offloadpool.region.files.handle import open_pool
 from offloadpool.region.files.journal import JOURNAL_NAME
 from offloadpool.region.files.manifest import MOUNT_NAME
 from offloadpool.region.files.planner import Plan
@@ -78,7 +79,8 @@ def _empty(pool_dir: Path, plan: Plan) -> None:
         finally:
             os.close(fd)
     # The journal is the node's, in the pool's state directory (not the pool directory).
-    with places.state_fd(pool_dir) as sfd:
+    with open_pool(pool_dir) as pool:
+        sfd = pool.state()
         if sfd is not None:
             places.remove_entry(sfd, JOURNAL_NAME)
 

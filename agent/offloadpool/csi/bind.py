@@ -41,7 +41,8 @@ from contextlib import contextmanager
 from offloadpool.csi import faults
 from offloadpool.csi.target import MOUNT_NAME, as_path, file_id
 from offloadpool.region.errors import RegionError
-from offloadpool.region.files import beneath, places
+from offloadpool.region.files import beneath
+from offloadpool.region.files.handle import PoolHandle
 from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME
 from offloadpool.region.files.manifest import MOUNT_NAME as MOUNT_DIR
 from offloadpool.region.memory.mounts import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_REC, UMOUNT_NOFOLLOW
@@ -96,14 +97,14 @@ def _remount(parent: int, name: str, flags: int) -> None:
         os.close(fd)
 
 
-def state(pool_dir: str | os.PathLike[str], parent: int, files: list[str]) -> str:
+def state(pool: PoolHandle, parent: int, files: list[str]) -> str:
     """``NONE`` when the pool directory is not bound at ``MOUNT_NAME`` in ``parent``,
     ``COMPLETE`` when the whole tree is (read-only where it should be, each file read-write),
     ``PARTIAL`` otherwise (a plugin killed while binding)."""
-    if file_id(parent) != _pool_id(pool_dir):
+    if file_id(parent) != _id(pool.fd):
         return NONE
     try:
-        with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+        with _dir(pool.fd, MOUNT_DIR) as pool_mnt:
             top = beneath.open_dir(parent, MOUNT_NAME)
             try:
                 if not _read_only(top):
@@ -124,11 +125,6 @@ def state(pool_dir: str | os.PathLike[str], parent: int, files: list[str]) -> st
     except (OSError, RegionError, beneath.WrongEntry):
         return PARTIAL
     return COMPLETE
-
-
-def _pool_id(pool_dir: str | os.PathLike[str]) -> tuple[int, int]:
-    with places.pool_fd(pool_dir) as fd:
-        return _id(fd)
 
 
 @contextmanager
@@ -197,13 +193,13 @@ def _staged(stage: str, name: str, parent: int) -> Iterator[int]:
         os.close(stage_fd)
 
 
-def bind(pool_dir: str | os.PathLike[str], parent: int, files: list[str], stage: str, name: str) -> None:
+def bind(pool: PoolHandle, parent: int, files: list[str], stage: str, name: str) -> None:
     """Make the tree the module docstring shows at ``MOUNT_NAME`` in the directory ``parent``,
     ``files`` the names in the pool's mount to bind read-write. Built at ``name`` in the private
     ``stage`` and bound whole at the target (``_staged``)."""
     with _staged(stage, name, parent) as stage_fd:
-        with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
-            _bind_private(pool, stage_fd, name, MS_RDONLY)
+        with _dir(pool.fd, MOUNT_DIR) as pool_mnt:
+            _bind_private(pool.fd, stage_fd, name, MS_RDONLY)
             faults.reached(faults.STAGED)
             with _dir(stage_fd, name) as top:
                 _bind_private(pool_mnt, top, MOUNT_DIR, MS_RDONLY)
@@ -239,7 +235,7 @@ def remove_target(parent: int) -> None:
         pass  # not empty or not a directory: not the plugin's to remove
 
 
-def share_state(pool_dir: str | os.PathLike[str], parent: int, files: list[str]) -> str:
+def share_state(pool: PoolHandle, parent: int, files: list[str]) -> str:
     """As ``state``, for a share's tree (``bind_share``): ``NONE`` when nothing is mounted at
     ``MOUNT_NAME`` in ``parent``, ``COMPLETE`` when the share's tree is, whole (read-only,
     the pool's lease, exactly ``files`` in ``mnt``, each the pool's file, read-write)."""
@@ -250,11 +246,11 @@ def share_state(pool_dir: str | os.PathLike[str], parent: int, files: list[str])
     if here.st_dev == os.fstat(parent).st_dev:
         return NONE  # a directory, not a mount point
     try:
-        with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+        with _dir(pool.fd, MOUNT_DIR) as pool_mnt:
             with _dir(parent, MOUNT_NAME) as top, _dir(top, MOUNT_DIR) as mnt:
                 if not _read_only(top) or sorted(beneath.listdir(mnt)) != sorted(files):
                     return PARTIAL
-                pairs = [(_opened(top, LEASE_NAME), _opened(pool, LEASE_NAME), True)]
+                pairs = [(_opened(top, LEASE_NAME), _opened(pool.fd, LEASE_NAME), True)]
                 pairs += [(_opened(mnt, n), _opened(pool_mnt, n), False) for n in files]
                 try:
                     for fd, want, ro in pairs:
@@ -271,7 +267,7 @@ def share_state(pool_dir: str | os.PathLike[str], parent: int, files: list[str])
 
 
 def bind_share(
-    pool_dir: str | os.PathLike[str], parent: int, files: list[str], manifest: bytes, stage: str, name: str
+    pool: PoolHandle, parent: int, files: list[str], manifest: bytes, stage: str, name: str
 ) -> None:
     """Make the share's tree the module docstring shows at ``MOUNT_NAME`` in ``parent``:
     ``manifest`` its manifest, ``files`` the names in the pool's mount of its segments. Built
@@ -281,11 +277,11 @@ def bind_share(
         if _libc.mount(b"offloadpool-csi-share", where, b"tmpfs", MS_NOSUID | MS_NODEV, SHARE_TREE_OPTIONS):
             err = ctypes.get_errno()
             raise RegionError(f"mounting a share's tree in {stage} failed: {os.strerror(err)}")
-        with places.pool_fd(pool_dir) as pool, _dir(pool, MOUNT_DIR) as pool_mnt:
+        with _dir(pool.fd, MOUNT_DIR) as pool_mnt:
             with _dir(stage_fd, name) as top:
                 beneath.write_file(top, MANIFEST_NAME, manifest, 0o644)
                 _place(top, LEASE_NAME)
-                lease = _opened(pool, LEASE_NAME)
+                lease = _opened(pool.fd, LEASE_NAME)
                 try:
                     _bind_private(lease, top, LEASE_NAME, MS_RDONLY)
                 finally:

@@ -6,7 +6,7 @@ publish zeroes the memory for a new holder when the pool's scrub policy says so
 writes the holder's record, then mounts (a record without its whole tree is unmounted and
 dropped by ``rebuild``, or its tree redone by the kubelet's retry; a mount is never without
 its record); unpublish unmounts before it drops the record. Both run under the pool's lock
-(``places.lock``), which a release or a reshape also takes: a pool cannot be released between
+(``PoolHandle.lock``), which a release or a reshape also takes: a pool cannot be released between
 the publish's check that it is Ready and its record.
 
 Locks are per volume and per pool (``serial``), never process-wide: a pool whose lock is
@@ -28,7 +28,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 
@@ -40,12 +39,12 @@ from offloadpool.csi.volume import Publish, Unpublish
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import beneath, places, vllm_compat
 from offloadpool.region.files import record as records
+from offloadpool.region.files.handle import Pool, PoolHandle, given, open_pool, path_of
 from offloadpool.region.files.manifest import MOUNT_NAME, ManifestError
-from offloadpool.region.files.manifest import load as load_manifest
 from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding import published, shares
 from offloadpool.region.lifecycle import scrub
-from offloadpool.region.lifecycle.status import pool_state
+from offloadpool.region.lifecycle.status import state_of
 from offloadpool.region.vocabulary import READY
 
 
@@ -79,31 +78,33 @@ class Serial:
 serial = Serial()
 
 
-def ready(root: str, pool: str) -> None:
-    state = pool_state(root, pool)
+def ready(pool: Pool) -> None:
+    """NOT_FOUND unless the pool is Ready on this node."""
+    with given(pool) as handle:
+        state = state_of(handle)
     if state.phase != READY:
         why = f": {state.message}" if state.message else ""
-        message = f"pool {pool} is not Ready on this node ({state.phase}{why})"
+        message = f"pool {handle.name} is not Ready on this node ({state.phase}{why})"
         raise Refused(grpc.StatusCode.NOT_FOUND, message)
 
 
-def allowed_namespaces(pool_dir: os.PathLike[str] | str) -> frozenset[str] | None:
+def allowed_namespaces(pool: Pool) -> frozenset[str] | None:
     """The namespaces the node recorded for the pool (``spec.consumers.namespaces`` as the
     agent's last provision wrote it into the record's request); None: every namespace."""
-    rec = records.load(pool_dir)
+    rec = records.load(pool)
     if rec is None:
         return frozenset()
     names = rec.request.get("consumer_namespaces")
     return None if names is None else frozenset(str(names).split(","))
 
 
-def engine_files(pool_dir: os.PathLike[str] | str) -> list[str]:
+def engine_files(pool: Pool) -> list[str]:
     """The names in the pool's mount an engine opens: each segment of the recorded plan, and
     stock vLLM's name of each for a compat pool (the node's record, not the directory's
     listing, says which)."""
-    rec = records.load(pool_dir)
+    rec = records.load(pool)
     if rec is None:
-        raise RegionError(f"{pool_dir} has no provisioning record")
+        raise RegionError(f"{path_of(pool)} has no provisioning record")
     req = rec.pool_request()
     segments = make_plan(req).segments
     names = [seg.file.removeprefix(f"{MOUNT_NAME}/") for seg in segments]
@@ -112,30 +113,31 @@ def engine_files(pool_dir: os.PathLike[str] | str) -> list[str]:
     return names
 
 
-def partitions(pool_dir: os.PathLike[str] | str) -> int:
+def partitions(pool: Pool) -> int:
     """The shares the node's record says the pool has (1: no shares)."""
-    rec = records.load(pool_dir)
+    rec = records.load(pool)
     if rec is None:
-        raise RegionError(f"{pool_dir} has no provisioning record")
+        raise RegionError(f"{path_of(pool)} has no provisioning record")
     return rec.pool_request().partitions
 
 
-def share_view(pool_dir: os.PathLike[str] | str, index: int) -> tuple[list[str], bytes]:
+def share_view(pool: Pool, index: int) -> tuple[list[str], bytes]:
     """Share ``index``'s segment names in the pool's mount (the node's record's plan) and its
     manifest as a plain pool's (the pool's manifest, whose share must list those very files)."""
-    rec = records.load(pool_dir)
-    if rec is None:
-        raise RegionError(f"{pool_dir} has no provisioning record")
-    plan = make_plan(rec.pool_request())
-    per = len(plan.regions) // plan.shares
-    mine = [s for r in plan.regions[index * per : (index + 1) * per] for s in r.segments]
-    try:
-        view = replace(shares.share_manifest(load_manifest(pool_dir), index), share=None)
-    except ManifestError as exc:
-        raise RegionError(f"pool {pool_dir}: {exc}") from None
+    with given(pool) as handle:
+        rec = records.load(handle)
+        if rec is None:
+            raise RegionError(f"{handle.path} has no provisioning record")
+        plan = make_plan(rec.pool_request())
+        per = len(plan.regions) // plan.shares
+        mine = [s for r in plan.regions[index * per : (index + 1) * per] for s in r.segments]
+        try:
+            view = replace(shares.share_manifest(handle.read_manifest(), index), share=None)
+        except ManifestError as exc:
+            raise RegionError(f"pool {handle.path}: {exc}") from None
     listed = [(s.file, s.bytes) for r in view.regions for s in r.segments]
     if listed != [(s.file, s.bytes) for s in mine]:
-        raise RegionError(f"the manifest of {pool_dir} does not match the node's record for share {index}")
+        raise RegionError(f"the manifest of {handle.path} does not match the node's record for share {index}")
     return [s.file.removeprefix(f"{MOUNT_NAME}/") for s in mine], view.encode()
 
 
@@ -148,10 +150,14 @@ def _record_of(req: Publish, share: int | None = None) -> published.Published:
 def publish(config: CsiConfig, req: Publish) -> None:
     """Bind the pool at the target for the pod, once its namespace may have it (idempotent)."""
     pool_dir = places.pool_dir(config.root, req.pool)
-    ready(config.root, req.pool)  # before the lock: the lock makes the pool's state directory
-    with serial(f"volume/{req.volume_id}"), serial(f"pool/{req.pool}"), places.lock(pool_dir):
-        ready(config.root, req.pool)
-        allowed = allowed_namespaces(pool_dir)
+    ready(pool_dir)  # before the lock: the lock makes the pool's state directory
+    with (
+        serial(f"volume/{req.volume_id}"),
+        serial(f"pool/{req.pool}"),
+        open_pool(pool_dir, lock=True) as pool,
+    ):
+        ready(pool)
+        allowed = allowed_namespaces(pool)
         if allowed is not None and req.pod_namespace not in allowed:
             raise Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -161,18 +167,18 @@ def publish(config: CsiConfig, req: Publish) -> None:
         _no_conflict(config, req.pool, _record_of(req))
         try:
             with targets.parent_fd(req.target) as parent:
-                n = partitions(pool_dir)
-                files = engine_files(pool_dir) if n == 1 else []
-                scrub.before_new_holder(pool_dir, req.pod_uid, say=faults.reached)
+                n = partitions(pool)
+                files = engine_files(pool) if n == 1 else []
+                scrub.before_new_holder(pool, req.pod_uid, say=faults.reached)
                 if n > 1:
-                    _publish_share(config, pool_dir, parent, req, n)
+                    _publish_share(config, pool, parent, req, n)
                     return
                 record_and_bind(
-                    pool_dir,
+                    pool,
                     parent,
                     _record_of(req),
-                    lambda: bind.state(pool_dir, parent, files),
-                    lambda: bind.bind(pool_dir, parent, files, config.stage, req.volume_id),
+                    lambda: bind.state(pool, parent, files),
+                    lambda: bind.bind(pool, parent, files, config.stage, req.volume_id),
                 )
         except beneath.WrongEntry as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"target_path: {exc}: not followed") from None
@@ -187,30 +193,30 @@ def publish(config: CsiConfig, req: Publish) -> None:
             raise Refused(grpc.StatusCode.INTERNAL, str(exc)) from None
 
 
-def _publish_share(config: CsiConfig, pool_dir: Path, parent: int, req: Publish, n: int) -> None:
+def _publish_share(config: CsiConfig, pool: PoolHandle, parent: int, req: Publish, n: int) -> None:
     """Reserve the pod's share, record it, bind its tree (or find it bound: a retry)."""
     before = published.find(config.root, req.volume_id)
     prefer = before[1].share if before is not None else None
     try:
-        index = shares.reserve(pool_dir, n, req.pod_uid, prefer=prefer)
+        index = shares.reserve(pool, n, req.pod_uid, prefer=prefer)
     except (FileNotFoundError, beneath.WrongEntry) as exc:  # not the kubelet's directory
-        raise RegionError(f"the shares of {pool_dir} are not there as the node made them: {exc}") from None
+        raise RegionError(f"the shares of {pool.path} are not there as the node made them: {exc}") from None
     want = _record_of(req, index)
     if before is not None and before[1] != want:
-        unreserve(pool_dir, before[1])  # recorded for another share (its reservation lost)
-    files, manifest = share_view(pool_dir, index)
+        unreserve(pool, before[1])  # recorded for another share (its reservation lost)
+    files, manifest = share_view(pool, index)
     record_and_bind(
-        pool_dir,
+        pool,
         parent,
         want,
-        lambda: bind.share_state(pool_dir, parent, files),
-        lambda: bind.bind_share(pool_dir, parent, files, manifest, config.stage, req.volume_id),
-        lambda: unreserve(pool_dir, want),
+        lambda: bind.share_state(pool, parent, files),
+        lambda: bind.bind_share(pool, parent, files, manifest, config.stage, req.volume_id),
+        lambda: unreserve(pool, want),
     )
 
 
 def record_and_bind(
-    pool_dir: Path,
+    pool: PoolHandle,
     parent: int,
     want: published.Published,
     state: Callable[[], str],
@@ -220,7 +226,7 @@ def record_and_bind(
     """Record ``want`` first (a plugin killed after this finds the volume at restart), then make
     its tree unless the kubelet's retry finds it whole (``state``); a half-made tree (a plugin
     killed while binding) is made again whole. A failed bind drops the record, then ``undo``."""
-    published.save(pool_dir, want)
+    published.save(pool, want)
     faults.reached(faults.RECORDED)
     found = state()
     if found == bind.COMPLETE:
@@ -230,19 +236,20 @@ def record_and_bind(
     try:
         make()
     except BaseException:
-        published.drop(pool_dir, want.volume_id)
+        published.drop(pool, want.volume_id)
         if undo is not None:
             undo()
         raise
 
 
-def unreserve(pool_dir: os.PathLike[str] | str, pub: published.Published) -> None:
+def unreserve(pool: Pool, pub: published.Published) -> None:
     """Drop ``pub``'s share reservation unless another volume of its pod still holds it."""
     if pub.share is None:
         return
-    others = [p for p in published.load_all(pool_dir) if p.volume_id != pub.volume_id]
-    if not any(p.pod_uid == pub.pod_uid and p.share == pub.share for p in others):
-        shares.unreserve(Path(pool_dir), pub.share, pub.pod_uid)
+    with given(pool) as handle:
+        others = [p for p in published.load_all(handle) if p.volume_id != pub.volume_id]
+        if not any(p.pod_uid == pub.pod_uid and p.share == pub.share for p in others):
+            shares.unreserve(handle, pub.share, pub.pod_uid)
 
 
 def _no_conflict(config: CsiConfig, pool: str, want: published.Published) -> None:
@@ -291,7 +298,7 @@ def unpublish(config: CsiConfig, req: Unpublish) -> None:
             _remove_empty_target(req)
             return
         pool_dir = places.pool_dir(config.root, found[0])
-        with serial(f"pool/{found[0]}"), places.lock(pool_dir):
+        with serial(f"pool/{found[0]}"), open_pool(pool_dir, lock=True) as pool:
             try:
                 with targets.parent_fd(req.target) as parent:
                     bind.unbind(parent)
@@ -303,8 +310,8 @@ def unpublish(config: CsiConfig, req: Unpublish) -> None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"target_path: {exc}: not followed") from None
             except RegionError as exc:
                 raise Refused(grpc.StatusCode.INTERNAL, str(exc)) from None
-            unreserve(pool_dir, found[1])
-            published.drop(pool_dir, req.volume_id)
+            unreserve(pool, found[1])
+            published.drop(pool, req.volume_id)
 
 
 def _remove_empty_target(req: Unpublish) -> None:
@@ -327,15 +334,19 @@ def rebuild(config: CsiConfig) -> list[published.Published]:
         if pub.is_dra:
             continue  # the DRA plugin's to settle (``offloadpool.dra``); its reservation is kept below
         pool_dir = places.pool_dir(config.root, pool)
-        with serial(f"volume/{pub.volume_id}"), serial(f"pool/{pool}"), places.lock(pool_dir):
-            if _bound(config, pool_dir, pub):
+        with (
+            serial(f"volume/{pub.volume_id}"),
+            serial(f"pool/{pool}"),
+            open_pool(pool_dir, lock=True) as handle,
+        ):
+            if _bound(config, handle, pub):
                 kept.append(pub)
             else:
-                published.drop(pool_dir, pub.volume_id)
+                published.drop(handle, pub.volume_id)
     for pool in pool_names(config.root):
         pool_dir = places.pool_dir(config.root, pool)
-        with serial(f"pool/{pool}"), places.lock(pool_dir):
-            reserve_again(pool_dir)
+        with serial(f"pool/{pool}"), open_pool(pool_dir, lock=True) as handle:
+            reserve_again(handle)
     return kept
 
 
@@ -356,40 +367,40 @@ def pool_names(root: str) -> list[str]:
     return out
 
 
-def reserve_again(pool_dir: Path) -> None:
+def reserve_again(pool: PoolHandle) -> None:
     """The pool's share reservations as its kept records say: each record's share reserved
     for its pod (again, if a plugin was killed before it reserved or after it dropped it), and
     every reservation no record names dropped (a plugin killed between unreserving and
     dropping, or between reserving and recording)."""
     try:
-        n = partitions(pool_dir)
+        n = partitions(pool)
     except (RegionError, TypeError, ValueError):
         return
     if n < 2:
         return
-    wanted = {p.share: p.pod_uid for p in published.load_all(pool_dir) if p.share is not None}
+    wanted = {p.share: p.pod_uid for p in published.load_all(pool) if p.share is not None}
     try:
-        for index, pod in shares.reservations(pool_dir, n).items():
+        for index, pod in shares.reservations(pool, n).items():
             if wanted.get(index) != pod:
-                shares.unreserve(pool_dir, index, pod)
+                shares.unreserve(pool, index, pod)
         for index, pod in sorted(wanted.items()):
             if index < n:
-                shares.reserve(pool_dir, n, pod, prefer=index)
+                shares.reserve(pool, n, pod, prefer=index)
     except (OSError, shares.ShareRefused, beneath.WrongEntry):
         pass  # the shares' names are not there (a pool being taken apart): nothing to hold
 
 
-def _bound(config: CsiConfig, pool_dir: os.PathLike[str] | str, pub: published.Published) -> bool:
+def _bound(config: CsiConfig, pool: PoolHandle, pub: published.Published) -> bool:
     try:
         target = targets.parse(config.kubelet_dir, pub.target_path)
-        n = partitions(pool_dir)
+        n = partitions(pool)
         if (pub.share is None) != (n == 1) or (pub.share is not None and pub.share >= n):
             return False  # recorded for another shape of the pool
         with targets.parent_fd(target) as parent:
             if pub.share is None:
-                found = bind.state(pool_dir, parent, engine_files(pool_dir))
+                found = bind.state(pool, parent, engine_files(pool))
             else:
-                found = bind.share_state(pool_dir, parent, share_view(pool_dir, pub.share)[0])
+                found = bind.share_state(pool, parent, share_view(pool, pub.share)[0])
             if found == bind.PARTIAL:
                 bind.unbind(parent)
             return found == bind.COMPLETE

@@ -5,7 +5,7 @@ Prepare, for each of this driver's devices the scheduler allocated to the claim 
 
 1. the pool is Ready here and the claim's namespace is one of its consumers
    (``spec.consumers.namespaces`` as the node recorded it), the device matches the pool's shape;
-2. under the claim's and the pool's serial locks and the pool's lock (``places.lock``, which a
+2. under the claim's and the pool's serial locks and the pool's lock (``PoolHandle.lock``, which a
    release and a reshape take too): zero the memory for a new holder when the scrub policy says
    so (``scrub.before_new_holder``), reserve exactly the allocated share for ``claim/<uid>``
    (``shares.reserve(only=...)``, the node's reservation mutex the CSI plugin and the engines'
@@ -36,7 +36,6 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import grpc
 
@@ -50,6 +49,7 @@ from offloadpool.dra.claims import Allocated, ClaimError
 from offloadpool.dra.config import DraConfig
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import beneath, places
+from offloadpool.region.files.handle import PoolHandle, open_pool
 from offloadpool.region.holding import published, shares
 from offloadpool.region.lifecycle import scrub
 
@@ -156,19 +156,23 @@ def _record_of(
 def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device: Allocated) -> str:
     """Prepare the claim's ``device`` (idempotent) and return its CDI device id."""
     pool_dir = places.pool_dir(config.root, device.pool)
-    publication.ready(config.root, device.pool)  # before the lock: the lock makes the state directory
+    publication.ready(pool_dir)  # before the lock: the lock makes the state directory
     owner = shares.claim_owner(claim_uid)
     vid = published.dra_volume_id(claim_uid)
-    with serial(f"volume/{vid}"), serial(f"pool/{device.pool}"), places.lock(pool_dir):
-        publication.ready(config.root, device.pool)
-        allowed = publication.allowed_namespaces(pool_dir)
+    with (
+        serial(f"volume/{vid}"),
+        serial(f"pool/{device.pool}"),
+        open_pool(pool_dir, lock=True) as pool,
+    ):
+        publication.ready(pool)
+        allowed = publication.allowed_namespaces(pool)
         if allowed is not None and namespace not in allowed:
             raise Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"pool {device.pool} is not for namespace {namespace} "
                 f"(spec.consumers.namespaces: {', '.join(sorted(allowed)) or 'none'})",
             )
-        n = publication.partitions(pool_dir)
+        n = publication.partitions(pool)
         if (n == 1) != (device.share is None) or (device.share is not None and device.share >= n):
             raise ClaimError(
                 f"device {device.device} is not a device of pool {device.pool} as this node holds it "
@@ -181,28 +185,28 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
         try:
             with _claim_dir(config, claim_uid, create=True) as parent:
                 assert parent is not None
-                scrub.before_new_holder(pool_dir, owner)
+                scrub.before_new_holder(pool, owner)
                 if device.share is None:
-                    files = publication.engine_files(pool_dir)
+                    files = publication.engine_files(pool)
                     publication.record_and_bind(
-                        pool_dir,
+                        pool,
                         parent,
                         _record_of(claim_uid, namespace, name, target, None),
-                        lambda: bind.state(pool_dir, parent, files),
-                        lambda: bind.bind(pool_dir, parent, files, config.stage, vid),
+                        lambda: bind.state(pool, parent, files),
+                        lambda: bind.bind(pool, parent, files, config.stage, vid),
                     )
                 else:
                     index = device.share
-                    shares.reserve(pool_dir, n, owner, only=index)
+                    shares.reserve(pool, n, owner, only=index)
                     want = _record_of(claim_uid, namespace, name, target, index)
-                    files, manifest = publication.share_view(pool_dir, index)
+                    files, manifest = publication.share_view(pool, index)
                     publication.record_and_bind(
-                        pool_dir,
+                        pool,
                         parent,
                         want,
-                        lambda: bind.share_state(pool_dir, parent, files),
-                        lambda: bind.bind_share(pool_dir, parent, files, manifest, config.stage, vid),
-                        lambda: publication.unreserve(pool_dir, want),
+                        lambda: bind.share_state(pool, parent, files),
+                        lambda: bind.bind_share(pool, parent, files, manifest, config.stage, vid),
+                        lambda: publication.unreserve(pool, want),
                     )
         except shares.ShareRefused as exc:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
@@ -224,10 +228,10 @@ def unprepare(config: DraConfig, claim_uid: str) -> None:
             return
         pool, pub = found
         pool_dir = places.pool_dir(config.root, pool)
-        with serial(f"pool/{pool}"), places.lock(pool_dir):
+        with serial(f"pool/{pool}"), open_pool(pool_dir, lock=True) as handle:
             _unbind(config, claim_uid)
-            publication.unreserve(pool_dir, pub)
-            published.drop(pool_dir, vid)
+            publication.unreserve(handle, pub)
+            published.drop(handle, vid)
 
 
 def _unbind(config: DraConfig, claim_uid: str) -> None:
@@ -246,18 +250,22 @@ def rebuild(config: DraConfig) -> list[published.Published]:
             continue  # a csi volume's: the CSI plugin's to settle
         uid = pub.volume_id.removeprefix(published.DRA_PREFIX)
         pool_dir = places.pool_dir(config.root, pool)
-        with serial(f"volume/{pub.volume_id}"), serial(f"pool/{pool}"), places.lock(pool_dir):
-            if _whole(config, pool_dir, uid, pub):
+        with (
+            serial(f"volume/{pub.volume_id}"),
+            serial(f"pool/{pool}"),
+            open_pool(pool_dir, lock=True) as handle,
+        ):
+            if _whole(config, handle, uid, pub):
                 _write_spec(config, uid, pool, pub.share)
                 kept.append(pub)
                 continue
             _remove_spec(config, uid)
             _unbind(config, uid)
-            published.drop(pool_dir, pub.volume_id)
+            published.drop(handle, pub.volume_id)
     for pool in publication.pool_names(config.root):
         pool_dir = places.pool_dir(config.root, pool)
-        with serial(f"pool/{pool}"), places.lock(pool_dir):
-            publication.reserve_again(pool_dir)
+        with serial(f"pool/{pool}"), open_pool(pool_dir, lock=True) as handle:
+            publication.reserve_again(handle)
     mine = {p.volume_id.removeprefix(published.DRA_PREFIX) for p in kept}
     try:
         names = os.listdir(config.cdi_dir)
@@ -271,19 +279,19 @@ def rebuild(config: DraConfig) -> list[published.Published]:
     return kept
 
 
-def _whole(config: DraConfig, pool_dir: Path, claim_uid: str, pub: published.Published) -> bool:
+def _whole(config: DraConfig, pool: PoolHandle, claim_uid: str, pub: published.Published) -> bool:
     """The record's tree is bound whole at its claim's directory (a half-made one is unbound)."""
     try:
-        n = publication.partitions(pool_dir)
+        n = publication.partitions(pool)
         if (pub.share is None) != (n == 1) or (pub.share is not None and pub.share >= n):
             return False
         with _claim_dir(config, claim_uid, create=False) as parent:
             if parent is None:
                 return False
             if pub.share is None:
-                found = bind.state(pool_dir, parent, publication.engine_files(pool_dir))
+                found = bind.state(pool, parent, publication.engine_files(pool))
             else:
-                found = bind.share_state(pool_dir, parent, publication.share_view(pool_dir, pub.share)[0])
+                found = bind.share_state(pool, parent, publication.share_view(pool, pub.share)[0])
             if found == bind.PARTIAL:
                 bind.unbind(parent)
             return found == bind.COMPLETE

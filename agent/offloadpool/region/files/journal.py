@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from offloadpool.region.files import beneath, places
+from offloadpool.region.files.handle import Pool, given, path_of
 from offloadpool.region.files.manifest import Segment
 
 JOURNAL_NAME = "populate.journal"
@@ -47,13 +48,11 @@ def units(segments: list[Segment], page_size: int) -> list[Unit]:
 class Journal:
     """An open journal file; thread-safe because each worker writes only its own bytes."""
 
-    def __init__(self, pool_dir: str | os.PathLike[str], count: int) -> None:
-        self.path = places.state_dir(pool_dir) / JOURNAL_NAME
+    def __init__(self, pool: Pool, count: int) -> None:
+        self.path = places.state_dir(path_of(pool)) / JOURNAL_NAME
         self.count = count
-        with places.state_fd(pool_dir, create=True) as state:
-            if state is None:
-                raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
-            self.fd = beneath.open_file(state, JOURNAL_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        with given(pool) as handle:
+            self.fd = beneath.open_file(handle.state_fd(), JOURNAL_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(self.fd).st_size != count:
                 os.ftruncate(self.fd, count)  # new units read as 0 (not populated)
@@ -75,10 +74,11 @@ class Journal:
             self.fd = -1
 
 
-def populated_bytes(pool_dir: str | os.PathLike[str], all_units: list[Unit]) -> int:
+def populated_bytes(pool: Pool, all_units: list[Unit]) -> int:
     """Bytes recorded as populated (0 if there is no journal, or it is not a plain file)."""
     try:
-        with places.state_fd(pool_dir) as state:
+        with given(pool) as handle:
+            state = handle.state()
             if state is None:
                 return 0
             data = beneath.read_file(state, JOURNAL_NAME, limit=max(len(all_units), 1))

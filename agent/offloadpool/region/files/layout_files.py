@@ -20,8 +20,8 @@ from pathlib import Path
 
 from offloadpool.region.errors import RegionError, fmt_bytes
 from offloadpool.region.files import beneath, places, vllm_compat
+from offloadpool.region.files.handle import Pool, PoolHandle, given
 from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, ManifestError
-from offloadpool.region.files.manifest import load as load_manifest
 from offloadpool.region.files.planner import Plan
 from offloadpool.region.memory import mounts
 from offloadpool.region.request import PoolRequest
@@ -44,14 +44,13 @@ def segment_links(req: PoolRequest) -> int:
 
 @contextmanager
 def opened(
-    pool_dir: Path, rel: str, flags: int = os.O_RDONLY, mode: int = 0o600, links: int = 1
+    pool: PoolHandle, rel: str, flags: int = os.O_RDONLY, mode: int = 0o600, links: int = 1
 ) -> Iterator[int]:
     """``rel`` in the pool directory, opened through ``beneath`` (UnsafeEntry if of the wrong kind)."""
-    with places.pool_fd(pool_dir) as pfd:
-        try:
-            fd = beneath.open_file(pfd, rel, flags, mode, links=links)
-        except beneath.WrongEntry as exc:
-            raise places.UnsafeEntry(pool_dir, exc) from None
+    try:
+        fd = beneath.open_file(pool.fd, rel, flags, mode, links=links)
+    except beneath.WrongEntry as exc:
+        raise places.UnsafeEntry(pool.path, exc) from None
     try:
         yield fd
     finally:
@@ -64,14 +63,13 @@ def own(fd: int, req: PoolRequest) -> None:
     os.fchmod(fd, req.mode)
 
 
-def secure_mount_dir(pool_dir: Path) -> None:
+def secure_mount_dir(pool: PoolHandle) -> None:
     """The pool's mount root owned by root, 0755 (as mounted): a consumer that is not root can
     create no name in it; a pod that changed that is undone at every provision."""
-    with places.pool_fd(pool_dir) as pfd:
-        try:
-            fd = beneath.open_dir(pfd, MOUNT_NAME)
-        except beneath.WrongEntry as exc:
-            raise places.UnsafeEntry(pool_dir, exc) from None
+    try:
+        fd = beneath.open_dir(pool.fd, MOUNT_NAME)
+    except beneath.WrongEntry as exc:
+        raise places.UnsafeEntry(pool.path, exc) from None
     try:
         os.fchown(fd, 0, 0)
         os.fchmod(fd, 0o755)
@@ -79,14 +77,14 @@ def secure_mount_dir(pool_dir: Path) -> None:
         os.close(fd)
 
 
-def create_segments(pool_dir: Path, plan: Plan, req: PoolRequest) -> None:
+def create_segments(pool: PoolHandle, plan: Plan, req: PoolRequest) -> None:
     """Make every planned segment file exist with its planned size and the pool's ownership."""
     for seg in plan.segments:
-        with opened(pool_dir, seg.file, os.O_RDWR | os.O_CREAT, 0o600, segment_links(req)) as fd:
+        with opened(pool, seg.file, os.O_RDWR | os.O_CREAT, 0o600, segment_links(req)) as fd:
             size = os.fstat(fd).st_size
             if size > seg.bytes:
                 raise RegionError(
-                    f"segment {pool_dir / seg.file} holds {fmt_bytes(size)}, more than the planned "
+                    f"segment {pool.rel(seg.file)} holds {fmt_bytes(size)}, more than the planned "
                     f"{fmt_bytes(seg.bytes)}; release the pool and provision again"
                 )
             if size < seg.bytes:
@@ -94,16 +92,16 @@ def create_segments(pool_dir: Path, plan: Plan, req: PoolRequest) -> None:
             own(fd, req)
 
 
-def own_segments(pool_dir: Path, plan: Plan, req: PoolRequest) -> None:
+def own_segments(pool: PoolHandle, plan: Plan, req: PoolRequest) -> None:
     """Apply the pool's ownership and mode to every segment file (a consumers change)."""
     for seg in plan.segments:
-        with opened(pool_dir, seg.file, links=segment_links(req)) as fd:
+        with opened(pool, seg.file, links=segment_links(req)) as fd:
             own(fd, req)
 
 
-def ensure_lease_file(pool_dir: Path, req: PoolRequest) -> None:
+def ensure_lease_file(pool: PoolHandle, req: PoolRequest) -> None:
     """Engines running as the consumers' uid must be able to open the lease to flock it."""
-    with opened(pool_dir, LEASE_NAME, os.O_RDWR | os.O_CREAT, 0o600) as fd:
+    with opened(pool, LEASE_NAME, os.O_RDWR | os.O_CREAT, 0o600) as fd:
         own(fd, req)
 
 
@@ -128,7 +126,7 @@ def _wanted_compat(plan: Plan, req: PoolRequest) -> list[str]:
     return compat_names(req.compat_engine_id, len(plan.segments)) if req.compat_engine_id else []
 
 
-def sync_compat(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
+def sync_compat(pool: PoolHandle, plan: Plan, req: PoolRequest) -> str | None:
     """Hard-link segment i as vLLM's file i (``vllm_offload_<id>.mmap``, ``.mmap.1`` …), drop
     stale links, and return the name of file 0 (the manifest's ``compat_file``).
 
@@ -138,27 +136,27 @@ def sync_compat(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
     pod put there: a symlink, a file of its own) is removed as a name (``unlinkat``) and made
     again."""
     wanted = _wanted_compat(plan, req)
-    with places.pool_fd(pool_dir) as pfd:
-        try:
-            for name in beneath.listdir(pfd, MOUNT_NAME):
-                rel = f"{MOUNT_NAME}/{name}"
-                if name.startswith("vllm_offload_") and ".mmap" in name and rel not in wanted:
-                    left = places.remove_entry(pfd, rel)
-                    if left is not None:
-                        raise RegionError(f"{pool_dir / rel}: {left}")
-            segments = {name: seg for name, seg in zip(wanted, plan.segments, strict=False)}
-            for name, what in _compat_drift(pfd, wanted, plan):
-                if what != "missing":
-                    left = places.remove_entry(pfd, name)  # another shape's segment, or a pod's
-                    if left is not None:
-                        raise RegionError(f"{pool_dir / name}: {left}")
-                beneath.link(pfd, segments[name].file, name)
-        except beneath.WrongEntry as exc:
-            raise places.UnsafeEntry(pool_dir, exc) from None
+    pfd = pool.fd
+    try:
+        for name in beneath.listdir(pfd, MOUNT_NAME):
+            rel = f"{MOUNT_NAME}/{name}"
+            if name.startswith("vllm_offload_") and ".mmap" in name and rel not in wanted:
+                left = places.remove_entry(pfd, rel)
+                if left is not None:
+                    raise RegionError(f"{pool.rel(rel)}: {left}")
+        segments = {name: seg for name, seg in zip(wanted, plan.segments, strict=False)}
+        for name, what in _compat_drift(pfd, wanted, plan):
+            if what != "missing":
+                left = places.remove_entry(pfd, name)  # another shape's segment, or a pod's
+                if left is not None:
+                    raise RegionError(f"{pool.rel(name)}: {left}")
+            beneath.link(pfd, segments[name].file, name)
+    except beneath.WrongEntry as exc:
+        raise places.UnsafeEntry(pool.path, exc) from None
     return wanted[0] if wanted else None
 
 
-def check_entries(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
+def check_entries(pool: PoolHandle, plan: Plan, req: PoolRequest) -> str | None:
     """None if the pool directory holds what a Ready pool of ``plan`` holds, else what is wrong.
 
     Raises UnsafeEntry for a name of the wrong kind (a link, a fifo, a device, a directory
@@ -166,39 +164,39 @@ def check_entries(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
     rebuilds the pool when nothing holds it, or fails it. vLLM's names are not checked here:
     whatever a pod made of one, ``sync_compat`` removes it as a name and links it again."""
     links = segment_links(req)
-    with places.pool_fd(pool_dir) as pfd:
-        try:
-            for rel in (LEASE_NAME, MANIFEST_NAME):
-                fd = beneath.open_file(pfd, rel)
+    pfd = pool.fd
+    try:
+        for rel in (LEASE_NAME, MANIFEST_NAME):
+            fd = beneath.open_file(pfd, rel)
+            os.close(fd)
+        beneath.listdir(pfd, MOUNT_NAME)  # a directory, reached without a link
+        for seg in plan.segments:
+            try:
+                fd = beneath.open_file(pfd, seg.file, links=links)
+            except FileNotFoundError:
+                return f"segment {seg.file} is missing"
+            try:
+                size = os.fstat(fd).st_size
+            finally:
                 os.close(fd)
-            beneath.listdir(pfd, MOUNT_NAME)  # a directory, reached without a link
-            for seg in plan.segments:
-                try:
-                    fd = beneath.open_file(pfd, seg.file, links=links)
-                except FileNotFoundError:
-                    return f"segment {seg.file} is missing"
-                try:
-                    size = os.fstat(fd).st_size
-                finally:
-                    os.close(fd)
-                if size != seg.bytes:
-                    return f"segment {seg.file} is {size} bytes, planned {seg.bytes}"
-            planned = {Path(s.file).name for s in plan.segments}
-            extra = [
-                name
-                for name in beneath.listdir(pfd, MOUNT_NAME)
-                if name not in planned and not name.startswith("vllm_offload_")
-            ]
-        except beneath.WrongEntry as exc:
-            raise places.UnsafeEntry(pool_dir, exc) from None
-        except FileNotFoundError as exc:
-            return f"{exc.filename or 'an entry'} is missing"
+            if size != seg.bytes:
+                return f"segment {seg.file} is {size} bytes, planned {seg.bytes}"
+        planned = {Path(s.file).name for s in plan.segments}
+        extra = [
+            name
+            for name in beneath.listdir(pfd, MOUNT_NAME)
+            if name not in planned and not name.startswith("vllm_offload_")
+        ]
+    except beneath.WrongEntry as exc:
+        raise places.UnsafeEntry(pool.path, exc) from None
+    except FileNotFoundError as exc:
+        return f"{exc.filename or 'an entry'} is missing"
     if extra:
         return f"unexpected files in the pool mount: {sorted(extra)}"
     return None
 
 
-def handed_out_problem(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
+def handed_out_problem(pool: Pool, plan: Plan, req: PoolRequest) -> str | None:
     """What a pod changed of what a Ready pool hands out, in one line; None when nothing.
 
     The check a provision makes before it keeps a pool (``check_entries``: every name of the
@@ -211,34 +209,34 @@ def handed_out_problem(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | No
     and by the next heartbeat the name is the segment's again.
 
     Raises ``places.UnsafeEntry`` for a name of the wrong kind, as ``check_entries`` does."""
-    problem = check_entries(pool_dir, plan, req)
-    if problem is not None:
-        return problem
-    with places.pool_fd(pool_dir) as pfd:
+    with given(pool) as handle:
+        problem = check_entries(handle, plan, req)
+        if problem is not None:
+            return problem
         try:
-            drift = _compat_drift(pfd, _wanted_compat(plan, req), plan)
+            drift = _compat_drift(handle.fd, _wanted_compat(plan, req), plan)
         except beneath.WrongEntry as exc:
-            raise places.UnsafeEntry(pool_dir, exc) from None
-    if drift:
-        return "; ".join(f"{pool_dir / name} is {what}" for name, what in drift)
-    return None
+            raise places.UnsafeEntry(handle.path, exc) from None
+        if drift:
+            return "; ".join(f"{handle.rel(name)} is {what}" for name, what in drift)
+        return None
 
 
-def check_ready(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
+def check_ready(pool: PoolHandle, plan: Plan, req: PoolRequest) -> str | None:
     """None if the Ready pool on disk matches ``plan``; otherwise why not.
 
     Raises ``places.UnsafeEntry`` for a name of the wrong kind in the pool directory."""
-    m = mounts.mount_at(pool_dir / MOUNT_NAME)
+    m = mounts.mount_at(pool.rel(MOUNT_NAME))
     if m is None or m.fstype != plan.medium.fstype:
         return "its mount is gone (node rebooted or unmounted by hand)"
-    size = mount_bytes(pool_dir)
+    size = mount_bytes(pool)
     if size != plan.total_bytes:
         return f"its mount holds {size} bytes, planned {plan.total_bytes}"
-    problem = check_entries(pool_dir, plan, req)  # before the manifest is read
+    problem = check_entries(pool, plan, req)  # before the manifest is read
     if problem is not None:
         return problem
     try:
-        manifest = load_manifest(pool_dir)
+        manifest = pool.read_manifest()
     except ManifestError as exc:
         return str(exc)
     if manifest.pool != req.name or manifest.regions != plan.regions or manifest.page_size != plan.page_size:
@@ -246,14 +244,14 @@ def check_ready(pool_dir: Path, plan: Plan, req: PoolRequest) -> str | None:
     return None
 
 
-def mount_bytes(pool_dir: Path) -> int | None:
+def mount_bytes(pool: PoolHandle) -> int | None:
     """The size of the pool's mount as its file system states it (tmpfs ``size=``, hugetlbfs
     ``size=``): what the node mounted, which no pod can change."""
-    with places.pool_fd(pool_dir) as pfd:
-        try:
-            fd = beneath.open_dir(pfd, MOUNT_NAME)
-        except (OSError, beneath.WrongEntry):
-            return None
+    pfd = pool.fd
+    try:
+        fd = beneath.open_dir(pfd, MOUNT_NAME)
+    except (OSError, beneath.WrongEntry):
+        return None
     try:
         st = os.fstatvfs(fd)
     finally:

@@ -249,19 +249,31 @@ class Manifest:
 
 def load(pool_dir: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``<pool_dir>/manifest.json``; raise ManifestError with the reason."""
-    path = Path(pool_dir) / MANIFEST_NAME
     try:
-        fd = _open_pool_dir(pool_dir)
-        try:
-            text = beneath.read_file(fd, MANIFEST_NAME)
-        finally:
+        fd: int | None = _open_pool_dir(pool_dir)
+    except FileNotFoundError:
+        fd = None
+    try:
+        return load_at(fd, Path(pool_dir))
+    finally:
+        if fd is not None:
             os.close(fd)
+
+
+def load_at(dir_fd: int | None, pool_dir: Path) -> Manifest:
+    """``load`` of the manifest beneath the pool directory's descriptor ``dir_fd`` (None: there
+    is no pool directory); ``pool_dir`` names it in messages."""
+    path = pool_dir / MANIFEST_NAME
+    try:
+        if dir_fd is None:
+            raise FileNotFoundError(path)
+        text = beneath.read_file(dir_fd, MANIFEST_NAME)
     except FileNotFoundError:
         raise ManifestError(
             f"no region manifest at {path}: the pool is not provisioned (or not yet Ready) on this node"
         ) from None
     except beneath.WrongEntry as exc:
-        raise ManifestError(f"region manifest {Path(pool_dir) / exc.name} {exc.reason}: not read") from None
+        raise ManifestError(f"region manifest {pool_dir / exc.name} {exc.reason}: not read") from None
     try:
         data = bounded.loads(text)
     except bounded.Malformed as exc:

@@ -24,43 +24,42 @@ apart and rebuilt when nothing holds it (``provision``). The old names are remov
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import beneath, layout_files, places
 from offloadpool.region.files import record as records
+from offloadpool.region.files.handle import PoolHandle
 from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.vocabulary import READY
 
 
-def adopt(pool_dir: Path) -> records.Record | None:
+def adopt(pool: PoolHandle) -> records.Record | None:
     """The pool's record, re-validated from the old place and saved in the new one; None when
     there is no old record or it does not hold up. Takes the pool's lock."""
-    with places.lock(pool_dir):
-        rec = records.load(pool_dir)
+    with pool.lock():
+        rec = records.load(pool)
         if rec is not None:  # adopted meanwhile by another provision
             return rec
-        with places.pool_fd(pool_dir) as pfd:
-            try:
-                data = beneath.read_file(pfd, places.OLD_RECORD_NAME)
-            except OSError:  # none, or a link, a fifo, ...: never followed
-                data = b""
-            old = records.parse(data) if data else None
-            adopted = _revalidated(pool_dir, old) if old is not None else None
-            if adopted is not None:
-                records.save(pool_dir, adopted)
-            for name in (places.OLD_RECORD_NAME, places.OLD_JOURNAL_NAME):
-                places.remove_entry(pfd, name)
+        pfd = pool.fd
+        try:
+            data = beneath.read_file(pfd, places.OLD_RECORD_NAME)
+        except OSError:  # none, or a link, a fifo, ...: never followed
+            data = b""
+        old = records.parse(data) if data else None
+        adopted = _revalidated(pool, old) if old is not None else None
+        if adopted is not None:
+            records.save(pool, adopted)
+        for name in (places.OLD_RECORD_NAME, places.OLD_JOURNAL_NAME):
+            places.remove_entry(pfd, name)
         return adopted
 
 
-def _revalidated(pool_dir: Path, old: records.Record) -> records.Record | None:
+def _revalidated(pool: PoolHandle, old: records.Record) -> records.Record | None:
     if old.phase != READY:
         return None
     try:
         req = old.pool_request()
         plan = make_plan(req)
-        if req.name != pool_dir.name or layout_files.check_ready(pool_dir, plan, req) is not None:
+        if req.name != pool.name or layout_files.check_ready(pool, plan, req) is not None:
             return None
     except (RegionError, TypeError, ValueError):
         return None

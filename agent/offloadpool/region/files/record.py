@@ -15,13 +15,13 @@ older offloadpool left in the pool directory, which ``migrate`` reads only to re
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from offloadpool.region.files import beneath, bounded, places
+from offloadpool.region.files.handle import Pool, given, path_of
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import PROVISIONING, RECORD_PHASES
 
@@ -122,14 +122,16 @@ def parse(data: bytes) -> Record | None:
     return rec
 
 
-def path(pool_dir: str | os.PathLike[str]) -> Path:
-    return places.state_dir(pool_dir) / RECORD_NAME
+def path(pool: Pool) -> Path:
+    """Where the record is, for a message (never opened by this path)."""
+    return places.state_dir(path_of(pool)) / RECORD_NAME
 
 
-def load(pool_dir: str | os.PathLike[str]) -> Record | None:
+def load(pool: Pool) -> Record | None:
     """The record, or None if there is none (or it is unreadable: treated as absent)."""
     try:
-        with places.state_fd(pool_dir) as fd:
+        with given(pool) as handle:
+            fd = handle.state()
             if fd is None:
                 return None
             return parse(beneath.read_file(fd, RECORD_NAME))
@@ -137,24 +139,22 @@ def load(pool_dir: str | os.PathLike[str]) -> Record | None:
         return None
 
 
-def save(pool_dir: str | os.PathLike[str], rec: Record) -> None:
+def save(pool: Pool, rec: Record) -> None:
     """Replace the record atomically (temp file, fsync, rename) in the pool's state directory."""
     rec.updated = time.time()
     data = (json.dumps(asdict(rec), indent=2, sort_keys=True) + "\n").encode()
-    with places.state_fd(pool_dir, create=True) as fd:
-        if fd is None:
-            raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
-        beneath.write_file(fd, RECORD_NAME, data, 0o600)
+    with given(pool) as handle:
+        beneath.write_file(handle.state_fd(), RECORD_NAME, data, 0o600)
 
 
-def mark_orphaned(pool_dir: str | os.PathLike[str], why: str) -> bool:
+def mark_orphaned(pool: Pool, why: str) -> bool:
     """Note in the record that no OffloadPool owns the pool any more, and why; False when the
     node holds no record of it (nothing was built). Under the pool's lock, so a provision
     adopting it meanwhile is not undone."""
-    with places.lock(pool_dir):
-        rec = load(pool_dir)
+    with given(pool) as handle, handle.lock():
+        rec = load(handle)
         if rec is None:
             return False
         rec.orphaned = why
-        save(pool_dir, rec)
+        save(handle, rec)
         return True

@@ -33,9 +33,10 @@ import stat
 from dataclasses import dataclass
 
 from offloadpool.region.files import beneath, places
-from offloadpool.region.files.manifest import MOUNT_NAME
+from offloadpool.region.files.handle import Pool, PoolHandle, given
+from offloadpool.region.files.manifest import LEASE_NAME, MOUNT_NAME
 from offloadpool.region.holding import published
-from offloadpool.region.holding.lease import Lease, LeaseHeld, lease_path
+from offloadpool.region.holding.lease import Lease, LeaseHeld
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
 
@@ -105,29 +106,29 @@ def describe_volumes(volumes: list[published.Published]) -> str:
     return named + (f"; and {more} more" if more > 0 else "")
 
 
-def csi_holders(pool_dir: str | os.PathLike[str]) -> list[published.Published]:
+def csi_holders(pool: Pool) -> list[published.Published]:
     """The pool's volumes published to pods by the CSI node plugin (``region.holding.published``): each
     holds the pool from the kubelet's publish to its unpublish, mapped or not."""
-    return published.load_all(pool_dir)
+    return published.load_all(pool)
 
 
-def _mount_dir(pool_dir: str | os.PathLike[str]) -> int | None:
+def _mount_dir(pool: Pool) -> int | None:
     """A descriptor of the pool's mount directory, reached without a link; None if there is none."""
     try:
-        with places.pool_fd(pool_dir) as pfd:
-            return beneath.open_dir(pfd, MOUNT_NAME)
+        with given(pool) as handle:
+            return beneath.open_dir(handle.fd, MOUNT_NAME)
     except (OSError, places.UnsafeEntry):
         return None
 
 
-def memory_files(pool_dir: str | os.PathLike[str]) -> set[FileId]:
+def memory_files(pool: Pool) -> set[FileId]:
     """(st_dev, st_ino) of every regular file in the pool's mount (none without a mount dir).
 
     All files, not the manifest's list: a half-built pool has no manifest, and the compat file
     is a hard link of segment 0 (the same inode), so it is covered without a special case.
     Entries are looked at, never followed: a link a pod put there names nothing of the pool.
     """
-    fd = _mount_dir(pool_dir)
+    fd = _mount_dir(pool)
     if fd is None:
         return set()
     ids: set[FileId] = set()
@@ -145,7 +146,7 @@ def memory_files(pool_dir: str | os.PathLike[str]) -> set[FileId]:
     return ids
 
 
-def open_anywhere(pool_dir: str | os.PathLike[str]) -> bool | None:
+def open_anywhere(pool: Pool) -> bool | None:
     """Whether any process (this one included) has a file of the pool open or mapped: one
     write-lease attempt per file instead of a scan of every process.
 
@@ -160,7 +161,7 @@ def open_anywhere(pool_dir: str | os.PathLike[str]) -> bool | None:
     be dropped and notifies this process with SIGURG (set with ``F_SETSIG``; ignored by default)
     instead of the default SIGIO, which would terminate it.
     """
-    mnt = _mount_dir(pool_dir)
+    mnt = _mount_dir(pool)
     if mnt is None:
         return False
     try:
@@ -198,9 +199,14 @@ def file_id(path: str | os.PathLike[str]) -> FileId | None:
     return st.st_dev, st.st_ino
 
 
-def pool_lockers(pool_dir: str | os.PathLike[str], proc: str = "/proc") -> set[int]:
+def pool_lockers(pool: Pool, proc: str = "/proc") -> set[int]:
     """Pids holding a shared flock on the pool's lease (``lease_lockers`` of its lease file)."""
-    return lease_lockers(file_id(lease_path(pool_dir)), proc)
+    with given(pool) as handle:
+        try:
+            st = beneath.lstat(handle.fd, LEASE_NAME)
+        except (FileNotFoundError, places.UnsafeEntry):
+            st = None
+    return lease_lockers(None if st is None else (st.st_dev, st.st_ino), proc)
 
 
 def parse_dev(text: str) -> int:
@@ -293,16 +299,17 @@ def self_pid(proc: str) -> int:
         return os.getpid()
 
 
-def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> list[Holder]:
-    """Every other process holding the pool at ``pool_dir``, by pid.
+def find_holders(pool: Pool, *, proc: str = "/proc") -> list[Holder]:
+    """Every other process holding the pool ``pool``, by pid.
 
     A process that holds the lease and maps the files is one holder. The calling process is
     left out: the node side opens the files itself (populate, the exclusive lease), and an
     unmount it attempts still fails with EBUSY on its own open files.
     """
     global _scans
-    files = memory_files(pool_dir)
-    lockers = pool_lockers(pool_dir, proc)
+    with given(pool) as handle:
+        files = memory_files(handle)
+        lockers = pool_lockers(handle, proc)
     me = self_pid(proc)
     inodes = {str(ino) for _, ino in files}
     found: dict[int, Holder] = {}
@@ -329,7 +336,7 @@ def find_holders(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> li
     return [found[pid] for pid in sorted(found)]
 
 
-def count(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> int:
+def count(pool: Pool, *, proc: str = "/proc") -> int:
     """ "Engines attached": distinct processes holding the lease or mapping/opening the files,
     plus the pool's published CSI volumes (``csi_holders``; a pod's volume and its engine
     process that maps the files are two).
@@ -339,10 +346,11 @@ def count(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> int:
     cost grows with the node's processes and sockets, and nearly always nothing holds the
     memory. Otherwise only flock holders can hold the pool, and ``/proc/locks`` names them.
     """
-    volumes = len(csi_holders(pool_dir))
-    if open_anywhere(pool_dir) is False:
-        return volumes + len(pool_lockers(pool_dir, proc) - {self_pid(proc)})
-    return volumes + len(find_holders(pool_dir, proc=proc))
+    with given(pool) as handle:
+        volumes = len(csi_holders(handle))
+        if open_anywhere(handle) is False:
+            return volumes + len(pool_lockers(handle, proc) - {self_pid(proc)})
+        return volumes + len(find_holders(handle, proc=proc))
 
 
 def scans() -> int:
@@ -350,7 +358,7 @@ def scans() -> int:
     return _scans
 
 
-def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -> Lease:
+def exclusive_unused(pool: Pool, *, proc: str = "/proc") -> Lease:
     """The pool's exclusive lease, taken only when no process holds the pool in any way.
 
     This is what the node side takes before destroying, reshaping or re-populating memory.
@@ -368,39 +376,43 @@ def exclusive_unused(pool_dir: str | os.PathLike[str], *, proc: str = "/proc") -
     A published CSI volume (``csi_holders``) holds the pool too: its record is read under the
     lease, and the plugin writes one before its bind mount exists.
     """
+    with given(pool) as handle:
+        return _exclusive_unused(handle, proc)
+
+
+def _exclusive_unused(pool: PoolHandle, proc: str) -> Lease:
     try:
-        lease = _exclusive_lease(pool_dir, proc)
+        lease = _exclusive_lease(pool, proc)
     except LeaseHeld:
-        holders = find_holders(pool_dir, proc=proc)
-        volumes = csi_holders(pool_dir)
+        holders = find_holders(pool, proc=proc)
+        volumes = csi_holders(pool)
         if holders or volumes:
-            raise PoolInUse(pool_dir, holders, volumes) from None
+            raise PoolInUse(pool.path, holders, volumes) from None
         raise  # a holder this proc cannot see (another pid namespace): the lease's own message
     try:
-        volumes = csi_holders(pool_dir)
-        holders = [] if open_anywhere(pool_dir) is False else find_holders(pool_dir, proc=proc)
+        volumes = csi_holders(pool)
+        holders = [] if open_anywhere(pool) is False else find_holders(pool, proc=proc)
     except BaseException:
         lease.close()
         raise
     if holders or volumes:
         lease.close()
-        raise PoolInUse(pool_dir, holders, volumes)
+        raise PoolInUse(pool.path, holders, volumes)
     return lease
 
 
-def _exclusive_lease(pool_dir: str | os.PathLike[str], proc: str) -> Lease:
+def _exclusive_lease(pool: PoolHandle, proc: str) -> Lease:
     """The exclusive lease; a lease name a pod replaced (a link, a fifo, another file's hard
     link) is never opened: with no process holding the pool's memory it is removed as a name and
     made anew (the pool is then rebuilt or re-validated by the caller), else UnsafeEntry."""
     try:
-        return Lease.exclusive(pool_dir)
+        return Lease.exclusive(pool.path, dir_fd=pool.fd)
     except beneath.WrongEntry as exc:
         wrong = exc
-    holders = find_holders(pool_dir, proc=proc)
+    holders = find_holders(pool, proc=proc)
     if holders:
-        raise places.UnsafeEntry(pool_dir, wrong, f"; the pool is held ({describe(holders)}): not rebuilt")
-    with places.pool_fd(pool_dir) as pfd:
-        left = places.remove_entry(pfd, wrong.name)
+        raise places.UnsafeEntry(pool.path, wrong, f"; the pool is held ({describe(holders)}): not rebuilt")
+    left = places.remove_entry(pool.fd, wrong.name)
     if left is not None:
-        raise places.UnsafeEntry(pool_dir, wrong, f"; {left}")
-    return Lease.exclusive(pool_dir)
+        raise places.UnsafeEntry(pool.path, wrong, f"; {left}")
+    return Lease.exclusive(pool.path, dir_fd=pool.fd)

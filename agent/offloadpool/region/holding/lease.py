@@ -39,28 +39,34 @@ class Lease:
         return cls._take(pool_dir, fcntl.LOCK_SH, blocking)
 
     @classmethod
-    def exclusive(cls, pool_dir: str | os.PathLike[str]) -> Lease:
-        """What the node side takes before changing memory; raises LeaseHeld if any engine holds it."""
-        return cls._take(pool_dir, fcntl.LOCK_EX, blocking=False)
+    def exclusive(cls, pool_dir: str | os.PathLike[str], *, dir_fd: int | None = None) -> Lease:
+        """What the node side takes before changing memory; raises LeaseHeld if any engine holds it.
+        ``dir_fd``: the pool directory, opened already by the caller (``pool_dir`` then names it)."""
+        return cls._take(pool_dir, fcntl.LOCK_EX, blocking=False, dir_fd=dir_fd)
 
     @classmethod
-    def _take(cls, pool_dir: str | os.PathLike[str], op: int, blocking: bool) -> Lease:
+    def _take(
+        cls, pool_dir: str | os.PathLike[str], op: int, blocking: bool, dir_fd: int | None = None
+    ) -> Lease:
         path = lease_path(pool_dir)
         # the pool directory may be written by pods: the lease is opened only if it is a plain,
         # singly linked file (beneath.WrongEntry otherwise), never through a link. An engine
         # opens it read-only (an flock needs no write access): a csi volume gives it read-only,
         # and the node made it; the node side makes it when missing.
         flags = os.O_RDWR | os.O_CREAT if op == fcntl.LOCK_EX else os.O_RDONLY
-        dir_fd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
+        if dir_fd is not None:
             fd = beneath.open_file(dir_fd, LEASE_NAME, flags, 0o666)
-        finally:
-            os.close(dir_fd)
+        else:
+            opened = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = beneath.open_file(opened, LEASE_NAME, flags, 0o666)
+            finally:
+                os.close(opened)
         try:
             fcntl.flock(fd, op | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
+            holders = _count_holders(os.fstat(fd))
             os.close(fd)
-            holders = count_holders(path)
             raise LeaseHeld(
                 f"pool lease {path} is held by {holders or 'an'} attached engine{'s' if holders != 1 else ''}"
             ) from None
@@ -90,6 +96,11 @@ def count_holders(path: str | os.PathLike[str]) -> int:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return 0
+    return _count_holders(st)
+
+
+def _count_holders(st: os.stat_result) -> int:
+    """``count_holders`` of the file ``st`` describes."""
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     pids = set()
     try:

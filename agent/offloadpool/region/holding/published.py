@@ -28,6 +28,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from offloadpool.region.files import beneath, bounded, places
+from offloadpool.region.files.handle import Pool, given
 from offloadpool.region.request import MAX_PARTITIONS
 
 DIR_NAME = "csi"
@@ -111,12 +112,11 @@ def _record_name(volume_id: str) -> str:
     return f"{DIR_NAME}/{volume_id}{SUFFIX}"
 
 
-def save(pool_dir: str | os.PathLike[str], pub: Published) -> None:
+def save(pool: Pool, pub: Published) -> None:
     """Write the record atomically (made root-only with its directory)."""
     name = _record_name(pub.volume_id)
-    with places.state_fd(pool_dir, create=True) as fd:
-        if fd is None:
-            raise FileNotFoundError(f"the state directory of {pool_dir} was removed meanwhile")
+    with given(pool) as handle:
+        fd = handle.state_fd()
         places.make_root_dir(fd, DIR_NAME, DIR_MODE)
         doc = asdict(pub)
         if pub.share is None:
@@ -125,10 +125,11 @@ def save(pool_dir: str | os.PathLike[str], pub: Published) -> None:
         beneath.write_file(fd, name, data, 0o600)
 
 
-def drop(pool_dir: str | os.PathLike[str], volume_id: str) -> bool:
+def drop(pool: Pool, volume_id: str) -> bool:
     """Remove the record (and the directory once empty); False when there was none."""
     name = _record_name(volume_id)
-    with places.state_fd(pool_dir) as fd:
+    with given(pool) as handle:
+        fd = handle.state()
         if fd is None:
             return False
         try:
@@ -147,11 +148,12 @@ def drop(pool_dir: str | os.PathLike[str], volume_id: str) -> bool:
 UNREADABLE = "unreadable"
 
 
-def load_all(pool_dir: str | os.PathLike[str]) -> list[Published]:
+def load_all(pool: Pool) -> list[Published]:
     """Every volume published from the pool, by volume id; a file that is no record (or a name
     that is no regular file) is a holder all the same, with ``pod_uid`` ``UNREADABLE``."""
     out = []
-    with places.state_fd(pool_dir) as fd:
+    with given(pool) as handle:
+        fd = handle.state()
         if fd is None:
             return []
         try:

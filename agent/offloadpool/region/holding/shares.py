@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offloadpool.region.files import beneath, bounded, places
+from offloadpool.region.files.handle import Pool, PoolHandle, given
 from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_ENGINE, ShareViaName
 
@@ -113,27 +114,27 @@ def share_manifest(head: Manifest, index: int) -> Manifest:
 # -- the node's side ---------------------------------------------------------------------------
 
 
-def write(pool_dir: Path, head: Manifest, uid: int, gid: int, mode: int) -> None:
+def write(pool: PoolHandle, head: Manifest, uid: int, gid: int, mode: int) -> None:
     """Make every share's directory (root's, 0755), lease (the consumers', ``mode``) and link,
     and write its manifest. Names a pod replaced are replaced as names, never followed."""
     if head.shares == 1:
         return
-    with places.pool_fd(pool_dir) as pfd:
-        try:
-            places.make_root_dir(pfd, SHARES_NAME, places.POOL_DIR_MODE)
-            for i in range(head.shares):
-                rel = share_rel(i)
-                places.make_root_dir(pfd, rel, places.POOL_DIR_MODE)
-                fd = beneath.open_file(pfd, f"{rel}/{LEASE_NAME}", os.O_RDWR | os.O_CREAT, 0o600)
-                try:
-                    os.fchown(fd, uid, gid)
-                    os.fchmod(fd, mode)
-                finally:
-                    os.close(fd)
-                _link(pfd, rel)
-                beneath.write_file(pfd, f"{rel}/{MANIFEST_NAME}", share_manifest(head, i).encode())
-        except beneath.WrongEntry as exc:
-            raise places.UnsafeEntry(pool_dir, exc) from None
+    pfd = pool.fd
+    try:
+        places.make_root_dir(pfd, SHARES_NAME, places.POOL_DIR_MODE)
+        for i in range(head.shares):
+            rel = share_rel(i)
+            places.make_root_dir(pfd, rel, places.POOL_DIR_MODE)
+            fd = beneath.open_file(pfd, f"{rel}/{LEASE_NAME}", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.fchown(fd, uid, gid)
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+            _link(pfd, rel)
+            beneath.write_file(pfd, f"{rel}/{MANIFEST_NAME}", share_manifest(head, i).encode())
+    except beneath.WrongEntry as exc:
+        raise places.UnsafeEntry(pool.path, exc) from None
 
 
 def _link(pfd: int, rel: str) -> None:
@@ -156,45 +157,41 @@ def _link(pfd: int, rel: str) -> None:
         os.close(dfd)
 
 
-def withdraw(pool_dir: Path, shares: int) -> None:
+def withdraw(pool: PoolHandle, shares: int) -> None:
     """Remove every share's manifest (no engine claims a share of a pool being taken apart)."""
-    _remove(pool_dir, [f"{share_rel(i)}/{MANIFEST_NAME}" for i in range(shares)], [])
+    _remove(pool, [f"{share_rel(i)}/{MANIFEST_NAME}" for i in range(shares)], [])
 
 
-def remove(pool_dir: Path, left: list[str]) -> None:
+def remove(pool: PoolHandle, left: list[str]) -> None:
     """Remove the names ``write`` made, each as a name; what is not ours stays, said in ``left``."""
     try:
-        with places.pool_fd(pool_dir) as pfd:
-            try:
-                found = sorted(beneath.listdir(pfd, SHARES_NAME))
-            except FileNotFoundError:
-                return
-            except (beneath.WrongEntry, NotADirectoryError):
-                found = None
+        found: list[str] | None = sorted(beneath.listdir(pool.fd, SHARES_NAME))
     except FileNotFoundError:
         return
+    except (beneath.WrongEntry, NotADirectoryError):
+        found = None
     names: list[str] = []
     for i in found or []:
         if i.isdigit():
             rel = f"{SHARES_NAME}/{i}"
             names += [f"{rel}/{n}" for n in (MANIFEST_NAME, LEASE_NAME, MOUNT_NAME, RESERVATION_NAME)] + [rel]
-    _remove(pool_dir, [*names, SHARES_NAME], left)
+    _remove(pool, [*names, SHARES_NAME], left)
 
 
-def _remove(pool_dir: Path, names: list[str], left: list[str]) -> None:
+def _remove(pool: PoolHandle, names: list[str], left: list[str]) -> None:
     try:
-        with places.pool_fd(pool_dir) as pfd:
-            for rel in names:
-                try:
-                    why = places.remove_entry(pfd, rel)
-                except FileNotFoundError:
-                    continue
-                except beneath.WrongEntry as exc:
-                    why = str(exc)
-                if why is not None:
-                    left.append(why)
+        pfd = pool.fd
     except FileNotFoundError:
         return
+    for rel in names:
+        try:
+            why = places.remove_entry(pfd, rel)
+        except FileNotFoundError:
+            continue
+        except beneath.WrongEntry as exc:
+            why = str(exc)
+        if why is not None:
+            left.append(why)
 
 
 @dataclass(frozen=True)
@@ -228,25 +225,35 @@ class ShareState:
         return self.reserved_for or self.owner
 
 
-def states(pool_dir: Path, shares: int, proc: str = "/proc") -> list[ShareState]:
+def states(pool: Pool, shares: int, proc: str = "/proc") -> list[ShareState]:
     """Every share of the pool, claimed or free: the kernel's flocks on their leases (engines)
     and the csi plugin's reservations (pods given a share through a csi volume)."""
-    from offloadpool.region.holding.holders import file_id, lease_lockers  # holders imports lease, not us
+    from offloadpool.region.holding.holders import lease_lockers  # holders imports lease, not us
 
     out = []
-    reserved = reservations(pool_dir, shares)
-    for i in range(shares):
-        lease = f"{share_rel(i)}/{LEASE_NAME}"
-        pids = lease_lockers(file_id(pool_dir / lease), proc)
-        owner = ""
-        if pids:
-            try:
-                with places.pool_fd(pool_dir) as pfd:
-                    owner = _parse(beneath.read_file(pfd, lease, RECORD_LIMIT)).get("owner", "")
-            except (OSError, places.UnsafeEntry):
-                owner = ""
-        out.append(ShareState(i, tuple(sorted(pids)), owner, reserved.get(i, "")))
+    with given(pool) as handle:
+        reserved = reservations(handle, shares)
+        for i in range(shares):
+            lease = f"{share_rel(i)}/{LEASE_NAME}"
+            pids = lease_lockers(_file_id(handle, lease), proc)
+            owner = ""
+            if pids:
+                try:
+                    owner = _parse(beneath.read_file(handle.fd, lease, RECORD_LIMIT)).get("owner", "")
+                except (OSError, places.UnsafeEntry):
+                    owner = ""
+            out.append(ShareState(i, tuple(sorted(pids)), owner, reserved.get(i, "")))
     return out
+
+
+def _file_id(pool: PoolHandle, rel: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ``rel`` itself beneath the pool directory; None when it is not there
+    (or a link stands on the way: nothing is followed)."""
+    try:
+        st = beneath.lstat(pool.fd, rel)
+    except (OSError, places.UnsafeEntry):
+        return None
+    return None if st is None else (st.st_dev, st.st_ino)
 
 
 def claimed_of(found: list[ShareState]) -> str:
@@ -276,11 +283,11 @@ def _reserved_by(index: int, who: str) -> str:
     return f"share {index} by csi volume of pod {who!r}"
 
 
-def reservations(pool_dir: Path, shares: int) -> dict[int, str]:
+def reservations(pool: Pool, shares: int) -> dict[int, str]:
     """Share index -> the pod a csi volume reserved it for, for every reserved share."""
     try:
-        with places.pool_fd(pool_dir) as pfd:
-            sdir = beneath.open_dir(pfd, SHARES_NAME)
+        with given(pool) as handle:
+            sdir = beneath.open_dir(handle.fd, SHARES_NAME)
     except (OSError, places.UnsafeEntry, beneath.WrongEntry):
         return {}
     try:
@@ -291,7 +298,7 @@ def reservations(pool_dir: Path, shares: int) -> dict[int, str]:
 
 
 def reserve(
-    pool_dir: Path,
+    pool: Pool,
     shares: int,
     owner: str,
     *,
@@ -307,7 +314,7 @@ def reserve(
     is written, so an engine's ``claim`` and this never give one share twice. ShareRefused
     names the holders when every share is taken."""
     owner = _clip(owner)
-    with _node_mutex(pool_dir, timeout) as sdir:
+    with given(pool) as handle, _node_mutex(handle, timeout) as sdir:
         taken: dict[int, str] = {}
         free: dict[int, int] = {}  # index -> its lease, held exclusively until we are done
         try:
@@ -335,7 +342,7 @@ def reserve(
                 free[i] = fd
             if not free:
                 raise ShareRefused(
-                    f"no free share in pool {str(pool_dir)!r} for {owner!r}: "
+                    f"no free share in pool {str(handle.path)!r} for {owner!r}: "
                     + "; ".join(taken[i] for i in sorted(taken))
                     + f" ({shares} shares; one is freed when its csi volume is unpublished, its DRA "
                     "claim unprepared, or every process of its engine has exited)"
@@ -349,10 +356,10 @@ def reserve(
                 os.close(fd)  # drops the lease: an engine taking it now sees the reservation
 
 
-def unreserve(pool_dir: Path, index: int, owner: str, *, timeout: float = 30.0) -> bool:
+def unreserve(pool: Pool, index: int, owner: str, *, timeout: float = 30.0) -> bool:
     """Drop share ``index``'s reservation if it is ``owner``'s; False when it was not."""
     try:
-        with _node_mutex(pool_dir, timeout) as sdir:
+        with given(pool) as handle, _node_mutex(handle, timeout) as sdir:
             if _reservation(sdir, index) != _clip(owner):
                 return False
             return beneath.unlink(sdir, f"{index}/{RESERVATION_NAME}")
@@ -361,7 +368,8 @@ def unreserve(pool_dir: Path, index: int, owner: str, *, timeout: float = 30.0) 
 
 
 def _shares_dir(pool_dir: Path) -> int:
-    """The ``shares`` directory, opened beneath the pool directory."""
+    """The ``shares`` directory, opened beneath the pool directory (the engine's side: the
+    engine's own path of its pool)."""
     pfd = os.open(pool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return beneath.open_dir(pfd, SHARES_NAME)
@@ -370,17 +378,17 @@ def _shares_dir(pool_dir: Path) -> int:
 
 
 @contextmanager
-def _node_mutex(pool_dir: Path, timeout: float) -> Iterator[int]:
+def _node_mutex(pool: PoolHandle, timeout: float) -> Iterator[int]:
     """The node's reservation mutex (an flock on ``MUTEX_NAME`` in the pool's root-only state
     directory: no pod is given it) held for as long as the block runs, and the ``shares``
     directory. FileNotFoundError when the pool has no state directory or no shares."""
-    with places.state_fd(pool_dir) as state:
-        if state is None:
-            raise FileNotFoundError(errno.ENOENT, f"{pool_dir} has no state directory")
-        lock = beneath.open_file(state, MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    state = pool.state()
+    if state is None:
+        raise FileNotFoundError(errno.ENOENT, f"{pool.path} has no state directory")
+    lock = beneath.open_file(state, MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        _lock(lock, places.state_dir(pool_dir) / MUTEX_NAME, timeout)
-        sdir = _shares_dir(pool_dir)
+        _lock(lock, places.state_dir(pool.path) / MUTEX_NAME, timeout)
+        sdir = beneath.open_dir(pool.fd, SHARES_NAME)
         try:
             yield sdir
         finally:

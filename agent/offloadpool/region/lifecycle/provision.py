@@ -40,9 +40,9 @@ from pathlib import Path
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
 from offloadpool.region.files import beneath, layout_files, migrate, places
 from offloadpool.region.files import record as records
+from offloadpool.region.files.handle import PoolHandle, open_pool
 from offloadpool.region.files.journal import populated_bytes, units
 from offloadpool.region.files.manifest import LEASE_NAME, MOUNT_NAME, Manifest, ManifestError
-from offloadpool.region.files.manifest import load as load_manifest
 from offloadpool.region.files.planner import Plan
 from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding import shares
@@ -87,7 +87,7 @@ class ProvisionResult:
     rebuilt: bool = False
 
 
-def _drop_interrupted_writes(pool_dir: Path) -> None:
+def _drop_interrupted_writes(pool: PoolHandle) -> None:
     """Remove the temp files of record/manifest writes that a killed process left behind.
 
     Both are written atomically (temp file, rename); SIGKILL between the two leaves the temp
@@ -97,13 +97,12 @@ def _drop_interrupted_writes(pool_dir: Path) -> None:
     that very moment may remove that write's temp file, and the failing run then reports that
     instead of its own error. Names are removed as names, never followed.
     """
-    with places.pool_fd(pool_dir) as pfd, places.state_fd(pool_dir) as sfd:
-        for fd in (pfd, sfd):
-            if fd is None:
-                continue
-            for name in beneath.listdir(fd):
-                if name.startswith(".") and name.endswith(".tmp"):
-                    places.remove_entry(fd, name)
+    for fd in (pool.fd, pool.state()):
+        if fd is None:
+            continue
+        for name in beneath.listdir(fd):
+            if name.startswith(".") and name.endswith(".tmp"):
+                places.remove_entry(fd, name)
 
 
 def mount_options(plan: Plan, req: PoolRequest) -> str:
@@ -138,7 +137,7 @@ def _manifest(req: PoolRequest, plan: Plan, compat: str | None, rec: records.Rec
     )
 
 
-def _reserve_hugepages(plan: Plan, pool_dir: Path, rec: records.Record) -> int:
+def _reserve_hugepages(plan: Plan, pool: PoolHandle, rec: records.Record) -> int:
     """Grow the kernel pool so a min_size mount of this plan succeeds; return pages added.
 
     The caller holds :func:`hugepages.reservation_lock`. Before ``nr_hugepages`` is written, the
@@ -151,13 +150,13 @@ def _reserve_hugepages(plan: Plan, pool_dir: Path, rec: records.Record) -> int:
     missing = max(0, pages - c.available)
     if missing:
         intent = hugepage_intent.Intent(
-            "grow", pool_dir.name, page, missing, c.total, rec.hugepages_added, rec.boot_id
+            "grow", pool.name, page, missing, c.total, rec.hugepages_added, rec.boot_id
         )
-        hugepage_intent.write(pool_dir.parent, intent)
+        hugepage_intent.write(pool.root, intent)
     try:
         added = hugepages.grow(page, missing)
     except hugepages.PoolFixed as exc:
-        hugepages.reconcile(pool_dir.parent)  # gives back what a first attempt added, if any
+        hugepages.reconcile(pool.root)  # gives back what a first attempt added, if any
         raise CapacityError(
             f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
             f"{c.available} are free and unreserved and the huge page pool is fixed here ({exc.strerror}): "
@@ -165,7 +164,7 @@ def _reserve_hugepages(plan: Plan, pool_dir: Path, rec: records.Record) -> int:
             f"(at boot, or by writing nr_hugepages on the host)"
         ) from None
     if added < missing:
-        hugepages.reconcile(pool_dir.parent)  # nothing recorded the short grant: it is given back
+        hugepages.reconcile(pool.root)  # nothing recorded the short grant: it is given back
         raise CapacityError(
             f"{plan.medium.name} pool needs {pages} huge pages of {fmt_bytes(page)}; "
             f"{c.available} were free and unreserved and the kernel could add only {added} "
@@ -192,41 +191,47 @@ def provision(
     policy = numa.parse_policy(req.numa)
     numa_nodes = numa.describe(policy, len(plan.regions))  # offline nodes fail here
     pool_dir = places.pool_dir(root, req.name)  # plan() checked the name; the path says so too
-    say = on_phase or (lambda phase: None)
+    call = _Call(req, plan, numa_nodes, on_phase or (lambda phase: None), t0)
+    with open_pool(pool_dir) as pool:  # the one resolution of the pool by name
+        return _provision(pool, call, _PrefaultOptions(progress, workers, rate_limit, chunk_bytes))
 
-    rec = records.load(pool_dir)
-    if rec is None and places.exists_pool_dir(pool_dir):
-        rec = migrate.adopt(pool_dir)  # an older offloadpool's pool, only if it re-validates
+
+def _provision(pool: PoolHandle, call: _Call, opts: _PrefaultOptions) -> ProvisionResult:
+    """``provision`` of the pool ``pool``, opened once for this call."""
+    req, plan, say, t0 = call.req, call.plan, call.say, call.t0
+    rec = records.load(pool)
+    if rec is None and pool.has_dir():
+        rec = migrate.adopt(pool)  # an older offloadpool's pool, only if it re-validates
     unsafe: places.UnsafeEntry | None = None
     if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase in (READY, POPULATING):
-        with places.lock(pool_dir):
+        with pool.lock():
             try:
-                reused = _reuse(pool_dir, plan, req, t0, progress, say)
+                reused = _reuse(pool, plan, req, t0, opts.progress, say)
             except places.UnsafeEntry as exc:
                 reused, unsafe = None, exc
         if reused is not None:
             say(READY)
             return reused
-    elif places.exists_pool_dir(pool_dir):
-        unsafe = _unsafe_entry(pool_dir, rec, plan, req)
+    elif pool.has_dir():
+        unsafe = _unsafe_entry(pool, rec, plan, req)
 
     credit = old_pages = 0
-    if rec is not None and mounts.mount_at(pool_dir / MOUNT_NAME) is not None:
+    if rec is not None and mounts.mount_at(pool.rel(MOUNT_NAME)) is not None:
         # Memory this pool already holds (a shape being replaced, or an interrupted build
         # being finished) is about to be freed or reused: count it as available.
         old = rec.pool_request()
         credit = old.capacity
         if old.medium == req.medium and plan.medium.hugetlb:
             old_pages = old.capacity // plan.page_size
-    fresh = not places.exists(pool_dir)
+    fresh = not pool.exists()
     if fresh:
         capacity.check(plan, credit_bytes=credit, credit_pages=old_pages)  # before anything is created
-    places.make_dirs(pool_dir)
+    pool.make_dirs()
     try:
-        with places.lock(pool_dir):
+        with pool.lock():
             # never build, tear down or populate under an engine, leased or not
             try:
-                lease = exclusive_unused(pool_dir)
+                lease = exclusive_unused(pool)
             except LeaseHeld as held:
                 if unsafe is None:
                     raise
@@ -240,23 +245,19 @@ def provision(
                         capacity.check(plan, credit_bytes=credit, credit_pages=old_pages)
                     except CapacityError as short:
                         raise _Untouched(short) from short
-                return _build(
-                    _Call(req, plan, pool_dir, numa_nodes, say, t0),
-                    _PrefaultOptions(progress, workers, rate_limit, chunk_bytes),
-                    rebuild=unsafe is not None,
-                )
+                return _build(pool, call, opts, rebuild=unsafe is not None)
             finally:
                 lease.close()
     except _Untouched as untouched:
         raise untouched.error from None  # nothing was touched: the record stays as it was
     except (RegionError, OSError) as exc:
-        if fresh and places.exists(pool_dir):
-            teardown(pool_dir)  # nothing half-built is left behind
-        elif places.exists(pool_dir):
-            failed = records.load(pool_dir)
+        if fresh and pool.exists():
+            teardown(pool)  # nothing half-built is left behind
+        elif pool.exists():
+            failed = records.load(pool)
             if failed is not None:
                 failed.phase, failed.message = FAILED, str(exc)
-                records.save(pool_dir, failed)
+                records.save(pool, failed)
         raise
 
 
@@ -269,7 +270,7 @@ class _Untouched(Exception):
 
 
 def _unsafe_entry(
-    pool_dir: Path, rec: records.Record | None, plan: Plan, req: PoolRequest
+    pool: PoolHandle, rec: records.Record | None, plan: Plan, req: PoolRequest
 ) -> places.UnsafeEntry | None:
     """A name of the wrong kind in a pool that is not Ready (or of another shape): the shape
     the record names is checked, else the requested one. None when there is none."""
@@ -280,7 +281,7 @@ def _unsafe_entry(
         except (RegionError, TypeError, ValueError):
             pass
     try:
-        layout_files.check_entries(pool_dir, plan, req)
+        layout_files.check_entries(pool, plan, req)
     except places.UnsafeEntry as exc:
         return exc
     except OSError:
@@ -288,7 +289,7 @@ def _unsafe_entry(
     return None
 
 
-def _finished_but_unrecorded(pool_dir: Path, plan: Plan, rec: records.Record) -> bool:
+def _finished_but_unrecorded(pool: PoolHandle, plan: Plan, rec: records.Record) -> bool:
     """A provision killed after writing the manifest, before recording Ready.
 
     The manifest is written only after the last page is populated, so the memory is complete
@@ -298,14 +299,14 @@ def _finished_but_unrecorded(pool_dir: Path, plan: Plan, rec: records.Record) ->
     if rec.phase != POPULATING:
         return False
     try:
-        load_manifest(pool_dir)
+        pool.read_manifest()
     except ManifestError:
         return False
-    return populated_bytes(pool_dir, units(plan.segments, plan.page_size)) == plan.total_bytes
+    return populated_bytes(pool, units(plan.segments, plan.page_size)) == plan.total_bytes
 
 
 def _reuse(
-    pool_dir: Path,
+    pool: PoolHandle,
     plan: Plan,
     req: PoolRequest,
     t0: float,
@@ -315,48 +316,48 @@ def _reuse(
 ) -> ProvisionResult | None:
     """Keep a Ready pool of this shape, applying ownership, mode, compat names and generation;
     None when it does not validate. Raises ``places.UnsafeEntry`` for a name of the wrong kind."""
-    _drop_interrupted_writes(pool_dir)
-    rec = records.load(pool_dir)
-    if rec is None or not (rec.phase == READY or _finished_but_unrecorded(pool_dir, plan, rec)):
+    _drop_interrupted_writes(pool)
+    rec = records.load(pool)
+    if rec is None or not (rec.phase == READY or _finished_but_unrecorded(pool, plan, rec)):
         return None
     # A name of the wrong kind raises UnsafeEntry here, before the scrub touches anything; a
     # pool an earlier scrub withheld (no manifest) is checked again once the scrub is done.
-    problem = layout_files.check_ready(pool_dir, plan, req)
+    problem = layout_files.check_ready(pool, plan, req)
     if problem is not None and not rec.scrub_pending:
         return None
     scrub.before_reuse(
-        pool_dir,
+        pool,
         plan,
         req,
         rec,
-        restore_manifest=lambda: _manifest(req, plan, None, rec).write(pool_dir),
+        restore_manifest=lambda: pool.write_manifest(_manifest(req, plan, None, rec)),
         progress=progress,
         say=say,
         lease_held=lease_held,
     )
-    if problem is not None and layout_files.check_ready(pool_dir, plan, req) is not None:
+    if problem is not None and layout_files.check_ready(pool, plan, req) is not None:
         return None
     if rec.phase != READY:
-        coverage = load_manifest(pool_dir).extra.get("hugepage_coverage_percent")
+        coverage = pool.read_manifest().extra.get("hugepage_coverage_percent")
         if isinstance(coverage, (int, float)) and not isinstance(coverage, bool) and 0 <= coverage <= 100:
             rec.hugepage_coverage_percent = float(coverage)
         rec.phase = READY
-    places.make_dirs(pool_dir)  # root's, 0755, whatever a pod did to them
-    layout_files.secure_mount_dir(pool_dir)
-    layout_files.own_segments(pool_dir, plan, req)
-    layout_files.ensure_lease_file(pool_dir, req)
-    compat = layout_files.sync_compat(pool_dir, plan, req)
-    manifest = load_manifest(pool_dir)
+    pool.make_dirs()  # root's, 0755, whatever a pod did to them
+    layout_files.secure_mount_dir(pool)
+    layout_files.own_segments(pool, plan, req)
+    layout_files.ensure_lease_file(pool, req)
+    compat = layout_files.sync_compat(pool, plan, req)
+    manifest = pool.read_manifest()
     wanted = _manifest(req, plan, compat, rec)
-    shares.write(pool_dir, wanted, req.uid, req.gid, req.mode)
+    shares.write(pool, wanted, req.uid, req.gid, req.mode)
     if manifest != wanted:
-        wanted.write(pool_dir)
+        pool.write_manifest(wanted)
         manifest = wanted
     rec.request = records.Record.new(req).request
     rec.orphaned = ""  # a pool of this name owns it again
-    records.save(pool_dir, rec)
+    records.save(pool, rec)
     return ProvisionResult(
-        pool_dir=pool_dir,
+        pool_dir=pool.path,
         manifest=manifest,
         populated_bytes=0,
         seconds=time.perf_counter() - t0,
@@ -367,22 +368,20 @@ def _reuse(
     )
 
 
-def _holds_something(pool_dir: Path) -> bool:
+def _holds_something(pool: PoolHandle) -> bool:
     """Whether the pool directory holds more than a lease (or nothing): a mount, a manifest, a
     ``mnt``, the names an older offloadpool kept there."""
-    if mounts.mount_at(pool_dir / MOUNT_NAME) is not None:
+    if mounts.mount_at(pool.rel(MOUNT_NAME)) is not None:
         return True
-    with places.pool_fd(pool_dir) as pfd:
-        return any(name != LEASE_NAME for name in beneath.listdir(pfd))
+    return any(name != LEASE_NAME for name in beneath.listdir(pool.fd))
 
 
 @dataclass(frozen=True)
 class _Call:
-    """One provision call: the pool it serves, its plan and where, and how it reports."""
+    """One provision call: the pool it serves, its plan, and how it reports."""
 
     req: PoolRequest
     plan: Plan
-    pool_dir: Path
     numa_nodes: list[list[int]]  # per region, as numa.describe gives them
     say: PhaseCallback
     t0: float  # time.perf_counter() when the call began
@@ -398,27 +397,29 @@ class _PrefaultOptions:
     chunk_bytes: int
 
 
-def _build(call: _Call, opts: _PrefaultOptions, *, rebuild: bool = False) -> ProvisionResult:
+def _build(
+    pool: PoolHandle, call: _Call, opts: _PrefaultOptions, *, rebuild: bool = False
+) -> ProvisionResult:
     """Build, finish or rebuild the pool; the caller holds the pool's lock and exclusive lease.
 
     A name of the wrong kind found while finishing (``places.UnsafeEntry``) makes it start
     over once from a torn-down pool: nothing holds it (the caller made sure)."""
     try:
-        return _build_once(call, opts, rebuild=rebuild)
+        return _build_once(pool, call, opts, rebuild=rebuild)
     except places.UnsafeEntry:
         if rebuild:
             raise
-        return _build_once(call, opts, rebuild=True)
+        return _build_once(pool, call, opts, rebuild=True)
 
 
-def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> ProvisionResult:
-    req, plan, pool_dir, say, t0 = call.req, call.plan, call.pool_dir, call.say, call.t0
-    _drop_interrupted_writes(pool_dir)
-    rec = records.load(pool_dir)
+def _build_once(pool: PoolHandle, call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> ProvisionResult:
+    req, plan, say, t0 = call.req, call.plan, call.say, call.t0
+    _drop_interrupted_writes(pool)
+    rec = records.load(pool)
     rebuilt = False
     if not rebuild and rec is not None and rec.fingerprint == req.fingerprint() and rec.phase == READY:
-        if layout_files.check_ready(pool_dir, plan, req) is None:  # another provisioner finished meanwhile
-            reused = _reuse(pool_dir, plan, req, t0, opts.progress, say, lease_held=True)
+        if layout_files.check_ready(pool, plan, req) is None:  # another provisioner finished meanwhile
+            reused = _reuse(pool, plan, req, t0, opts.progress, say, lease_held=True)
             if reused is not None:
                 return reused
     if rec is not None and (
@@ -426,32 +427,31 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
     ):
         # Different shape, a Ready pool that no longer validates, or a name of the wrong kind:
         # rebuild from scratch.
-        teardown(pool_dir, keep_dir=True)  # the caller holds the lock and the exclusive lease
+        teardown(pool, keep_dir=True)  # the caller holds the lock and the exclusive lease
         rec, rebuilt = None, True
-    elif rec is None and _holds_something(pool_dir):
+    elif rec is None and _holds_something(pool):
         # No record of this pool's (lost, or an older offloadpool's that did not re-validate):
         # what is there is unknown, so it is taken apart, never built upon.
-        teardown(pool_dir, keep_dir=True)
+        teardown(pool, keep_dir=True)
         rebuilt = True
     if rec is None:
         rec = records.Record.new(req)
     else:
         rec.request = records.Record.new(req).request
     rec.phase, rec.message, rec.numa_nodes, rec.orphaned = PROVISIONING, "", call.numa_nodes, ""
-    records.save(pool_dir, rec)
+    records.save(pool, rec)
     say(PROVISIONING)
 
-    mnt = pool_dir / MOUNT_NAME
-    with places.pool_fd(pool_dir) as pfd:
-        made = beneath.mkdir(pfd, MOUNT_NAME, 0o755)
-        try:
-            os.close(beneath.open_dir(pfd, MOUNT_NAME))  # a directory, not a link to one
-        except beneath.WrongEntry as exc:
-            raise places.UnsafeEntry(pool_dir, exc) from None
+    mnt = pool.rel(MOUNT_NAME)
+    made = beneath.mkdir(pool.fd, MOUNT_NAME, 0o755)
+    try:
+        os.close(beneath.open_dir(pool.fd, MOUNT_NAME))  # a directory, not a link to one
+    except beneath.WrongEntry as exc:
+        raise places.UnsafeEntry(pool.path, exc) from None
     # a directory made just now is no mount point: no mount table to read
     existing = None if made else mounts.mount_at(mnt)
     if existing is not None and "shared:" not in existing.propagation:
-        mounts.make_shared(mnt)  # an earlier run was killed between mount(2) and MS_SHARED
+        mounts.make_shared(mnt, dir_fd=pool.fd)  # an earlier run was killed between mount(2) and MS_SHARED
     if existing is None:
         if plan.medium.hugetlb:
             rec.hugepage_size = plan.page_size
@@ -461,26 +461,26 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
             # Growing the pool and mounting (which reserves the pages) under one lock, so two
             # offloadpool processes cannot take each other's freshly added pages. Taking it
             # settles a grow or give-back a killed process left unrecorded (hugepage_intent).
-            with hugepages.reservation_lock(pool_dir.parent):
-                added = _reserve_hugepages(plan, pool_dir, rec)
+            with hugepages.reservation_lock(pool.root):
+                added = _reserve_hugepages(plan, pool, rec)
                 rec.hugepages_added += added
-                records.save(pool_dir, rec)
+                records.save(pool, rec)
                 if added:
-                    hugepage_intent.clear(pool_dir.parent)  # the record shows the pages now
-                mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
+                    hugepage_intent.clear(pool.root)  # the record shows the pages now
+                mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req), dir_fd=pool.fd)
         else:
-            mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req))
+            mounts.mount(plan.medium.fstype, mnt, mount_options(plan, req), dir_fd=pool.fd)
         rec.mounted = True
-        records.save(pool_dir, rec)
-    layout_files.secure_mount_dir(pool_dir)
-    layout_files.create_segments(pool_dir, plan, req)
-    layout_files.ensure_lease_file(pool_dir, req)
+        records.save(pool, rec)
+    layout_files.secure_mount_dir(pool)
+    layout_files.create_segments(pool, plan, req)
+    layout_files.ensure_lease_file(pool, req)
 
     rec.phase = POPULATING
-    records.save(pool_dir, rec)
+    records.save(pool, rec)
     say(POPULATING)
     stats = populate(
-        pool_dir,
+        pool,
         plan,
         workers=opts.workers or req.workers,
         progress=opts.progress,
@@ -502,16 +502,16 @@ def _build_once(call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> Provis
         "skipped_bytes": stats.skipped_bytes,
     }
     # -- scrub hook: memory handed out before (an interrupted run) is zeroed first when due --
-    scrub.before_hand_out(pool_dir, plan, req, rec, progress=opts.progress, say=say)
-    compat = layout_files.sync_compat(pool_dir, plan, req)
+    scrub.before_hand_out(pool, plan, req, rec, progress=opts.progress, say=say)
+    compat = layout_files.sync_compat(pool, plan, req)
     manifest = _manifest(req, plan, compat, rec)
-    shares.write(pool_dir, manifest, req.uid, req.gid, req.mode)  # attachable once the pool's is
-    manifest.write(pool_dir)  # last: from here on engines may attach
+    shares.write(pool, manifest, req.uid, req.gid, req.mode)  # attachable once the pool's is
+    pool.write_manifest(manifest)  # last: from here on engines may attach
     rec.phase = READY
-    records.save(pool_dir, rec)
+    records.save(pool, rec)
     say(READY)
     return ProvisionResult(
-        pool_dir=pool_dir,
+        pool_dir=pool.path,
         manifest=manifest,
         populated_bytes=stats.populated_bytes,
         seconds=time.perf_counter() - t0,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import places
 from offloadpool.region.files import record as records
+from offloadpool.region.files.handle import PoolHandle, open_pool
 from offloadpool.region.holding.holders import Holder, describe, exclusive_unused, find_holders
 from offloadpool.region.holding.lease import LeaseHeld
 from offloadpool.region.lifecycle.teardown import teardown
@@ -51,33 +52,39 @@ def release(root: str | os.PathLike[str], name: str, *, force: bool = False) -> 
     listed in ``warnings``; nothing is removed recursively.
     """
     pool_dir = places.pool_dir(root, name)  # a name that is no pool name makes no path
-    if not places.exists(pool_dir):
-        return ReleaseResult(name, existed=False)
-    with places.lock(pool_dir):
-        if not places.exists(pool_dir):
+    with open_pool(pool_dir) as pool:
+        if not pool.exists():
             return ReleaseResult(name, existed=False)
-        rec = records.load(pool_dir)
-        total = int(rec.request.get("capacity", 0)) if rec else 0
-        lease = None
-        holders: list[Holder] = []
-        left: list[str] = []
+        with pool.lock():
+            return _release(pool, name, force=force)
+
+
+def _release(pool: PoolHandle, name: str, *, force: bool) -> ReleaseResult:
+    """``release`` of the pool ``pool``, whose lock the caller holds."""
+    if not pool.exists():
+        return ReleaseResult(name, existed=False)
+    rec = records.load(pool)
+    total = int(rec.request.get("capacity", 0)) if rec else 0
+    lease = None
+    holders: list[Holder] = []
+    left: list[str] = []
+    try:
+        if pool.has_dir():
+            lease = exclusive_unused(pool)
+    except LeaseHeld:
+        if not force:
+            raise
+        holders = find_holders(pool)
+    try:
         try:
-            if places.exists_pool_dir(pool_dir):
-                lease = exclusive_unused(pool_dir)
-        except LeaseHeld:
-            if not force:
+            given = teardown(pool, lazy=force, left=left)
+        except RegionError as exc:
+            if force:
                 raise
-            holders = find_holders(pool_dir)
-        try:
-            try:
-                given = teardown(pool_dir, lazy=force, left=left)
-            except RegionError as exc:
-                if force:
-                    raise
-                raise RegionError(f"releasing {name}: {exc}") from exc
-        finally:
-            if lease is not None:
-                lease.close()
-        warnings = [FORCE_CONSEQUENCES.format(n=len(holders), holders=describe(holders))] if holders else []
-        warnings += [f"left in place: {line}" for line in left]
-        return ReleaseResult(name, True, total, given, force, len(holders), tuple(warnings))
+            raise RegionError(f"releasing {name}: {exc}") from exc
+    finally:
+        if lease is not None:
+            lease.close()
+    warnings = [FORCE_CONSEQUENCES.format(n=len(holders), holders=describe(holders))] if holders else []
+    warnings += [f"left in place: {line}" for line in left]
+    return ReleaseResult(name, True, total, given, force, len(holders), tuple(warnings))

@@ -48,15 +48,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from offloadpool.region.errors import RegionError, fmt_bytes
 from offloadpool.region.files import layout_files, places
 from offloadpool.region.files import record as records
+from offloadpool.region.files.handle import Pool, PoolHandle, given
 from offloadpool.region.files.journal import Unit, units
 from offloadpool.region.files.manifest import MANIFEST_NAME, MOUNT_NAME
-from offloadpool.region.files.manifest import load as load_manifest
 from offloadpool.region.files.planner import Plan
 from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding.holders import PoolInUse, exclusive_unused
@@ -235,7 +234,7 @@ class _Zeroing:
 
 
 def zero(
-    pool_dir: str | os.PathLike[str],
+    pool: Pool,
     plan: Plan,
     *,
     workers: int = 0,
@@ -244,7 +243,7 @@ def zero(
     numa_policy: str = NUMA_NONE,
     chunk_bytes: int = parallel.DEFAULT_CHUNK,
 ) -> ScrubStats:
-    """Zero every byte of every segment of ``plan`` under ``pool_dir``, leaving every page
+    """Zero every byte of every segment of ``plan`` in ``pool``, leaving every page
     present. The caller makes sure nothing holds the pool (the exclusive lease)."""
     if method == "auto":
         method = METHOD_FOR[plan.medium.fstype]
@@ -253,7 +252,7 @@ def zero(
     all_units = units(plan.segments, plan.page_size)
     workers = max(1, min(workers or parallel.default_workers(plan), len(all_units)))
     t0 = time.perf_counter()
-    with parallel.mapped(Path(pool_dir), plan, numa.parse_policy(numa_policy)) as (fds, maps):
+    with given(pool) as handle, parallel.mapped(handle, plan, numa.parse_policy(numa_policy)) as (fds, maps):
         job = _Zeroing(plan, fds, maps, method, parallel.Tally(plan.total_bytes, progress))
         parallel.run_shares(
             parallel.shares(all_units, workers),
@@ -268,22 +267,22 @@ def zero(
 # -- the hooks provision calls ----------------------------------------------------------------
 
 
-def _restrict(pool_dir: Path, plan: Plan, req: PoolRequest) -> None:
+def _restrict(pool: PoolHandle, plan: Plan, req: PoolRequest) -> None:
     """Make every segment file root's alone (0600): nothing new opens it until it is handed
     out again (``layout_files.own``). Mappings made earlier are not affected. Opened beneath
     the pool directory, never through a link a pod put there."""
     for seg in plan.segments:
-        with layout_files.opened(pool_dir, seg.file, links=layout_files.segment_links(req)) as fd:
+        with layout_files.opened(pool, seg.file, links=layout_files.segment_links(req)) as fd:
             os.fchown(fd, 0, 0)
             os.fchmod(fd, 0o600)
 
 
-def _segments_ok(pool_dir: Path, plan: Plan, req: PoolRequest) -> bool:
+def _segments_ok(pool: PoolHandle, plan: Plan, req: PoolRequest) -> bool:
     """Every planned segment is there, a plain file of its planned size (the manifest may be
     withheld by an earlier scrub). Raises ``places.UnsafeEntry`` for a name of the wrong kind."""
     for seg in plan.segments:
         try:
-            with layout_files.opened(pool_dir, seg.file, links=layout_files.segment_links(req)) as fd:
+            with layout_files.opened(pool, seg.file, links=layout_files.segment_links(req)) as fd:
                 if os.fstat(fd).st_size != seg.bytes:
                     return False
         except FileNotFoundError:
@@ -291,21 +290,20 @@ def _segments_ok(pool_dir: Path, plan: Plan, req: PoolRequest) -> bool:
     return True
 
 
-def _withhold(pool_dir: Path, plan: Plan, req: PoolRequest, rec: records.Record, due: Due) -> None:
+def _withhold(pool: PoolHandle, plan: Plan, req: PoolRequest, rec: records.Record, due: Due) -> None:
     """Record the scrub as pending, then take the pool away from engines: in this order, so a
     kill in between leaves a pending scrub, never a pool handed out with another's bytes."""
     if rec.scrub_pending != due.reason:
         rec.scrub_pending = due.reason
-        records.save(pool_dir, rec)
-    with places.pool_fd(pool_dir) as pfd:
-        why = places.remove_entry(pfd, MANIFEST_NAME)
+        records.save(pool, rec)
+    why = places.remove_entry(pool.fd, MANIFEST_NAME)
     if why is not None:
-        raise RegionError(f"cannot withhold {pool_dir}: {why}")
-    _restrict(pool_dir, plan, req)
+        raise RegionError(f"cannot withhold {pool.path}: {why}")
+    _restrict(pool, plan, req)
 
 
 def _zero_withheld(
-    pool_dir: Path,
+    pool: PoolHandle,
     plan: Plan,
     req: PoolRequest,
     rec: records.Record,
@@ -314,10 +312,10 @@ def _zero_withheld(
     say: PhaseCallback,
 ) -> None:
     """Withhold, zero, note the figures; the caller holds the exclusive lease."""
-    _withhold(pool_dir, plan, req, rec, due)
+    _withhold(pool, plan, req, rec, due)
     say(SCRUBBING)
     try:
-        stats = zero(pool_dir, plan, workers=req.workers, progress=progress, numa_policy=req.numa)
+        stats = zero(pool, plan, workers=req.workers, progress=progress, numa_policy=req.numa)
     except OSError as exc:
         raise RegionError(f"scrubbing pool {req.name} failed ({due.reason}): {exc}") from exc
     if rec.consumer is not None:
@@ -338,7 +336,7 @@ def _handed_to(rec: records.Record, req: PoolRequest) -> None:
 
 
 def before_reuse(
-    pool_dir: Path,
+    pool: PoolHandle,
     plan: Plan,
     req: PoolRequest,
     rec: records.Record,
@@ -359,30 +357,30 @@ def before_reuse(
     if due is None:
         _handed_to(rec, req)
         return
-    if mounts.mount_at(pool_dir / MOUNT_NAME) is None or not _segments_ok(pool_dir, plan, req):
+    if mounts.mount_at(pool.rel(MOUNT_NAME)) is None or not _segments_ok(pool, plan, req):
         return
     lease = None
     try:
         if not lease_held:
-            lease = exclusive_unused(pool_dir)
+            lease = exclusive_unused(pool)
     except LeaseHeld as exc:
         if not due.owed:
             return  # Always: an engine of this tenancy is attached; its data stays
-        _withhold(pool_dir, plan, req, rec, due)
+        _withhold(pool, plan, req, rec, due)
         raise ScrubPending(due, exc) from None
     try:
-        _zero_withheld(pool_dir, plan, req, rec, due, progress, say)
+        _zero_withheld(pool, plan, req, rec, due, progress, say)
         restore_manifest()  # before pending is cleared: a kill between redoes the scrub
         rec.scrub_pending = ""
         _handed_to(rec, req)
-        records.save(pool_dir, rec)
+        records.save(pool, rec)
     finally:
         if lease is not None:
             lease.close()
 
 
 def before_hand_out(
-    pool_dir: Path,
+    pool: PoolHandle,
     plan: Plan,
     req: PoolRequest,
     rec: records.Record,
@@ -395,7 +393,7 @@ def before_hand_out(
     (killed after its manifest, or during an owed scrub) is zeroed first when due."""
     due = scrub_needed(rec, req)
     if due is not None:
-        _zero_withheld(pool_dir, plan, req, rec, due, progress, say)
+        _zero_withheld(pool, plan, req, rec, due, progress, say)
     rec.scrub_pending = ""
     _handed_to(rec, req)
 
@@ -418,7 +416,7 @@ def holder_due(rec: records.Record, req: PoolRequest, holder: str) -> Due | None
 
 
 def before_new_holder(
-    pool_dir: Path, holder: str, say: PhaseCallback = lambda phase: None
+    pool: PoolHandle, holder: str, say: PhaseCallback = lambda phase: None
 ) -> ScrubStats | None:
     """Publish's hook, before the pod ``holder`` gets the pool (the caller holds the pool's
     lock and has checked it Ready): zero the memory when ``holder_due`` says so and nothing
@@ -428,24 +426,24 @@ def before_new_holder(
     The same withholding as the agent's scrub, so a kill in the middle leaves the scrub
     pending (the pool not Ready, no manifest, root-only files) for the agent's next provision
     to finish; the manifest read before is written back once every byte is zero."""
-    rec = records.load(pool_dir)
+    rec = records.load(pool)
     if rec is None:
-        raise RegionError(f"{pool_dir} has no provisioning record")
+        raise RegionError(f"{pool.path} has no provisioning record")
     req = rec.pool_request()
     due = holder_due(rec, req, holder)
     done = None
     if due is not None:
         try:
-            lease = exclusive_unused(pool_dir)
+            lease = exclusive_unused(pool)
         except LeaseHeld:
             lease = None  # another holder: one tenancy, nothing is zeroed under it
         if lease is not None:
             try:
                 plan = make_plan(req)
-                manifest = load_manifest(pool_dir)
-                _zero_withheld(pool_dir, plan, req, rec, due, None, say)
-                layout_files.own_segments(pool_dir, plan, req)
-                manifest.write(pool_dir)  # before pending is cleared: a kill between redoes it
+                manifest = pool.read_manifest()
+                _zero_withheld(pool, plan, req, rec, due, None, say)
+                layout_files.own_segments(pool, plan, req)
+                pool.write_manifest(manifest)  # before pending is cleared: a kill between redoes it
                 rec.scrub_pending = ""
                 done = ScrubStats(
                     plan.total_bytes, rec.scrub["seconds"], rec.scrub["workers"], rec.scrub["method"]
@@ -454,5 +452,5 @@ def before_new_holder(
                 lease.close()
     if (rec.consumer or {}).get(HOLDER_KEY) != holder or done is not None:
         rec.consumer = {**(rec.consumer or {}), HOLDER_KEY: holder}
-        records.save(pool_dir, rec)
+        records.save(pool, rec)
     return done

@@ -14,9 +14,9 @@ from typing import Any
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import beneath, places
 from offloadpool.region.files import record as records
+from offloadpool.region.files.handle import PoolHandle, open_pool
 from offloadpool.region.files.journal import populated_bytes, units
 from offloadpool.region.files.manifest import MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
-from offloadpool.region.files.manifest import load as load_manifest
 from offloadpool.region.files.names import pool_name_error
 from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding import holders, shares
@@ -79,10 +79,17 @@ class PoolState:
 def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
     """The pool ``name`` under ``root``, from its record (RequestError for a name that cannot
     name a pool: no path is made of it)."""
-    pool_dir = places.pool_dir(root, name)
-    rec = records.load(pool_dir)
+    with open_pool(places.pool_dir(root, name)) as pool:
+        return state_of(pool)
+
+
+def state_of(pool: PoolHandle) -> PoolState:
+    """``pool_state`` of a pool an operation holds open (its lock too, maybe: then it reads as
+    in progress, as it is)."""
+    name = pool.name
+    rec = records.load(pool)
     if rec is None:
-        if places.exists_pool_dir(pool_dir) and _has_any(pool_dir, MANIFEST_NAME, places.OLD_RECORD_NAME):
+        if pool.has_dir() and _has_any(pool, MANIFEST_NAME, places.OLD_RECORD_NAME):
             return PoolState(
                 name,
                 FAILED,
@@ -95,9 +102,9 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         plan = make_plan(req)
     except (RegionError, TypeError, ValueError) as exc:
         return PoolState(name, FAILED, message=f"unreadable provisioning record: {exc}")
-    busy = places.busy(pool_dir)
+    busy = pool.busy()
     # every process holding the lease or mapping/opening the files, leased or not, once each
-    engines = holders.count(pool_dir)
+    engines = holders.count(pool)
     # what every phase reports; each return below fills in its phase and progress
     common = PoolState(
         name,
@@ -109,7 +116,7 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         engines_attached=engines,
         populate_gib_per_s=float(rec.populate.get("gib_per_s", 0.0)),
         in_progress=busy,
-        shares=_shares(pool_dir, req.partitions),
+        shares=_shares(pool, req.partitions),
     )
     if rec.scrub_pending:  # withheld from engines until its memory is zero (region.lifecycle.scrub)
         waits = "" if busy else "; waits for its holders to leave (provision again once they have)"
@@ -119,10 +126,10 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
         message = ""
         manifest = None
         try:
-            manifest = load_manifest(pool_dir)
+            manifest = pool.read_manifest()
         except ManifestError as exc:
             message = str(exc)
-        m = mounts.mount_at(pool_dir / MOUNT_NAME)
+        m = mounts.mount_at(pool.rel(MOUNT_NAME))
         if m is None:
             message = "the pool's mount is gone; provision again to rebuild it"
         if message:
@@ -136,7 +143,7 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
                 common, phase=ORPHANED, populated_bytes=plan.total_bytes, manifest=manifest, message=message
             )
         return replace(common, phase=READY, populated_bytes=plan.total_bytes, manifest=manifest)
-    done = populated_bytes(pool_dir, units(plan.segments, plan.page_size))
+    done = populated_bytes(pool, units(plan.segments, plan.page_size))
     phase = rec.phase if rec.phase in STATE_PHASES else PROVISIONING  # Draining shows as in progress
     message = rec.message
     if phase in (PROVISIONING, POPULATING) and not busy:
@@ -144,11 +151,11 @@ def pool_state(root: str | os.PathLike[str], name: str) -> PoolState:
     return replace(common, phase=phase, populated_bytes=done, message=message)
 
 
-def _shares(pool_dir: Path, partitions: int) -> tuple[shares.ShareState, ...]:
+def _shares(pool: PoolHandle, partitions: int) -> tuple[shares.ShareState, ...]:
     if partitions < 2:
         return ()
     try:
-        return tuple(shares.states(pool_dir, partitions))
+        return tuple(shares.states(pool, partitions))
     except (OSError, places.UnsafeEntry):
         return ()
 
@@ -166,10 +173,9 @@ def local_region(root: str | os.PathLike[str], name: str) -> tuple[int, int] | N
         return None
 
 
-def _has_any(pool_dir: Path, *names: str) -> bool:
+def _has_any(pool: PoolHandle, *names: str) -> bool:
     try:
-        with places.pool_fd(pool_dir) as fd:
-            return any(beneath.lstat(fd, n) is not None for n in names)
+        return any(beneath.lstat(pool.fd, n) is not None for n in names)
     except (OSError, places.UnsafeEntry):
         return False
 
@@ -184,10 +190,9 @@ def list_pools(root: str | os.PathLike[str]) -> list[PoolState]:
     state = root / places.STATE_DIR_NAME
     if state.is_dir() and not state.is_symlink():
         found |= {p.name for p in state.iterdir()}
-    names = sorted(
-        n
-        for n in found
-        if pool_name_error(n) is None
-        and (records.load(root / n) is not None or _has_any(root / n, MANIFEST_NAME, places.OLD_RECORD_NAME))
-    )
-    return [pool_state(root, n) for n in names]
+    out = []
+    for name in sorted(n for n in found if pool_name_error(n) is None):
+        with open_pool(root / name) as pool:  # looked at and read back through one opening
+            if records.load(pool) is not None or _has_any(pool, MANIFEST_NAME, places.OLD_RECORD_NAME):
+                out.append(state_of(pool))
+    return out

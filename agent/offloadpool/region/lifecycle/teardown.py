@@ -21,15 +21,10 @@ record (root-only); the manifests are kept as bytes to be put back, never read a
 
 from __future__ import annotations
 
-import errno
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
-
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import beneath, places
 from offloadpool.region.files import record as records
+from offloadpool.region.files.handle import PoolHandle
 from offloadpool.region.files.journal import JOURNAL_NAME
 from offloadpool.region.files.layout_files import compat_names
 from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME
@@ -40,9 +35,9 @@ from offloadpool.region.vocabulary import DRAINING
 
 
 def teardown(
-    pool_dir: Path, *, lazy: bool = False, keep_dir: bool = False, left: list[str] | None = None
+    pool: PoolHandle, *, lazy: bool = False, keep_dir: bool = False, left: list[str] | None = None
 ) -> int:
-    """Remove everything of the pool at ``pool_dir``; return the huge pages given back.
+    """Remove everything of the pool ``pool``; return the huge pages given back.
 
     ``lazy`` detaches a busy mount (MNT_DETACH): processes that still map it keep their
     memory until they exit, and the kernel frees it then. ``keep_dir`` empties the directory
@@ -50,35 +45,35 @@ def teardown(
     ``mnt`` goes either way, when it is empty or not a directory.
     What could not be removed is appended to ``left``, one line each.
     """
-    rec = records.load(pool_dir)
+    rec = records.load(pool)
     count = _shares_of(rec)
     manifests = [MANIFEST_NAME, *(f"{shares.share_rel(i)}/{MANIFEST_NAME}" for i in range(count))]
-    with _pool(pool_dir) as pfd:
-        kept = _keep(pfd, manifests) if pfd is not None else {}
-        if pfd is not None:
-            _remove(pfd, MANIFEST_NAME, left)
+    pfd = _pool_fd(pool)
+    kept = _keep(pfd, manifests) if pfd is not None else {}
+    if pfd is not None:
+        _remove(pfd, MANIFEST_NAME, left)
     if count > 1:
-        shares.withdraw(pool_dir, count)
-    mnt = pool_dir / MOUNT_NAME
+        shares.withdraw(pool, count)
+    mnt = pool.rel(MOUNT_NAME)
     if mounts.mount_at(mnt) is not None:
         try:
             mounts.umount(mnt, lazy=lazy)  # frees every page of every file in it
         except RegionError:
-            _put_back(pool_dir, kept)  # still intact: as it was, byte for byte
+            _put_back(pool, kept)  # still intact: as it was, byte for byte
             raise
     if rec is not None:
         rec.phase = DRAINING
         rec.mounted = False
-        records.save(pool_dir, rec)
+        records.save(pool, rec)
     given = 0
-    root = pool_dir.parent
+    root = pool.root
     owes = rec is not None and rec.hugepages_added > 0 and rec.hugepage_size > 0
     if owes or hugepage_intent.pending(root):
         # Taking the lock settles a grow or give-back a killed process left (hugepage_intent).
         with hugepages.reservation_lock(root):
             if rec is not None and owes:
-                given = _give_back_hugepages(pool_dir, rec)
-    _remove_made(pool_dir, rec, keep_dir=keep_dir, left=left)
+                given = _give_back_hugepages(pool, rec)
+    _remove_made(pool, rec, keep_dir=keep_dir, left=left)
     return given
 
 
@@ -105,19 +100,19 @@ def _keep(pfd: int, names: list[str]) -> dict[str, bytes]:
     return kept
 
 
-def _put_back(pool_dir: Path, kept: dict[str, bytes]) -> None:
+def _put_back(pool: PoolHandle, kept: dict[str, bytes]) -> None:
     """Write back the manifests ``_keep`` read, after an unmount that failed (nothing changed)."""
-    with _pool(pool_dir) as pfd:
-        if pfd is None:
-            return
-        for rel, data in kept.items():
-            try:
-                beneath.write_file(pfd, rel, data)
-            except OSError:  # its directory went meanwhile: the next provision writes it
-                continue
+    pfd = _pool_fd(pool)
+    if pfd is None:
+        return
+    for rel, data in kept.items():
+        try:
+            beneath.write_file(pfd, rel, data)
+        except OSError:  # its directory went meanwhile: the next provision writes it
+            continue
 
 
-def _give_back_hugepages(pool_dir: Path, rec: records.Record) -> int:
+def _give_back_hugepages(pool: PoolHandle, rec: records.Record) -> int:
     """Give back the huge pages ``rec`` says this node added; return how many.
 
     The caller holds :func:`hugepages.reservation_lock`. The intent comes first, then the record
@@ -129,14 +124,14 @@ def _give_back_hugepages(pool_dir: Path, rec: records.Record) -> int:
     same_boot = rec.boot_id == records.boot_id()
     if same_boot:
         total = hugepages.counters(size).total
-        intent = hugepage_intent.Intent("shrink", pool_dir.name, size, pages, total, pages, rec.boot_id)
-        hugepage_intent.write(pool_dir.parent, intent)
+        intent = hugepage_intent.Intent("shrink", pool.name, size, pages, total, pages, rec.boot_id)
+        hugepage_intent.write(pool.root, intent)
     rec.hugepages_added = 0
-    records.save(pool_dir, rec)
+    records.save(pool, rec)
     if not same_boot:
         return 0
     hugepages.shrink(size, pages)
-    hugepage_intent.clear(pool_dir.parent)
+    hugepage_intent.clear(pool.root)
     return pages
 
 
@@ -156,46 +151,34 @@ def made_names(rec: records.Record | None) -> list[str]:
 
 
 def _remove_made(
-    pool_dir: Path, rec: records.Record | None, *, keep_dir: bool, left: list[str] | None
+    pool: PoolHandle, rec: records.Record | None, *, keep_dir: bool, left: list[str] | None
 ) -> None:
-    shares.remove(pool_dir, left if left is not None else [])  # a rebuild makes them again
-    with _pool(pool_dir) as pfd:
-        if pfd is not None:
-            if mounts.mount_at(pool_dir / MOUNT_NAME) is None:  # else a lazy unmount left it busy
-                for rel in made_names(rec):
-                    _remove(pfd, rel, left)
-                _remove(pfd, MOUNT_NAME, left)  # a rebuild makes it again (a link a pod put there too)
-            for name in (places.OLD_RECORD_NAME, places.OLD_JOURNAL_NAME, *_temp_names(pfd)):
-                _remove(pfd, name, left)
-            if not keep_dir:
-                _remove(pfd, LEASE_NAME, left)
-    with places.state_fd(pool_dir) as sfd:
-        if sfd is not None:
-            for name in (JOURNAL_NAME, records.RECORD_NAME, shares.MUTEX_NAME, *_temp_names(sfd)):
-                _remove(sfd, name, left)
+    shares.remove(pool, left if left is not None else [])  # a rebuild makes them again
+    pfd = _pool_fd(pool)
+    if pfd is not None:
+        if mounts.mount_at(pool.rel(MOUNT_NAME)) is None:  # else a lazy unmount left it busy
+            for rel in made_names(rec):
+                _remove(pfd, rel, left)
+            _remove(pfd, MOUNT_NAME, left)  # a rebuild makes it again (a link a pod put there too)
+        for name in (places.OLD_RECORD_NAME, places.OLD_JOURNAL_NAME, *_temp_names(pfd)):
+            _remove(pfd, name, left)
+        if not keep_dir:
+            _remove(pfd, LEASE_NAME, left)
+    sfd = pool.state()
+    if sfd is not None:
+        for name in (JOURNAL_NAME, records.RECORD_NAME, shares.MUTEX_NAME, *_temp_names(sfd)):
+            _remove(sfd, name, left)
     if keep_dir:
         return
-    _rmdir(pool_dir.parent, pool_dir.name, left)
-    _rmdir(pool_dir.parent, f"{places.STATE_DIR_NAME}/{pool_dir.name}", left)
-    try:
-        _rmdir(pool_dir.parent, places.STATE_DIR_NAME, None)  # shared by every pool: kept while used
-    except OSError:
-        pass
+    pool.remove_dirs(left)
 
 
-@contextmanager
-def _pool(pool_dir: Path) -> Iterator[int | None]:
-    """The pool directory's descriptor, None when it is gone (a state directory alone)."""
+def _pool_fd(pool: PoolHandle) -> int | None:
+    """The pool directory's descriptor, None when there is none (a state directory alone)."""
     try:
-        cm = places.pool_fd(pool_dir)
-        fd = cm.__enter__()
+        return pool.fd
     except FileNotFoundError:
-        yield None
-        return
-    try:
-        yield fd
-    finally:
-        cm.__exit__(None, None, None)
+        return None
 
 
 def _temp_names(dirfd: int) -> list[str]:
@@ -214,18 +197,3 @@ def _remove(dirfd: int, rel: str, left: list[str] | None) -> None:
         why = str(exc)
     if why is not None and left is not None:
         left.append(why)
-
-
-def _rmdir(root: Path, rel: str, left: list[str] | None) -> None:
-    """rmdir ``rel`` under the host root; a directory that is not empty is left, and said."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        beneath.rmdir(fd, rel)
-    except OSError as exc:
-        if exc.errno != errno.ENOTEMPTY:
-            raise
-        if left is not None:
-            names = sorted(beneath.listdir(fd, rel))
-            left.append(f"{root / rel} still holds {names} (not made by offloadpool): left in place")
-    finally:
-        os.close(fd)

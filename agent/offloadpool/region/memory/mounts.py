@@ -94,11 +94,14 @@ def _resolved(path: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(head)
 
 
-def _open_target(target: str | os.PathLike[str]) -> int:
+def _open_target(target: str | os.PathLike[str], dir_fd: int | None = None) -> int:
     """The directory ``target`` (its last name never followed), for mount(2) through
-    ``/proc/self/fd``: the pool's ``mnt`` may have been replaced by a link to anywhere."""
+    ``/proc/self/fd``: the pool's ``mnt`` may have been replaced by a link to anywhere. With
+    ``dir_fd`` (the directory holding it, opened by the caller), only its last name is looked
+    up, beneath that descriptor: ``target`` then names it in messages."""
+    name: str | os.PathLike[str] = target if dir_fd is None else os.path.basename(os.fspath(target))
     try:
-        return os.open(target, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         raise RegionError(
             f"mount point {target} is not a directory reached without a link: {exc.strerror}"
@@ -110,12 +113,20 @@ def mounts_under(path: str | os.PathLike[str]) -> list[MountInfo]:
     return [m for m in mounts() if (m.target + "/").startswith(root)]
 
 
-def mount(fstype: str, target: str | os.PathLike[str], options: str, source: str = "offloadpool") -> None:
+def mount(
+    fstype: str,
+    target: str | os.PathLike[str],
+    options: str,
+    source: str = "offloadpool",
+    *,
+    dir_fd: int | None = None,
+) -> None:
     """mount(2) ``fstype`` at ``target`` with ``options``, then make it a shared peer.
 
     The mount is made on the directory opened without following its last name (by its
-    ``/proc/self/fd`` path), so a link standing at ``target`` is refused, not mounted over."""
-    fd = _open_target(target)
+    ``/proc/self/fd`` path), so a link standing at ``target`` is refused, not mounted over.
+    ``dir_fd``: the directory holding ``target``, already open (``_open_target``)."""
+    fd = _open_target(target, dir_fd)
     try:
         rc = _libc.mount(
             source.encode(),
@@ -132,7 +143,7 @@ def mount(fstype: str, target: str | os.PathLike[str], options: str, source: str
             raise mount_limit_error(target)
         raise RegionError(f"mount -t {fstype} -o {options} {target} failed: {os.strerror(err)} (errno {err})")
     try:
-        make_shared(target)
+        make_shared(target, dir_fd=dir_fd)
     except RegionError:
         umount(target)
         raise
@@ -158,13 +169,13 @@ def mount_limit_error(target: str | os.PathLike[str]) -> CapacityError:
     )
 
 
-def make_shared(target: str | os.PathLike[str]) -> None:
+def make_shared(target: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
     """Make the mount at ``target`` a shared peer (``mount --make-shared``).
 
     A separate step from mount(2): a process killed between the two leaves a private mount,
-    which the next provision finds and makes shared here.
+    which the next provision finds and makes shared here. ``dir_fd`` as for ``mount``.
     """
-    fd = _open_target(target)
+    fd = _open_target(target, dir_fd)
     try:
         rc = _libc.mount(None, f"/proc/self/fd/{fd}".encode(), None, MS_SHARED, None)
         err = ctypes.get_errno()

@@ -16,10 +16,10 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from offloadpool.region.errors import CapacityError, fmt_bytes
 from offloadpool.region.files import beneath, places
+from offloadpool.region.files.handle import PoolHandle
 from offloadpool.region.files.journal import Unit
 from offloadpool.region.files.manifest import Segment
 from offloadpool.region.files.planner import Plan
@@ -156,7 +156,7 @@ def fault_in(addr: int, length: int, page_size: int, out_of_memory: str, *, fall
 
 @contextmanager
 def mapped(
-    pool_dir: Path, plan: Plan, policy: numa.Policy, *, map_memory: bool = True
+    pool: PoolHandle, plan: Plan, policy: numa.Policy, *, map_memory: bool = True
 ) -> Iterator[tuple[list[int], list[Mapping]]]:
     """Every segment of ``plan`` open and mapped shared (``map_segments``), as (fds, mappings)
     in plan order; unmapped and closed on the way out, also after a failure part way.
@@ -167,11 +167,10 @@ def mapped(
     maps: list[Mapping] = []
     try:
         if map_memory:
-            map_segments(pool_dir, plan, policy, fds, maps)
+            map_segments(pool, plan, policy, fds, maps)
         else:
-            with places.pool_fd(pool_dir) as pool_fd:
-                for seg in plan.segments:
-                    fds.append(_open_one(pool_dir, pool_fd, seg))
+            for seg in plan.segments:
+                fds.append(_open_one(pool, seg))
         yield fds, maps
     finally:
         for addr, length in maps:
@@ -181,32 +180,31 @@ def mapped(
 
 
 def map_segments(
-    pool_dir: Path, plan: Plan, policy: numa.Policy, fds: list[int], maps: list[Mapping]
+    pool: PoolHandle, plan: Plan, policy: numa.Policy, fds: list[int], maps: list[Mapping]
 ) -> None:
     """Open and map every segment, bound to its region's NUMA placement; each fd and mapping is
     appended as soon as it exists, so the caller's cleanup releases what a failure left."""
     region_of = [r.index for r in plan.regions for _ in r.segments]
     policy = numa.resolve(policy, len(plan.regions))  # GPU: the node's GPUs read once
-    with places.pool_fd(pool_dir) as pool_fd:
-        for i, seg in enumerate(plan.segments):
-            _map_one(pool_dir, pool_fd, seg, fds, maps)
-            nmode, nodes = numa.placement(policy, region_of[i])
-            numa.mbind(maps[-1][0], seg.bytes, nmode, nodes)
+    for i, seg in enumerate(plan.segments):
+        _map_one(pool, seg, fds, maps)
+        nmode, nodes = numa.placement(policy, region_of[i])
+        numa.mbind(maps[-1][0], seg.bytes, nmode, nodes)
 
 
-def _open_one(pool_dir: Path, pool_fd: int, seg: Segment) -> int:
+def _open_one(pool: PoolHandle, seg: Segment) -> int:
     """Open one segment beneath the pool directory (a plain file, its own link and at most
     vLLM's: never through a link a pod put there)."""
     try:
-        return beneath.open_file(pool_fd, seg.file, os.O_RDWR, links=2)
+        return beneath.open_file(pool.fd, seg.file, os.O_RDWR, links=2)
     except beneath.WrongEntry as exc:
-        raise places.UnsafeEntry(pool_dir, exc) from None
+        raise places.UnsafeEntry(pool.path, exc) from None
 
 
-def _map_one(pool_dir: Path, pool_fd: int, seg: Segment, fds: list[int], maps: list[Mapping]) -> None:
+def _map_one(pool: PoolHandle, seg: Segment, fds: list[int], maps: list[Mapping]) -> None:
     """Open one segment (:func:`_open_one`) and map it shared. A shared hugetlbfs mapping
     reserves its pages at mmap, so too few pages show here: a ``CapacityError``."""
-    fd = _open_one(pool_dir, pool_fd, seg)
+    fd = _open_one(pool, seg)
     fds.append(fd)
     try:
         maps.append((vm.map_shared(fd, seg.bytes), seg.bytes))
@@ -214,6 +212,6 @@ def _map_one(pool_dir: Path, pool_fd: int, seg: Segment, fds: list[int], maps: l
         if exc.errno != errno.ENOMEM:
             raise
         raise CapacityError(
-            f"mapping {pool_dir / seg.file} ({fmt_bytes(seg.bytes)}) to pre-fault it: {exc.strerror} "
+            f"mapping {pool.rel(seg.file)} ({fmt_bytes(seg.bytes)}) to pre-fault it: {exc.strerror} "
             f"(on hugetlbfs: too few free huge pages for the mapping's reservation)"
         ) from exc

@@ -29,9 +29,9 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from offloadpool.region.errors import CapacityError, RegionError, fmt_bytes
+from offloadpool.region.files.handle import Pool, given
 from offloadpool.region.files.journal import Journal, Unit, units
 from offloadpool.region.files.planner import Plan
 from offloadpool.region.memory import numa, parallel, vm
@@ -209,7 +209,7 @@ class _Prefault:
 
 
 def populate(
-    pool_dir: str | os.PathLike[str],
+    pool: Pool,
     plan: Plan,
     *,
     workers: int = 0,
@@ -219,7 +219,7 @@ def populate(
     chunk_bytes: int = DEFAULT_CHUNK,
     rate_limit: float | None = None,
 ) -> PopulateStats:
-    """Pre-fault every segment of ``plan`` under ``pool_dir`` that the journal lacks.
+    """Pre-fault every segment of ``plan`` in ``pool`` that the journal lacks.
 
     ``rate_limit`` (bytes/s, all workers together) keeps a pre-fault from saturating the
     memory bandwidth of a busy node. ``mode`` (also ``OFFLOADPOOL_POPULATE_MODE``): ``auto``
@@ -227,46 +227,46 @@ def populate(
     touching pages when the kernel lacks it; any other of :data:`MODES` is used as given.
     """
     mode = os.environ.get("OFFLOADPOOL_POPULATE_MODE", mode)
-    pool_dir = Path(pool_dir)
     all_units = units(plan.segments, plan.page_size)
     total = sum(u.bytes for u in all_units)
     workers = workers or parallel.default_workers(plan)
     workers = max(1, min(workers, len(all_units)))
     chosen = strategy(plan, mode, numa_policy, workers)  # a bad mode fails before anything
     policy = numa.parse_policy(numa_policy)
-    journal = Journal(pool_dir, len(all_units))
-    try:
-        with parallel.mapped(pool_dir, plan, policy, map_memory=chosen != FALLOCATE) as (fds, maps):
-            done = journal.done()
-            skipped = sum(u.bytes for u in all_units if done[u.index])
-            if rate_limit:
-                chunk_bytes = max(1, min(chunk_bytes, int(rate_limit / 8)))
-            tally = parallel.Tally(total, progress, start=skipped)
-            job = _Prefault(
-                plan,
-                fds,
-                maps,
-                journal,
-                mode=chosen,
-                fallback=mode == AUTO,
-                rate_limit=rate_limit,
-                tally=tally,
-            )
-            parallel.run_shares(
-                parallel.shares(all_units, workers),
-                lambda share: parallel.runs(share, chunk_bytes, done),
-                job.each,
-                "populate",
-            )
-            seconds = time.perf_counter() - job.t0
-            # Only a huge= tmpfs can hold PMD-sized pages, so the coverage is not read for the
-            # media that cannot.
-            thp = _thp_bytes(maps) if maps and plan.medium.huge not in (None, "never") else 0
-            torn_down = time.perf_counter()
-        # Tearing the mapping down is part of a pre-fault made through one (for 4 KiB pages a
-        # sizeable part: a page table entry per page), so the rate counts it, as the kernel's
-        # rate in `bench populate` does.
-        seconds += time.perf_counter() - torn_down
-        return PopulateStats(total, tally.added, skipped, seconds, workers, job.mode, thp)
-    finally:
-        journal.close()
+    with given(pool) as handle:
+        journal = Journal(handle, len(all_units))
+        try:
+            with parallel.mapped(handle, plan, policy, map_memory=chosen != FALLOCATE) as (fds, maps):
+                done = journal.done()
+                skipped = sum(u.bytes for u in all_units if done[u.index])
+                if rate_limit:
+                    chunk_bytes = max(1, min(chunk_bytes, int(rate_limit / 8)))
+                tally = parallel.Tally(total, progress, start=skipped)
+                job = _Prefault(
+                    plan,
+                    fds,
+                    maps,
+                    journal,
+                    mode=chosen,
+                    fallback=mode == AUTO,
+                    rate_limit=rate_limit,
+                    tally=tally,
+                )
+                parallel.run_shares(
+                    parallel.shares(all_units, workers),
+                    lambda share: parallel.runs(share, chunk_bytes, done),
+                    job.each,
+                    "populate",
+                )
+                seconds = time.perf_counter() - job.t0
+                # Only a huge= tmpfs can hold PMD-sized pages, so the coverage is not read for the
+                # media that cannot.
+                thp = _thp_bytes(maps) if maps and plan.medium.huge not in (None, "never") else 0
+                torn_down = time.perf_counter()
+            # Tearing the mapping down is part of a pre-fault made through one (for 4 KiB pages a
+            # sizeable part: a page table entry per page), so the rate counts it, as the kernel's
+            # rate in `bench populate` does.
+            seconds += time.perf_counter() - torn_down
+            return PopulateStats(total, tally.added, skipped, seconds, workers, job.mode, thp)
+        finally:
+            journal.close()
