@@ -287,15 +287,30 @@ class RunResult:
         return self
 
 
+def load_result(path: Path) -> dict[str, Any]:
+    """A run's JSON; a run that wrote none (killed by the outer timeout) is a failed run, named by
+    its file (``<engine>-<pool|own>.json``)."""
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        engine, _, tier = path.stem.partition("-")
+        return {
+            "engine": engine,
+            "pool": "?" if tier == "pool" else None,
+            "ok": False,
+            "reason": f"no result in {path} ({type(e).__name__}): the run did not finish",
+        }
+
+
 def verdict_lines(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], bool]:
     """One line per run; and whether every run passed."""
     lines, ok = [], True
     for r in results:
         tier = f"pool {r['pool']}" if r.get("pool") else "its own host tier"
-        ready = f"{r['ready_s']:.1f} s" if r.get("ready_s") is not None else "not ready"
+        ready = f"ready in {r['ready_s']:.1f} s" if r.get("ready_s") is not None else "never ready"
         hits = ", ".join(f"{k} +{v:g}" for k, v in sorted((r.get("hits") or {}).items()))
         state = "PASS" if r.get("ok") else f"FAIL ({r.get('reason') or 'no result'})"
-        lines.append(f"{r['engine']:6} {tier}: ready in {ready}; {hits or 'no metrics'}: {state}")
+        lines.append(f"{r['engine']:6} {tier}: {ready}; {hits or 'no metrics'}: {state}")
         ok = ok and bool(r.get("ok"))
     for engine in ENGINES:
         times = {bool(r.get("pool")): r.get("ready_s") for r in results if r["engine"] == engine}
@@ -638,6 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(make_model(args.dir, args.seed)))
         return 0
     if args.command == "serve":
+        # an outer timeout's SIGTERM unwinds through serve()'s finally, which stops the server
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         result = asdict(serve(args))
         text = json.dumps(result, indent=2)
         if args.json:
@@ -657,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"no {args.engine} to serve with: {e}", file=sys.stderr)
             return 1
         return 0
-    results = [json.loads(p.read_text()) for p in args.results]
+    results = [load_result(p) for p in args.results]
     lines, ok = verdict_lines(results)
     print("\n".join(lines))
     return 0 if ok else 1
