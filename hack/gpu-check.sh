@@ -28,8 +28,9 @@
 # Step 5 needs engines that serve, which the pinned environments of step 1 (CPU import subsets) are
 # not: SERVE_CHECK_VLLM_PYTHON / SERVE_CHECK_SGLANG_PYTHON name interpreters that do; otherwise the
 # step-1 interpreter is tried for vLLM, and else `hack/serve_check.py python ENGINE` installs the
-# engine in full (PyPI) under $OFFLOADPOOL_CACHE/serve/. GPU_CHECK_SERVE=off skips the step (and
-# the check then fails, naming it).
+# engine in full (PyPI) under $OFFLOADPOOL_CACHE/serve/. They run with PYTHONPATH=$SERVE_CHECK_PYTHONPATH
+# (default empty; the clone's agent/ is added for the servers). GPU_CHECK_SERVE=off skips the step
+# (and the check then fails, naming it).
 #
 # OFFLOADPOOL_VLLM_PYTHON=<python> skips step 1-2: that interpreter already imports vLLM 0.33.0,
 # torch and cuda-python (e.g. a GPU machine handed vLLM without a registry) and runs every test.
@@ -113,6 +114,8 @@ echo "==> offloadpool bench startup --backend cuda --capacity $CAPACITY --reps $
 # 5. every engine served end to end (docs/testing.md#served-end-to-end-on-a-gpu)
 SERVE_DIR="$OUT_DIR/serve"
 mkdir -p "$SERVE_DIR"
+# the serving environments are whole: not the step-1 PYTHONPATH (its cuda-bindings, pytest) on top
+SERVE_ENV=(env "PYTHONPATH=${SERVE_CHECK_PYTHONPATH:-}")
 SERVE_NOT_RUN=()
 SERVE_ENGINES=()
 declare -A SERVE_PY=()
@@ -122,7 +125,7 @@ for engine in vllm sglang; do
   candidate="${!override:-}"
   if [ -z "$candidate" ] && [ "$engine" = vllm ]; then candidate="$PY"; fi
   echo "==> an interpreter that serves $engine${candidate:+ (trying $candidate first)}" >&2
-  if p="$(python3 hack/serve_check.py python "$engine" ${candidate:+--candidate "$candidate"})"; then
+  if p="$("${SERVE_ENV[@]}" python3 hack/serve_check.py python "$engine" ${candidate:+--candidate "$candidate"})"; then
     SERVE_PY[$engine]="$p"
     SERVE_ENGINES+=("$engine")
   else
@@ -144,7 +147,7 @@ if [ "${#SERVE_ENGINES[@]}" -gt 0 ]; then
   }
   trap serve_cleanup EXIT
   echo "==> the tiny model ($MODEL_PY hack/serve_check.py make-model)" >&2
-  "$MODEL_PY" hack/serve_check.py make-model "$SERVE_ROOT/model" | tee "$SERVE_DIR/model.json"
+  "${SERVE_ENV[@]}" "$MODEL_PY" hack/serve_check.py make-model "$SERVE_ROOT/model" | tee "$SERVE_DIR/model.json"
   SERVE_CAPACITY="${SERVE_CHECK_CAPACITY:-4Gi}"
   echo "==> offloadpool provision --name serve-check --capacity $SERVE_CAPACITY --medium Memory" >&2
   "${OFFLOADPOOL[@]}" provision --name serve-check --capacity "$SERVE_CAPACITY" --medium Memory \
@@ -158,7 +161,7 @@ print(d["pool_dir"], d["manifest"]["total_bytes"])' "$SERVE_DIR/provision.json")
     for tier in pool own; do
       if [ "$tier" = pool ]; then TIER_ARGS=(--pool-dir "$POOL_DIR"); else TIER_ARGS=(--no-pool); fi
       echo "==> serve $engine on $([ "$tier" = pool ] && echo "the pool $POOL_DIR" || echo "its own host tier")" >&2
-      timeout --kill-after=30 "$((RUN_TIMEOUT + 60))" python3 hack/serve_check.py serve "$engine" \
+      "${SERVE_ENV[@]}" timeout --kill-after=30 "$((RUN_TIMEOUT + 60))" python3 hack/serve_check.py serve "$engine" \
         --python "${SERVE_PY[$engine]}" --model "$SERVE_ROOT/model" "${TIER_ARGS[@]}" \
         --tier-bytes "$TIER_BYTES" --timeout "$RUN_TIMEOUT" \
         --json "$SERVE_DIR/$engine-$tier.json" --log "$SERVE_DIR/$engine-$tier.log" >/dev/null || true

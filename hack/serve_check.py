@@ -308,7 +308,7 @@ def verdict_lines(results: Sequence[Mapping[str, Any]]) -> tuple[list[str], bool
     for r in results:
         tier = f"pool {r['pool']}" if r.get("pool") else "its own host tier"
         ready = f"ready in {r['ready_s']:.1f} s" if r.get("ready_s") is not None else "never ready"
-        hits = ", ".join(f"{k} +{v:g}" for k, v in sorted((r.get("hits") or {}).items()))
+        hits = ", ".join(f"{k} +{v:.0f}" for k, v in sorted((r.get("hits") or {}).items()))
         state = "PASS" if r.get("ok") else f"FAIL ({r.get('reason') or 'no result'})"
         lines.append(f"{r['engine']:6} {tier}: {ready}; {hits or 'no metrics'}: {state}")
         ok = ok and bool(r.get("ok"))
@@ -410,7 +410,8 @@ def engine_plan(args: argparse.Namespace, port: int, scratch: Path) -> Plan:
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", args.dtype, "--context-length", "2048", "--random-seed", "0",
         "--mem-fraction-static", str(args.gpu_memory_utilization),
-        "--max-total-tokens", str(args.device_tokens), "--disable-cuda-graph", "--enable-metrics",
+        "--max-total-tokens", str(args.device_tokens), "--enable-metrics",
+        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
         "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
         "--hicache-size", str(hicache_gb), "--attention-backend", args.sglang_attention_backend,
     ]  # fmt: skip
@@ -589,7 +590,7 @@ def ensure_serve_env(engine: str) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(home / "venv")], check=True)
     pins = [f"{engine}=={VERSIONS[engine]}", "rich>=13", "PyYAML>=6"]
     pip = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--retries", "2", *pins],
         capture_output=True,
         text=True,
         timeout=3600,

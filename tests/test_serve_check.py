@@ -16,6 +16,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -392,3 +393,61 @@ def test_the_gpu_check_says_plainly_that_no_serving_check_ran_without_a_gpu(tmp_
     assert proc.returncode == 1
     assert "no GPU: the end-to-end serving checks (vLLM, SGLang) did not run" in proc.stderr
     assert not list((tmp_path / "out").iterdir())  # nothing ran
+
+
+# -- the engines' own argument parsers accept the command lines ------------------------------------
+
+
+def parse_with(python: Path, engine: str, argv: list[str]) -> dict[str, Any]:
+    proc = subprocess.run(
+        [str(python), str(WORKERS / "engine_args.py"), engine, json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # a flag the engine has renamed is still parsed, with a warning naming it
+    assert not re.search(r"--[a-z][a-z-]*'? (is|are) deprecated", proc.stderr), proc.stderr[-2000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_vllm_serve_parses_the_command_line(vllm_python: Path, tmp_path: Path) -> None:
+    args = serve_args("vllm", "--python", "/py", "--model", "/m", "--pool-dir", "/offloadpool/serve-check")
+    argv = sc.engine_plan(args, 8000, tmp_path).argv
+    assert argv[2:4] == ["vllm.entrypoints.cli.main", "serve"]
+    parsed = parse_with(vllm_python, "vllm", argv[4:])
+    assert parsed == {
+        "model": "/m",
+        "served_model_name": ["tiny"],
+        "enforce_eager": True,
+        "enable_prompt_tokens_details": True,
+        "block_size": 16,
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "OffloadPoolOffloadingSpec",
+            "spec_module_path": "offloadpool.vllm.spec",
+            "pool_dir": "/offloadpool/serve-check",
+        },
+    }
+
+
+def test_sglang_launch_server_parses_the_command_line(sglang_python: Path, tmp_path: Path) -> None:
+    args = serve_args(
+        "sglang", "--python", "/py", "--model", "/m", "--pool-dir", "/p", "--tier-bytes", str(4 << 30)
+    )
+    argv = sc.engine_plan(args, 8000, tmp_path).argv
+    assert argv[2] == "sglang.launch_server"
+    assert parse_with(sglang_python, "sglang", argv[3:]) == {
+        "model_path": "/m",
+        "enable_hierarchical_cache": True,
+        "hicache_write_policy": "write_through",
+        "hicache_size": 2,
+        "attention_backend": "fa3",
+        "enable_deterministic_inference": True,
+        "max_total_tokens": 4096,
+        "enable_metrics": True,
+        "cuda_graph_backend_decode": "disabled",
+        "cuda_graph_backend_prefill": "disabled",
+    }
