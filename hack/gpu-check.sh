@@ -10,11 +10,27 @@
 #      GPU <-> pool,
 #   4. runs `offloadpool bench startup --backend cuda` (what an engine pays at start-up: building
 #      its region itself vs attaching a pool, pinned with the driver API; then 4 workers at once
-#      registering their share of one pool, per-rank vs interleaved vs whole-region), and prints it.
-# Output goes to stdout and to $OUT_DIR (default: a temp dir): gpu-tests.xml, bench-startup.json/.md.
+#      registering their share of one pool, per-rank vs interleaved vs whole-region), and prints it,
+#   5. serves every engine end to end (hack/serve_check.py): a tiny Llama made here with random
+#      weights (no download), `vllm serve` with the native spec and SGLang's server with the plugin,
+#      each once on a pool provisioned here with `offloadpool provision` (Memory, under a temp root)
+#      and once on its own host tier of the same size: the same prompts decoded greedily must give
+#      the same tokens when their KV comes back from the tier (GPU cache emptied in between) as
+#      when it was computed, the engine's own offload metrics must show the hits, and each run's
+#      time to ready is printed. About 4-6 minutes; each run is bounded (SERVE_CHECK_RUN_TIMEOUT).
+# Output goes to stdout and to $OUT_DIR (default: a temp dir): gpu-tests.xml, bench-startup.json/.md,
+# serve/ (model.json, provision.json, <engine>-{pool,own}.json and .log, verdict.txt).
 # (The bench runs as `python -m offloadpool.bench.startup`, which is `offloadpool bench startup`
 # without the CLI's other commands and their imports: the library and the bench are stdlib-only.)
-# Exits non-zero if a test failed, none ran, the GPU is not visible, or the vLLM test could not run.
+# Exits non-zero if a test failed, none ran, the GPU is not visible, the vLLM test could not run,
+# or an engine's serving check failed or did not run.
+#
+# Step 5 needs engines that serve, which the pinned environments of step 1 (CPU import subsets) are
+# not: SERVE_CHECK_VLLM_PYTHON / SERVE_CHECK_SGLANG_PYTHON name interpreters that do; otherwise the
+# step-1 interpreter is tried for vLLM, and else `hack/serve_check.py python ENGINE` installs the
+# engine in full (PyPI) under $OFFLOADPOOL_CACHE/serve/. They run with PYTHONPATH=$SERVE_CHECK_PYTHONPATH
+# (default empty; the clone's agent/ is added for the servers). GPU_CHECK_SERVE=off skips the step
+# (and the check then fails, naming it).
 #
 # OFFLOADPOOL_VLLM_PYTHON=<python> skips step 1-2: that interpreter already imports vLLM 0.33.0,
 # torch and cuda-python (e.g. a GPU machine handed vLLM without a registry) and runs every test.
@@ -34,7 +50,11 @@ mkdir -p "$OUT_DIR"
 CAPACITY="${BENCH_CAPACITY:-8Gi}"
 REPS="${BENCH_REPS:-3}"
 
-nvidia-smi -L || { echo "no NVIDIA GPU visible (nvidia-smi -L failed)" >&2; exit 1; }
+if ! nvidia-smi -L; then
+  echo "no GPU: nvidia-smi -L failed, so nothing here ran: not the gpu tests, not the start-up bench," >&2
+  echo "no GPU: the end-to-end serving checks (vLLM, SGLang) did not run" >&2
+  exit 1
+fi
 
 PY=""
 MARK="gpu"
@@ -91,10 +111,75 @@ echo "==> offloadpool bench startup --backend cuda --capacity $CAPACITY --reps $
   --markdown "$OUT_DIR/bench-startup.md" \
   | tee "$OUT_DIR/bench-startup.json"
 
+# 5. every engine served end to end (docs/testing.md#served-end-to-end-on-a-gpu)
+SERVE_DIR="$OUT_DIR/serve"
+mkdir -p "$SERVE_DIR"
+# the serving environments are whole: not the step-1 PYTHONPATH (its cuda-bindings, pytest) on top
+SERVE_ENV=(env "PYTHONPATH=${SERVE_CHECK_PYTHONPATH:-}")
+SERVE_NOT_RUN=()
+SERVE_ENGINES=()
+declare -A SERVE_PY=()
+for engine in vllm sglang; do
+  if [ "${GPU_CHECK_SERVE:-on}" = off ]; then SERVE_NOT_RUN+=("$engine (GPU_CHECK_SERVE=off)"); continue; fi
+  override="SERVE_CHECK_${engine^^}_PYTHON"
+  candidate="${!override:-}"
+  if [ -z "$candidate" ] && [ "$engine" = vllm ]; then candidate="$PY"; fi
+  echo "==> an interpreter that serves $engine${candidate:+ (trying $candidate first)}" >&2
+  if p="$("${SERVE_ENV[@]}" python3 hack/serve_check.py python "$engine" ${candidate:+--candidate "$candidate"})"; then
+    SERVE_PY[$engine]="$p"
+    SERVE_ENGINES+=("$engine")
+  else
+    SERVE_NOT_RUN+=("$engine (no interpreter serves it: output above)")
+  fi
+done
+serve_rc=0
+if [ "${#SERVE_ENGINES[@]}" -gt 0 ]; then
+  SERVE_ROOT="$(mktemp -d /tmp/offloadpool-serve.XXXXXX)"
+  MODEL_PY="${SERVE_PY[${SERVE_ENGINES[0]}]}"
+  if [ -x "$ROOT/.venv/bin/offloadpool" ]; then
+    OFFLOADPOOL=("$ROOT/.venv/bin/offloadpool")
+  else  # the library is stdlib-only; the CLI adds pydantic, PyYAML and rich (the serving envs have them)
+    OFFLOADPOOL=(env "PYTHONPATH=$ROOT/agent" "$MODEL_PY" -m offloadpool.cli)
+  fi
+  serve_cleanup() {
+    "${OFFLOADPOOL[@]}" release serve-check --root "$SERVE_ROOT/pools" --force >/dev/null 2>&1 || true
+    rm -rf "$SERVE_ROOT"
+  }
+  trap serve_cleanup EXIT
+  echo "==> the tiny model ($MODEL_PY hack/serve_check.py make-model)" >&2
+  "${SERVE_ENV[@]}" "$MODEL_PY" hack/serve_check.py make-model "$SERVE_ROOT/model" | tee "$SERVE_DIR/model.json"
+  SERVE_CAPACITY="${SERVE_CHECK_CAPACITY:-4Gi}"
+  echo "==> offloadpool provision --name serve-check --capacity $SERVE_CAPACITY --medium Memory" >&2
+  "${OFFLOADPOOL[@]}" provision --name serve-check --capacity "$SERVE_CAPACITY" --medium Memory \
+    --root "$SERVE_ROOT/pools" --json >"$SERVE_DIR/provision.json"
+  read -r POOL_DIR TIER_BYTES < <(python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+print(d["pool_dir"], d["manifest"]["total_bytes"])' "$SERVE_DIR/provision.json")
+  RUN_TIMEOUT="${SERVE_CHECK_RUN_TIMEOUT:-240}"
+  SERVE_RESULTS=()
+  for engine in "${SERVE_ENGINES[@]}"; do
+    # the pool first: a warm-cache advantage (page cache, kernel caches) goes to the engine's own tier
+    for tier in pool own; do
+      if [ "$tier" = pool ]; then TIER_ARGS=(--pool-dir "$POOL_DIR"); else TIER_ARGS=(--no-pool); fi
+      echo "==> serve $engine on $([ "$tier" = pool ] && echo "the pool $POOL_DIR" || echo "its own host tier")" >&2
+      "${SERVE_ENV[@]}" timeout --kill-after=30 "$((RUN_TIMEOUT + 60))" python3 hack/serve_check.py serve "$engine" \
+        --python "${SERVE_PY[$engine]}" --model "$SERVE_ROOT/model" "${TIER_ARGS[@]}" \
+        --tier-bytes "$TIER_BYTES" --timeout "$RUN_TIMEOUT" \
+        --json "$SERVE_DIR/$engine-$tier.json" --log "$SERVE_DIR/$engine-$tier.log" >/dev/null || true
+      SERVE_RESULTS+=("$SERVE_DIR/$engine-$tier.json")
+    done
+  done
+  serve_cleanup
+  trap - EXIT
+  python3 hack/serve_check.py verdict "${SERVE_RESULTS[@]}" | tee "$SERVE_DIR/verdict.txt" || serve_rc=1
+fi
+
 echo "==> results in $OUT_DIR" >&2
+for missing in "${SERVE_NOT_RUN[@]}"; do echo "FAIL: the end-to-end serving check of $missing did not run" >&2; done
+if [ "$serve_rc" -ne 0 ]; then echo "FAIL: an end-to-end serving check failed ($SERVE_DIR/verdict.txt)" >&2; fi
 if [ "$rc" -eq 5 ]; then echo "FAIL: no gpu test ran" >&2; exit 1; fi
 if [ "$rc" -eq 0 ] && [ -n "$VLLM_MISSING" ]; then
   echo "FAIL: the vllm gpu test did not run ($VLLM_MISSING); every other gpu test passed" >&2
   exit 1
 fi
+if [ "$rc" -eq 0 ] && { [ "$serve_rc" -ne 0 ] || [ "${#SERVE_NOT_RUN[@]}" -gt 0 ]; }; then exit 1; fi
 exit "$rc"
