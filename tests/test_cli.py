@@ -240,11 +240,16 @@ def test_version_names_the_package_version() -> None:
 def test_bench_scrub_json_schema():
     """Shape of the scrub benchmark's output, with its bare-write limit (speed is the bench's)."""
     out = cli(
-        "bench", "scrub", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi", "--json"
-    )
+        "bench", "scrub", "--capacity", "64Mi", "--reps", "1", "--media", "Memory,HugePages-2Mi",
+        "--pairs", "2", "--json",
+    )  # fmt: skip
     result = json.loads(out.stdout)
-    assert set(result["media"]) == {"Memory", "HugePages-2Mi"}
+    assert set(result["media"]) == {"Memory", "HugePages-2Mi"} and result["params"]["pairs"] == 2
     for m in result["media"].values():
+        # the pairs: the chosen method, each ratio the bare write's seconds over the scrub's
+        assert m["paired"]["method"] == m["fastest_scrub"] and len(m["paired"]["ratios"]) == 2
+        assert all(r > 0 for r in m["paired"]["ratios"])
+        assert min(m["paired"]["ratios"]) <= m["paired_scrub_vs_bare_write"] <= max(m["paired"]["ratios"])
         assert set(m["cases"]) == {"prefault", "scrub_memset", "scrub_punch", "scrub_remove", "bare_write"}
         for s in m["cases"].values():
             assert s["gib_per_s"] > 0 and len(s["samples_s"]) == 1

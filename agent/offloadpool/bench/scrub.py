@@ -16,6 +16,12 @@ untimed right before its timed run (docs/bench-populate.md says why), are:
   runs, tally or progress). ``fastest_scrub_vs_bare_write`` is the chosen method's median rate
   over it: the scrub's cost for doing what the node must around the writes.
 
+With ``--pairs N``, after the rounds, each medium's chosen method and the bare write run N
+times more as pairs, back to back (bare first in even pairs, the scrub first in odd ones), each
+warmed as in the rounds (``bench.populate.paired_times``, which says why pairs answer a 10 %
+question on a VM whose single runs spread 2x): ``paired_scrub_vs_bare_write`` is the median of
+the pairs' ratios (the bare write's seconds over the scrub's), the figure to quote.
+
 Every case uses the same worker count (the pre-fault's default: the cores, at most 4 per file)
 and must leave the pool fully populated (the mount's used blocks are checked after every timed
 run). GiB/s is C / seconds. The fastest scrub method per file system is what
@@ -34,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from offloadpool.bench import report
-from offloadpool.bench.populate import _workspace, reserved_pages
+from offloadpool.bench.populate import _nothing, _workspace, paired_times, reserved_pages
 from offloadpool.bench.stats import machine, summarize
 from offloadpool.region.errors import CapacityError, RegionError
 from offloadpool.region.files import places
@@ -61,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per case (default 5, >= 3)")
     p.add_argument("--workers", type=int, default=0, help="threads (0 = the pre-fault's default)")
     p.add_argument("--media", default=",".join(MEDIA), help="media to measure")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="after the rounds, the chosen scrub against the bare write in this many pairs per medium",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     p.add_argument("--markdown", help="write a markdown table to this file")
 
@@ -146,10 +158,19 @@ def _cases(pool_dir: Path, plan: Plan, workers: int) -> dict[str, Callable[[], f
 
 
 def run(
-    cap: int, reps: int, workers: int, media: list[str], log: Callable[[str], None] = lambda s: None
+    cap: int,
+    reps: int,
+    workers: int,
+    media: list[str],
+    log: Callable[[str], None] = lambda s: None,
+    pairs: int = 0,
 ) -> dict:
-    """Every case of every medium, interleaved; the JSON-ready result."""
+    """Every case of every medium, interleaved, then ``pairs`` pairs per medium of its fastest
+    scrub against the bare write; the JSON-ready result."""
+    if pairs < 0:
+        raise ValueError("pairs must be >= 0")
     samples: dict[str, dict[str, list[float]]] = {}
+    paired: dict[str, dict[str, Any]] = {}
     unavailable: dict[str, str] = {}
     with _workspace() as root, ExitStack() as held:
         pools: dict[str, dict[str, Callable[[], float]]] = {}
@@ -177,6 +198,15 @@ def run(
                         raise RegionError(f"{medium} {name} left pages unpopulated")
                     samples.setdefault(medium, {}).setdefault(name, []).append(seconds)
                     log(f"rep {rep + 1}/{reps} {medium} {name}: {cap / GiB / seconds:.2f} GiB/s")
+        for medium, cases in pools.items() if pairs else ():
+            scrub_s = {k: summarize(v).median for k, v in samples[medium].items() if k.startswith("scrub_")}
+            chosen = min(scrub_s, key=lambda k: scrub_s[k])
+            times = paired_times(cases["bare_write"], cases[chosen], _nothing, pairs)
+            if _used(mounts[medium]) < cap:
+                raise RegionError(f"{medium} paired runs left pages unpopulated")
+            ratios = [round(bare / ours, 3) for bare, ours in times]
+            paired[medium] = {"method": chosen.removeprefix("scrub_"), "ratios": ratios}
+            log(f"paired {medium} {chosen} vs bare_write: " + " ".join(f"{r:.2f}" for r in ratios))
     result: dict[str, Any] = {}
     for medium, cases_s in samples.items():
         rows: dict[str, dict[str, Any]] = {}
@@ -200,10 +230,14 @@ def run(
                 scrubs[best]["gib_per_s"] / rows["bare_write"]["gib_per_s"], 2
             ),
         }
+        if medium in paired:
+            ratios = paired[medium]["ratios"]
+            result[medium]["paired"] = {**paired[medium], "ratio_min": min(ratios), "ratio_max": max(ratios)}
+            result[medium]["paired_scrub_vs_bare_write"] = round(summarize(ratios).median, 3)
     return {
         "media": result,
         "unavailable": unavailable,
-        "params": {"capacity_bytes": cap, "reps": reps, "workers": workers},
+        "params": {"capacity_bytes": cap, "reps": reps, "workers": workers, "pairs": pairs},
         "machine": machine(),
     }
 
@@ -228,6 +262,13 @@ def markdown(result: dict, command: str) -> str:
                 f"| {s['gib_per_s_min']:.2f}-{s['gib_per_s_max']:.2f} | {s['seconds']:.3f} "
                 f"| {s['gib_per_s'] / base:.2f}x | {s['gib_per_s'] / bare:.2f}x |"
             )
+    lines += [
+        f"{medium}: `{m['paired']['method']}` against the bare write in {len(m['paired']['ratios'])} pairs: "
+        f"**{m['paired_scrub_vs_bare_write']}** "
+        f"({m['paired']['ratio_min']:.2f}-{m['paired']['ratio_max']:.2f})  "
+        for medium, m in result["media"].items()
+        if "paired" in m
+    ]
     return report.tail(lines, result["unavailable"])
 
 
@@ -237,12 +278,18 @@ def run_cli(args: argparse.Namespace) -> int:
     cap = parse_quantity(args.capacity)
     report.note_reps(args.reps)
     result = run(
-        cap, max(1, args.reps), args.workers, [m for m in args.media.split(",") if m], log=report.log
+        cap,
+        max(1, args.reps),
+        args.workers,
+        [m for m in args.media.split(",") if m],
+        log=report.log,
+        pairs=args.pairs,
     )
     command = (
         f"offloadpool bench scrub --capacity {args.capacity} --reps {args.reps}"
         + report.flag("--workers", args.workers, 0)
         + report.flag("--media", args.media, ",".join(MEDIA))
+        + report.flag("--pairs", args.pairs, 0)
     )
     report.publish(args, result, markdown(result, command))
     return 0
