@@ -213,6 +213,14 @@ def serve_args(*argv: str) -> argparse.Namespace:
     return sc.build_parser().parse_args(["serve", *argv])
 
 
+#: what the check's vLLM command line gives the OffloadingConnector: offloadpool's spec, the pool
+VLLM_EXTRA_CONFIG = {
+    "spec_name": "OffloadPoolOffloadingSpec",
+    "spec_module_path": "offloadpool.vllm.spec",
+    "pool_dir": "/offloadpool/serve-check",
+}
+
+
 def test_vllm_runs_offloadpools_spec_and_keeps_the_connectors_cache(tmp_path: Path) -> None:
     args = serve_args("vllm", "--python", "/py", "--model", "/m", "--pool-dir", "/offloadpool/serve-check")
     plan = sc.engine_plan(args, 8123, tmp_path)
@@ -221,11 +229,7 @@ def test_vllm_runs_offloadpools_spec_and_keeps_the_connectors_cache(tmp_path: Pa
     assert kv == {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "OffloadPoolOffloadingSpec",
-            "spec_module_path": "offloadpool.vllm.spec",
-            "pool_dir": "/offloadpool/serve-check",
-        },
+        "kv_connector_extra_config": VLLM_EXTRA_CONFIG,
     }
     assert plan.env["VLLM_SERVER_DEV_MODE"] == "1" and plan.env["VLLM_BATCH_INVARIANT"] == "1"
     assert plan.env["HF_HUB_OFFLINE"] == "1" and "OFFLOADPOOL_POOL_DIR" not in plan.env
@@ -425,11 +429,7 @@ def test_vllm_serve_parses_the_command_line(vllm_python: Path, tmp_path: Path) -
         "block_size": 16,
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "OffloadPoolOffloadingSpec",
-            "spec_module_path": "offloadpool.vllm.spec",
-            "pool_dir": "/offloadpool/serve-check",
-        },
+        "kv_connector_extra_config": VLLM_EXTRA_CONFIG,
     }
 
 
