@@ -49,7 +49,16 @@ from fixtures.chart_node import (
 from fixtures.crds import CRD_DIR
 from fixtures.node import TOLERATION, RealNode
 from offloadpool import __version__
-from offloadpool.api.constants import AGENT_HTTP_PORT, POOL_NAME_LABEL, extended_resource_name, pool_label_key
+from offloadpool.api.base import now, parse_time
+from offloadpool.api.constants import (
+    AGENT_HTTP_PORT,
+    API_VERSION,
+    NODE_PLURAL,
+    POOL_NAME_LABEL,
+    POOL_PLURAL,
+    extended_resource_name,
+    pool_label_key,
+)
 from offloadpool.csi.config import DRIVER_NAME
 from offloadpool.region.files import manifest as manifests
 from offloadpool.region.files import record as records
@@ -163,39 +172,88 @@ def import_archive(node: RealNode, archive: str) -> str:
 
 
 class Watch:
-    """``kubectl get <resource> -w``: every event, with the time it was read."""
+    """Every event of a resource, with the time it was read: the objects listed first (as
+    ``ADDED``, as ``kubectl get -w`` shows them), then the API server's watch from that list's
+    resourceVersion, resumed from the last version seen whenever the server ends it (it ends
+    every watch of a custom resource when its CRD changes, as an upgrade's does). Where the
+    server cannot resume (410 Gone: its new watch cache starts after that version), the objects
+    are listed again (``relisted``): what changed between the two is not in ``events``, so the
+    pools' condition times close that gap (``_move``)."""
 
-    def __init__(self, kubectl: Path, env: dict[str, str], resource: str) -> None:
+    def __init__(self, kubectl: Path, env: dict[str, str], plural: str) -> None:
+        self.kubectl, self.env = str(kubectl), env
+        self.path = f"/apis/{API_VERSION}/{plural}"
         self.events: list[tuple[float, str, dict]] = []
-        self.proc = subprocess.Popen(
-            [str(kubectl), "get", resource, "-w", "-o", "json", "--output-watch-events"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        self.resumed = 0
+        self.lost: str | None = None
+        self.stopping = False
+        self.proc: subprocess.Popen[str] | None = None
+        self.relisted = 0
+        self.version = self._list()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
+    def _list(self) -> str:
+        """Every object now, as ADDED events; the list's resourceVersion."""
+        listed = json.loads(
+            subprocess.run(
+                [self.kubectl, "get", "--raw", self.path],
+                env=self.env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for obj in listed["items"]:
+            self.events.append((time.monotonic(), "ADDED", obj))
+        return str(listed["metadata"]["resourceVersion"])
+
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        decoder, buf = json.JSONDecoder(), ""
-        for line in self.proc.stdout:
-            buf += line
-            while buf.strip():
-                try:
-                    obj, end = decoder.raw_decode(buf.lstrip())
-                except ValueError:
+        while not self.stopping and self.lost is None:
+            query = f"?watch=1&allowWatchBookmarks=true&resourceVersion={self.version}"
+            self.proc = subprocess.Popen(
+                [self.kubectl, "get", "--raw", self.path + query],
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                obj = event["object"]
+                if event["type"] == "ERROR":
+                    if obj.get("code") != 410:
+                        self.lost = f"the watch from resourceVersion {self.version} failed: {obj}"
+                        break
+                    self.relisted += 1
+                    self.version = self._list()
                     break
-                buf = buf.lstrip()[end:]
-                self.events.append((time.monotonic(), obj["type"], obj["object"]))
+                self.version = obj["metadata"]["resourceVersion"]
+                if event["type"] != "BOOKMARK":
+                    self.events.append((time.monotonic(), event["type"], obj))
+            self.proc.wait()
+            if not self.stopping:
+                self.resumed += 1
+                time.sleep(0.2)
+
+    def whole(self) -> str | None:
+        """Why the history may have a gap, or None while every event since the list is in it."""
+        if self.lost:
+            return self.lost
+        return None if self.thread.is_alive() else "the watch's reader stopped"
 
     def of(self, names: set[str], since: float) -> list[tuple[str, dict]]:
         return [(t, o) for at, t, o in list(self.events) if at >= since and o["metadata"]["name"] in names]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+        self.stopping = True
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.thread.join(10)
 
 
 @dataclass
@@ -361,8 +419,8 @@ def upgrade(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
             f"csi.tolerations={json.dumps([TOLERATION])}",
             timeout=120,
         )
-        for resource in ("offloadpools", "offloadpoolnodes"):
-            up.watches.append(Watch(cp.bin_dir / "kubectl", cp.env, resource))
+        for plural in (POOL_PLURAL, NODE_PLURAL):
+            up.watches.append(Watch(cp.bin_dir / "kubectl", cp.env, plural))
         yield up
     finally:
         for w in up.watches:
@@ -457,6 +515,7 @@ def _move(up: Upgrade, to: dict[str, str], frm: dict[str, str], command: list[st
     assert "consumers" in up.seen, "the release did not come up (the test before)"
     t0 = time.monotonic()
     since = time.monotonic()
+    began = now()
     old_operator = up.pods(OPERATOR)[0]["metadata"]["uid"]
     old_plugin = up.pods(PLUGIN)[0]["metadata"]["uid"]
     old_agents = {p["metadata"]["uid"] for p in up.pods(AGENTS)}
@@ -574,7 +633,8 @@ def _move(up: Upgrade, to: dict[str, str], frm: dict[str, str], command: list[st
         for d in (up.get("daemonsets", "-n", up.ns) or {})["items"]
     }
     assert ds_uids == up.seen["ds uids"], (ds_uids, up.seen["ds uids"])
-    assert all(w.proc.poll() is None for w in up.watches), "a watch ended: the history is not whole"
+    gaps = [why for w in up.watches if (why := w.whole())]
+    assert not gaps, f"the history is not whole: {gaps}"
     nodes_seen = up.watches[1].of({f"{p}.{up.node.name}" for p in pools}, since)
     pools_seen = up.watches[0].of(pools, since)
     # the watch saw the move: each new agent's first report (agentVersion changed) at least
@@ -593,9 +653,23 @@ def _move(up: Upgrade, to: dict[str, str], frm: dict[str, str], command: list[st
         conditions = {c["type"]: c for c in obj["status"].get("conditions", [])}
         assert conditions["Ready"]["status"] == "True", conditions
         assert conditions.get("Degraded", {}).get("status", "False") == "False", conditions
+    # and between the events (a watch listed again sees states, not the changes in between): a
+    # condition keeps its lastTransitionTime only while its status never changed, so Ready and
+    # Degraded not having moved since the move began is the whole history
+    for pool in pools:
+        conditions = {c["type"]: c for c in up.get("offloadpool", pool)["status"]["conditions"]}  # type: ignore[index]
+        for kind, status in (("Ready", "True"), ("Degraded", "False")):
+            if kind not in conditions and status == "False":
+                continue  # never set: never True either
+            assert conditions[kind]["status"] == status, conditions
+            moved = parse_time(conditions[kind]["lastTransitionTime"])
+            # whole seconds: a move within began's own second would read as before it
+            assert moved is not None and moved < began.replace(microsecond=0), (pool, kind, conditions[kind])
     print(
         f"upgrade to {to['version']}: {time.monotonic() - t0:.1f}s (skew held {skew - since:.1f}s); "
-        f"watched {len(nodes_seen)} OffloadPoolNode and {len(pools_seen)} OffloadPool events, all Ready"
+        f"watched {len(nodes_seen)} OffloadPoolNode and {len(pools_seen)} OffloadPool events, all Ready "
+        f"(watches resumed after the server ended them: {[w.resumed for w in up.watches]}, "
+        f"listed again: {[w.relisted for w in up.watches]})"
     )
 
 
