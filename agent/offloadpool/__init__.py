@@ -9,4 +9,4 @@ from pkgutil import extend_path
 
 __path__ = extend_path(__path__, __name__)
 
-__version__ = "0.1.1"
+__version__ = "0.1.2-dev"
