@@ -18,7 +18,9 @@ the node's own record (root-only), never from the pod-writable manifest.
 The slice is written only when what it should say changes (its ``spec.pool.generation`` goes
 up each time), deleted when the pool is not Ready (provisioning, scrubbing, draining, failed,
 released), and read back every ``reread_seconds`` so a slice someone else removed (the kubelet
-wipes a driver's slices when its plugin goes) is made again. It is owned by the pool's
+wipes a driver's slices when its plugin goes) is made again. An agent's first slice is
+created without a read first (a new pool has none: a 409 says one is there, which is then read
+and compared), so a new pool's node makes one request for it, not two. It is owned by the pool's
 OffloadPoolNode, so the garbage collector removes it with the node's object (the pool deleted,
 the Node gone) even if no agent is left to.
 """
@@ -156,6 +158,17 @@ class Slices:
         now = self.clock()
         try:
             current = None
+            if not self._known and spec is not None:
+                # what this agent first has to say: create it straight away, as the heartbeat
+                # Lease is made (a new pool's slice is not there yet, and a read that finds
+                # nothing is a request per node for nothing); one that is there answers 409
+                # and is read, then compared below
+                assert pool_node is not None
+                written = self._create(spec, pool_node)
+                if written is not None:
+                    self._spec = _comparable(written)
+                    self._known, self._read_at = True, now
+                    return
             if not self._known or now - self._read_at >= self.reread_seconds:
                 current = self.access.get_slice(self.name)
                 self._spec = _comparable(current)
@@ -176,6 +189,15 @@ class Slices:
             log.warning(
                 "ResourceSlice %s: %s %s %s", self.name, exc.status, exc.reason, (exc.body or "")[:300]
             )
+
+    def _create(self, spec: dict[str, Any], pool_node: dict[str, Any]) -> dict[str, Any] | None:
+        """Create the slice; None when one is there already (409: read and compare it)."""
+        try:
+            return self._write(spec, None, pool_node)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        return None
 
     def _write(
         self, spec: dict[str, Any], current: dict[str, Any] | None, pool_node: dict[str, Any]
