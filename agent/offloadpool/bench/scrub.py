@@ -52,7 +52,7 @@ from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.lifecycle import scrub
 from offloadpool.region.lifecycle.provision import provision
 from offloadpool.region.lifecycle.release import release
-from offloadpool.region.memory import vm
+from offloadpool.region.memory import parallel, vm
 from offloadpool.region.memory.parallel import default_workers
 from offloadpool.region.memory.populate import populate
 from offloadpool.region.request import PoolRequest
@@ -99,19 +99,10 @@ def _empty(pool_dir: Path, plan: Plan) -> None:
 
 def _pieces(plan: Plan, workers: int) -> list[list[tuple[int, int, int]]]:
     """``workers`` contiguous shares of the pool's bytes (page-rounded), each as (segment,
-    offset, length) pieces: the bare write's split, independent of the scrub's units."""
-    total, page = plan.total_bytes, plan.page_size
-    bounds = [min(total, -(-total * w // workers // page) * page) for w in range(workers + 1)]
-    out: list[list[tuple[int, int, int]]] = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        share, start = [], 0
-        for i, seg in enumerate(plan.segments):
-            a, b = max(lo, start), min(hi, start + seg.bytes)
-            if a < b:
-                share.append((i, a - start, b - a))
-            start += seg.bytes
-        out.append(share)
-    return out
+    offset, length) pieces, one per file it spans: the scrub's split (``parallel.byte_shares``)
+    without its chunks, so the bare write makes one call per file and share."""
+    whole = parallel.byte_shares(plan.segments, plan.page_size, workers, plan.total_bytes)
+    return [[(u.segment, u.offset, u.bytes) for u in share] for share in whole]
 
 
 def _bare_write(pool_dir: Path, plan: Plan, workers: int) -> float:

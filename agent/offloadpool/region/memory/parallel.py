@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from offloadpool.region.errors import CapacityError, fmt_bytes
@@ -47,6 +47,31 @@ def shares(all_units: list[Unit], workers: int) -> list[list[Unit]]:
         w = min(workers - 1, acc * workers // total) if total else 0
         out[w].append(u)
         acc += u.bytes
+    return out
+
+
+def byte_shares(
+    segments: Sequence[Segment], page_size: int, workers: int, chunk_bytes: int
+) -> list[list[Unit]]:
+    """``workers`` contiguous shares of the segments' bytes (all back to back), cut on pages,
+    each as its runs: pieces within one file of at most ``chunk_bytes`` (rounded down to whole
+    pages, at least one). The whole of a pool with no journal to consult (a scrub zeroes every
+    byte), made in a step per file and run: a unit list (``journal.units``) is a Python object
+    per unit, ~2 ms for 4 GiB of 2 MiB pages, which on huge pages zeroing at tens of GiB/s is
+    a measurable share of the work. A run's ``index`` is its number in the share."""
+    total = sum(seg.bytes for seg in segments)
+    chunk = max(page_size, chunk_bytes // page_size * page_size)
+    bounds = [min(total, -(-total * w // workers // page_size) * page_size) for w in range(workers + 1)]
+    out: list[list[Unit]] = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        share: list[Unit] = []
+        start = 0
+        for i, seg in enumerate(segments):
+            a, b = max(lo, start), min(hi, start + seg.bytes)
+            for off in range(a - start, b - start, chunk):
+                share.append(Unit(len(share), i, off, min(chunk, b - start - off)))
+            start += seg.bytes
+        out.append(share)
     return out
 
 
