@@ -126,7 +126,7 @@ def test_a_name_swapped_after_the_opening_redirects_nothing_of_the_operation(
             rec.message = "written through the handle"
             records.save(pool, rec)
             pool.write_manifest(manifest)
-            layout_files.ensure_lease_file(pool, req)
+            layout_files.ensure_lease_file(pool)
             published.save(pool, published.Published("csi-1", "uid-1", "team-a", "/target"))
             assert [p.volume_id for p in published.load_all(pool)] == ["csi-1"]
             with pytest.raises(holders.PoolInUse, match="csi-1"):  # its own record holds it

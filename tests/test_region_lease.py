@@ -7,6 +7,7 @@ import mmap
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,72 @@ def test_a_growth_past_what_the_node_has_waits_for_the_holder_then_fails_untouch
     assert state.phase == "Ready" and state.total_bytes == 32 * MiB
     assert provision(old, region_root).reused
     release(region_root, old.name)
+
+
+#: As a consumer's uid: take the shared lease the way an engine does, then try to write the lease
+#: file; print what happened.
+CONSUMER = r"""
+import json, os, sys
+from offloadpool.region.holding.lease import Lease, lease_path
+pool_dir, uid = sys.argv[1], int(sys.argv[2])
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+lease = Lease.shared(pool_dir, blocking=False)
+try:
+    fd = os.open(lease_path(pool_dir), os.O_WRONLY)
+except PermissionError:
+    wrote = False
+else:
+    os.write(fd, b"x" * 4096)
+    wrote = True
+print(json.dumps({"leased": lease.fd >= 0, "wrote": wrote}))
+"""
+
+
+def test_a_consumer_takes_the_lease_but_cannot_write_it_to_the_hosts_disk(hugepage_baseline):
+    """The pool directory lives on the host's file system: a lease the consumers owned was a
+    file there they could fill without limit. It is root's, 0644, and emptied at every
+    provision (an older release's consumer-owned lease is taken back); an engine of any uid
+    still takes its shared flock read-only."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="offloadpool-lease-"))  # not pytest's 0700 tree
+    os.chmod(base, 0o711)
+    region_root = base / "root"
+    region_root.mkdir(mode=0o755)
+    try:
+        _consumer_cannot_write_the_lease(region_root)
+    finally:
+        release(region_root, "leased", force=True)
+        shutil.rmtree(base)
+
+
+def _consumer_cannot_write_the_lease(region_root: Path) -> None:
+    req = PoolRequest(name="leased", capacity=8 * MiB, medium="Memory", uid=1003, gid=1003, mode=0o600)
+    provision(req, region_root)
+    lease = lease_path(region_root / req.name)
+    st = os.stat(lease, follow_symlinks=False)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777, st.st_size) == (0, 0, 0o644, 0)
+
+    # as an older release left it: the consumers' own, with bytes a consumer wrote
+    os.chown(lease, 1003, 1003)
+    os.chmod(lease, 0o600)
+    lease.write_bytes(b"y" * 65536)
+    provision(req, region_root)  # the same shape: reused, the lease taken back
+    st = os.stat(lease, follow_symlinks=False)
+    assert (st.st_uid, st.st_mode & 0o7777, st.st_size) == (0, 0o644, 0)
+
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", CONSUMER, str(region_root / req.name), "1003"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"leased": True, "wrote": False}
+    assert os.stat(lease).st_size == 0

@@ -99,10 +99,21 @@ def own_segments(pool: PoolHandle, plan: Plan, req: PoolRequest) -> None:
             own(fd, req)
 
 
-def ensure_lease_file(pool: PoolHandle, req: PoolRequest) -> None:
-    """Engines running as the consumers' uid must be able to open the lease to flock it."""
+#: the pool lease's mode: every engine, whatever its uid and gid, can open it read-only, which
+#: is all an flock needs; nobody but root can write it
+LEASE_MODE = 0o644
+
+
+def ensure_lease_file(pool: PoolHandle) -> None:
+    """The lease: root's, 0644, empty. Engines (and the lease sidecar) open it read-only to
+    flock it, so no consumer needs to write it, and a file on the host's disk that a consumer
+    could write would be one it could fill without limit (the pool directory is on the host's
+    file system, not the pool's bounded mount). A lease an older release made the consumers'
+    is taken back at the next provision; an engine holding it keeps its open file and lock."""
     with opened(pool, LEASE_NAME, os.O_RDWR | os.O_CREAT, 0o600) as fd:
-        own(fd, req)
+        os.fchown(fd, 0, 0)
+        os.fchmod(fd, LEASE_MODE)
+        os.ftruncate(fd, 0)
 
 
 def _compat_drift(pfd: int, wanted: list[str], plan: Plan) -> list[tuple[str, str]]:

@@ -345,7 +345,7 @@ def _reuse(
     pool.make_dirs()  # root's, 0755, whatever a pod did to them
     layout_files.secure_mount_dir(pool)
     layout_files.own_segments(pool, plan, req)
-    layout_files.ensure_lease_file(pool, req)
+    layout_files.ensure_lease_file(pool)
     compat = layout_files.sync_compat(pool, plan, req)
     manifest = pool.read_manifest()
     wanted = _manifest(req, plan, compat, rec)
@@ -474,7 +474,7 @@ def _build_once(pool: PoolHandle, call: _Call, opts: _PrefaultOptions, *, rebuil
         records.save(pool, rec)
     layout_files.secure_mount_dir(pool)
     layout_files.create_segments(pool, plan, req)
-    layout_files.ensure_lease_file(pool, req)
+    layout_files.ensure_lease_file(pool)
 
     rec.phase = POPULATING
     records.save(pool, rec)
