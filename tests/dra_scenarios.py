@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from csi_scenarios import lock_down
+from csi_scenarios import _kill_when_stopped, lock_down
 
 NODE = "node-a"
 
@@ -176,6 +176,107 @@ def lifecycle(w: World, claims: dict[str, list[str]]) -> dict[str, Any]:
     return out
 
 
+#: every plugin process a scenario started: killed at its end, whatever happened
+_SPAWNED: list[Any] = []
+
+
+def _spawn(w: World, stop_at: str = "") -> Any:
+    """The plugin as its own process (``python3 -m offloadpool.dra``), stopping itself at
+    ``stop_at`` (``csi.faults``); the world's stub talks to it. Its ``kept``: the claims its
+    rebuild kept."""
+    import subprocess
+
+    from offloadpool.csi.faults import STOP_AT_ENV
+
+    if w.plugin is not None:
+        w.stop()
+        w.plugin = None
+    c = w.config
+    argv = [sys.executable, "-m", "offloadpool.dra", "--node-id", c.node_id, "--endpoint", c.endpoint]
+    argv += ["--registration-endpoint", c.registration, "--root", c.root, "--kubelet-dir", c.kubelet_dir]
+    argv += ["--cdi-dir", c.cdi_dir, "--stage", c.stage, "--kubeconfig", c.kubeconfig]
+    log = f"{w.scratch}/plugin-{len(_SPAWNED)}.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            argv, env={**os.environ, STOP_AT_ENV: stop_at}, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+    _SPAWNED.append(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "serving ...; N prepared claims": rebuilt, dra.v1 served
+    assert line.startswith("serving"), open(log).read()[-2000:]
+    w.dra = w.stubs.DRAPluginStub(w.grpc.insecure_channel(f"unix://{c.endpoint}"))
+    proc.kept = int(line.rsplit(";", 1)[1].split()[0])  # type: ignore[attr-defined]
+    return proc
+
+
+def _end(proc: Any) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def _answer(w: World, call: Any) -> Any:
+    """The call's answer, or the gRPC code the kubelet sees (the plugin killed mid-call)."""
+    try:
+        return call()
+    except w.grpc.RpcError as exc:
+        return exc.code().name
+
+
+def _state(w: World) -> dict[str, Any]:
+    """What the node holds of the claims: ``snapshot`` with each spec by name only, the claims'
+    directories, and the mounts left in the plugin's stage or beneath the pool's mount."""
+    snap = w.snapshot()
+    snap["specs"] = sorted(snap["specs"])
+    try:
+        snap["claim_dirs"] = sorted(os.listdir(w.config.claims_dir))
+    except FileNotFoundError:
+        snap["claim_dirs"] = []
+    points = [line.split()[4] for line in open("/proc/self/mountinfo").read().splitlines()]
+    snap["staged"] = [p for p in points if p.startswith(f"{w.config.stage}/")]
+    snap["beneath_pool"] = [p for p in points if p.startswith(f"{w.root}/kv/mnt/")]
+    return snap
+
+
+def faults(w: World, claims: dict[str, list[str]]) -> dict[str, Any]:
+    """kill -9 of the plugin process at each step of a prepare of a share and of an unprepare
+    (``csi.faults``); then a new plugin (the DaemonSet's restart) and the kubelet's retry of the
+    same call. First a prepare that is not interrupted: what every prepare must end as."""
+    from offloadpool.csi import faults as steps
+
+    a = claims["a"]
+    out: dict[str, Any] = {}
+    proc = _spawn(w)
+    out["clean"] = {"prepare": w.prepare(a), "prepared": _state(w), "unprepare": w.unprepare(a)}
+    out["clean"]["end"] = _state(w)
+    _end(proc)
+    for step in steps.DRA_PREPARE_STEPS:
+        proc = _spawn(w, step)
+        r: dict[str, Any] = {"call": _kill_when_stopped(proc, lambda: _answer(w, lambda: w.prepare(a)))}
+        r["left"] = _state(w)
+        proc = _spawn(w)
+        r["kept"] = proc.kept
+        r["after_restart"] = _state(w)
+        r["retry"] = w.prepare(a)
+        r["after_retry"] = _state(w)
+        r["unprepare"] = w.unprepare(a)
+        r["end"] = _state(w)
+        _end(proc)
+        out[f"prepare/{step}"] = r
+    for step in steps.DRA_UNPREPARE_STEPS:
+        proc = _spawn(w, step)
+        r = {"prepare": w.prepare(a)}
+        r["call"] = _kill_when_stopped(proc, lambda: _answer(w, lambda: w.unprepare(a)))
+        r["left"] = _state(w)
+        proc = _spawn(w)
+        r["kept"] = proc.kept
+        r["after_restart"] = _state(w)
+        r["retry"] = w.unprepare(a)
+        r["end"] = _state(w)
+        _end(proc)
+        out[f"unprepare/{step}"] = r
+    return out
+
+
 def main() -> None:
     scratch, scenario, kubeconfig, claims = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     lock_down(scratch)
@@ -185,4 +286,7 @@ def main() -> None:
     finally:
         if world.plugin is not None:
             world.stop()
+        for proc in _SPAWNED:
+            if proc.poll() is None:
+                _end(proc)
     print(json.dumps(result))

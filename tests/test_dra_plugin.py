@@ -208,3 +208,87 @@ def scenario_for(
 ) -> dict[str, Any]:
     """The lifecycle scenario with the pool's consumers this test's namespace."""
     return scenario(tmp_path, "lifecycle", str(control_plane.kubeconfig), {**made, "consumer": [consumer]})
+
+
+def test_dra_plugin_killed_at_each_step_converges_on_restart_and_retry(
+    tmp_path: Path, control_plane: Any, claims: Any
+) -> None:
+    """The plugin as its own process, killed -9 where it stopped at each step of a share's
+    prepare and of its unprepare (``csi.faults``): the node holds what that step left (so the
+    stop was where it is named); the next plugin's rebuild keeps the claim only when its tree is
+    whole, leaving nothing of one that is not; the kubelet's retry ends as a prepare that was
+    never interrupted (one record, one reservation, one tree, one spec), and the unprepare
+    leaves nothing: no mount, spec, temporary spec, claim directory, record or reservation, and
+    nothing in the plugin's stage or beneath the pool's mount."""
+    made, (team_a, _) = claims
+    uid = made["a"][2]
+    r = scenario(tmp_path, "faults", str(control_plane.kubeconfig), {"a": made["a"], "consumer": [team_a]})
+    spec, tmp = f"offloadpool.io-{uid}.json", f"offloadpool.io-{uid}.json.tmp"
+    target = f"plugins/offloadpool.io/claims/{uid}/mount"
+    clean = r["clean"]
+    answer = clean["prepare"]
+    assert answer[uid]["error"] == "" and answer[uid]["devices"][0]["device"] == "share-1", answer
+    prepared = clean["prepared"]
+    assert prepared["reservations"] == {"1": claim_owner(uid)} and prepared["specs"] == [spec]
+    assert [p["volume_id"] for p in prepared["records"]["kv"]] == [f"dra-{uid}"]
+    assert prepared["claim_dirs"] == [uid] and target in [m["target"] for m in prepared["mounts"]]
+    assert prepared["staged"] == [] and prepared["beneath_pool"] == []
+    nothing = {
+        "mounts": [],
+        "records": {"kv": [], "whole": []},
+        "reservations": {},
+        "specs": [],
+        "claim_dirs": [],
+        "staged": [],
+        "beneath_pool": [],
+    }
+    assert clean["unprepare"] == {uid: ""} and clean["end"] == nothing
+
+    def at(left: dict[str, Any]) -> tuple[bool, bool, bool, list[str]]:
+        """(reserved, recorded, tree bound at the target, the specs' names) as the kill left them."""
+        return (
+            left["reservations"] == {"1": claim_owner(uid)},
+            bool(left["records"]["kv"]),
+            target in [m["target"] for m in left["mounts"]],
+            left["specs"],
+        )
+
+    # what each step leaves when the plugin dies there
+    left_by_step = {
+        "reserved": (True, False, False, []),
+        "recorded": (True, True, False, []),
+        "staged": (True, True, False, []),
+        "bound": (True, True, True, []),
+        "cdi-staged": (True, True, True, [tmp]),
+        "cdi-written": (True, True, True, [spec]),
+    }
+    for step, left in left_by_step.items():
+        got = r[f"prepare/{step}"]
+        assert got["call"] == "UNAVAILABLE", (step, got["call"])  # the kubelet's call dropped
+        assert at(got["left"]) == left, (step, got["left"])
+        if step == "staged":  # the tree half built in the plugin's stage, nothing at the target
+            assert got["left"]["staged"] and got["left"]["claim_dirs"] == [uid], got["left"]
+        whole = left[2]
+        assert got["kept"] == int(whole), (step, got["kept"])
+        assert got["after_restart"] == (prepared if whole else nothing), (step, got["after_restart"])
+        assert got["retry"] == answer, (step, got["retry"])
+        assert got["after_retry"] == prepared, (step, got["after_retry"])
+        assert got["unprepare"] == {uid: ""} and got["end"] == nothing, (step, got["end"])
+
+    # unprepare: the spec gone first, then the tree, then the reservation, the record last
+    left_by_step = {
+        "cdi-removed": (True, True, True, []),
+        "unbound": (True, True, False, []),
+        "unreserved": (False, True, False, []),
+    }
+    for step, left in left_by_step.items():
+        got = r[f"unprepare/{step}"]
+        assert got["prepare"] == answer, (step, got["prepare"])
+        assert got["call"] == "UNAVAILABLE", (step, got["call"])
+        assert at(got["left"]) == left, (step, got["left"])
+        whole = left[2]
+        if not whole:
+            assert got["left"]["claim_dirs"] == [], (step, got["left"])
+        assert got["kept"] == int(whole), (step, got["kept"])
+        assert got["after_restart"] == (prepared if whole else nothing), (step, got["after_restart"])
+        assert got["retry"] == {uid: ""} and got["end"] == nothing, (step, got["end"])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -215,13 +216,14 @@ def bind(pool: PoolHandle, parent: int, files: list[str], stage: str, name: str)
 
 def unbind(parent: int) -> bool:
     """Detach the bind at ``MOUNT_NAME`` in ``parent`` with everything under it; False when
-    nothing is mounted there. Detached (``MNT_DETACH``): the tree's binds go with its top (a
-    plain unmount of the top refuses while it has a child); the last component is never
-    followed (``UMOUNT_NOFOLLOW``)."""
+    nothing is mounted there, or there is no ``MOUNT_NAME`` (a DRA claim's directory made by a
+    plugin killed before it bound anything). Detached (``MNT_DETACH``): the tree's binds go with
+    its top (a plain unmount of the top refuses while it has a child); the last component is
+    never followed (``UMOUNT_NOFOLLOW``)."""
     path = os.fsencode(as_path(parent, MOUNT_NAME))
     if _libc.umount2(path, MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
         err = ctypes.get_errno()
-        if err == 22:  # EINVAL: not a mount point
+        if err in (errno.EINVAL, errno.ENOENT):  # not a mount point; not there at all
             return False
         raise RegionError(f"umount of a published volume failed: {os.strerror(err)}")
     return True

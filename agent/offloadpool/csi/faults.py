@@ -1,4 +1,4 @@
-"""Stopping the plugin at a chosen step, so a test can kill it there for real.
+"""Stopping a kubelet plugin at a chosen step, so a test can kill it there for real.
 
 ``OFFLOADPOOL_CSI_STOP_AT=<step>`` (unset in any deployment) makes the plugin stop itself
 (SIGSTOP) when it reaches that step of a publish or unpublish; the fault tests then kill -9 the
@@ -14,6 +14,16 @@ faked: the process dies between two real steps with whatever it did before on th
 * ``bound``: publish bound the whole tree at the target, its stage not yet detached;
 * ``Scrubbing``: publish withheld the pool to zero it for a new holder, not yet zeroed;
 * ``unbound``: unpublish detached the mounts, the record is still there.
+
+The DRA plugin (``offloadpool.dra``) shares the record, the binds and this hook (the same
+variable, set on its own DaemonSet): its prepare passes ``recorded``, ``staged`` and ``bound``
+above, its unprepare ``unbound`` (the tree detached and its directory removed), and its own:
+
+* ``reserved``: prepare reserved the allocated share, nothing recorded yet;
+* ``cdi-staged``: prepare wrote the CDI spec under its temporary name, not yet renamed;
+* ``cdi-written``: prepare wrote the CDI spec, everything done but the kubelet's answer;
+* ``cdi-removed``: unprepare removed the CDI spec; the tree, reservation and record are there;
+* ``unreserved``: unprepare dropped the reservation, the record is still there.
 
 ``OFFLOADPOOL_CSI_STOP_ONCE=<file>`` with it stops only the first time, the one that makes
 ``<file>``: a plugin the DaemonSet restarts in the same pod, with the same environment, finds
@@ -32,6 +42,15 @@ RECORDED = "recorded"
 STAGED = "staged"
 BOUND = "bound"
 UNBOUND = "unbound"
+#: the DRA plugin's own steps (``dra.prepare``), in the order prepare and unprepare pass them
+RESERVED = "reserved"
+CDI_STAGED = "cdi-staged"
+CDI_WRITTEN = "cdi-written"
+CDI_REMOVED = "cdi-removed"
+UNRESERVED = "unreserved"
+#: every step a DRA prepare of a share passes, then an unprepare's
+DRA_PREPARE_STEPS = (RESERVED, RECORDED, STAGED, BOUND, CDI_STAGED, CDI_WRITTEN)
+DRA_UNPREPARE_STEPS = (CDI_REMOVED, UNBOUND, UNRESERVED)
 
 
 def reached(step: str) -> None:

@@ -25,27 +25,31 @@ The record is the checkpoint: a second prepare finds it and the tree whole and o
 spec again; a tree a killed plugin left half made is unbound and made again. Unprepare undoes it
 in reverse (the spec, the tree, the reservation, the record), and is done for a claim it does
 not know. At start (``rebuild``) a record whose tree is still whole is kept and its spec
-written again; the others are dropped with their trees and specs, every CDI spec of ours no
-record names is removed, and the reservations are made what the kept records say (the CSI
-plugin's ``reserve_again``, over both plugins' records).
+written again; the others are dropped with their trees and specs, every CDI spec of ours and
+every claim directory no kept record names is removed, and the reservations are made what
+the kept records say (the CSI plugin's ``reserve_again``, over both plugins' records); a spec's
+temporary file a plugin killed mid-write left is written over and renamed by that rewrite (its
+tree is whole by then).
+The steps a test can stop the plugin at, to kill it there, are the CSI plugin's hook's
+(``csi.faults``: ``reserved`` ... ``cdi-written``, ``cdi-removed`` ... ``unreserved``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import grpc
 
 from offloadpool.api import dra
 from offloadpool.api.pods import ENV_POOL, ENV_POOL_DIR, ENV_SHARE, pod_pool_dir
-from offloadpool.csi import bind, publication
+from offloadpool.csi import bind, faults, publication
 from offloadpool.csi.publication import serial
 from offloadpool.csi.refusal import Refused
 from offloadpool.csi.target import MOUNT_NAME
-from offloadpool.dra.claims import Allocated, ClaimError
+from offloadpool.dra.claims import CLAIM_UID_PATTERN, Allocated, ClaimError
 from offloadpool.dra.config import DraConfig
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import beneath, places
@@ -86,7 +90,16 @@ def cdi_spec(config: DraConfig, claim_uid: str, pool: str, share: int | None) ->
     return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": [device]}
 
 
-def _write_spec(config: DraConfig, claim_uid: str, pool: str, share: int | None) -> None:
+def _write_spec(
+    config: DraConfig,
+    claim_uid: str,
+    pool: str,
+    share: int | None,
+    say: Callable[[str], None] = lambda step: None,
+) -> None:
+    """Write the claim's spec under a temporary name and rename it into place: the runtime
+    reads a spec whole or not at all. ``say``: prepare's fault hook (``csi.faults``), not
+    the rebuild's, so a plugin stopped at a step stops in a kubelet's call."""
     os.makedirs(config.cdi_dir, mode=0o755, exist_ok=True)
     path = cdi_path(config, claim_uid)
     tmp = f"{path}.tmp"
@@ -97,6 +110,7 @@ def _write_spec(config: DraConfig, claim_uid: str, pool: str, share: int | None)
         os.fsync(fd)
     finally:
         os.close(fd)
+    say(faults.CDI_STAGED)
     os.replace(tmp, path)
 
 
@@ -185,7 +199,7 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
         try:
             with _claim_dir(config, claim_uid, create=True) as parent:
                 assert parent is not None
-                scrub.before_new_holder(pool, owner)
+                scrub.before_new_holder(pool, owner, say=faults.reached)
                 if device.share is None:
                     files = publication.engine_files(pool)
                     publication.record_and_bind(
@@ -198,6 +212,7 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
                 else:
                     index = device.share
                     shares.reserve(pool, n, owner, only=index)
+                    faults.reached(faults.RESERVED)
                     want = _record_of(claim_uid, namespace, name, target, index)
                     files, manifest = publication.share_view(pool, index)
                     publication.record_and_bind(
@@ -212,7 +227,8 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except (RegionError, beneath.WrongEntry) as exc:
             raise Refused(grpc.StatusCode.INTERNAL, str(exc)) from None
-        _write_spec(config, claim_uid, device.pool, device.share)
+        _write_spec(config, claim_uid, device.pool, device.share, say=faults.reached)
+        faults.reached(faults.CDI_WRITTEN)
     return cdi_id(claim_uid)
 
 
@@ -222,6 +238,7 @@ def unprepare(config: DraConfig, claim_uid: str) -> None:
     vid = published.dra_volume_id(claim_uid)
     with serial(f"volume/{vid}"):
         _remove_spec(config, claim_uid)
+        faults.reached(faults.CDI_REMOVED)
         found = published.find(config.root, vid)
         if found is None:
             _unbind(config, claim_uid)
@@ -230,7 +247,9 @@ def unprepare(config: DraConfig, claim_uid: str) -> None:
         pool_dir = places.pool_dir(config.root, pool)
         with serial(f"pool/{pool}"), open_pool(pool_dir, lock=True) as handle:
             _unbind(config, claim_uid)
+            faults.reached(faults.UNBOUND)
             publication.unreserve(handle, pub)
+            faults.reached(faults.UNRESERVED)
             published.drop(handle, vid)
 
 
@@ -276,6 +295,14 @@ def rebuild(config: DraConfig) -> list[published.Published]:
             uid = entry[len(CDI_PREFIX) : -len(CDI_SUFFIX)]
             if uid not in mine:
                 _remove_spec(config, uid)
+    # a claim's directory no kept record names: one a plugin killed before its record made
+    try:
+        names = os.listdir(config.claims_dir)
+    except FileNotFoundError:
+        names = []
+    for uid in names:
+        if uid not in mine and CLAIM_UID_PATTERN.fullmatch(uid):
+            _unbind(config, uid)
     return kept
 
 
