@@ -5,12 +5,11 @@ Why real: what must converge is the kubelet's retries (its volume manager's back
 DaemonSet's container restart, the kubelet's plugin watcher re-registering the plugin, and the
 binds that reach the host through the kubelet's shared directory; tests/test_csi_node.py shows
 the plugin's own side with the plugin as a bare process, only the real kubelet and containerd
-can show these. The plugin is held at a step by its fault hook (``csi.faults``: set on the
-DaemonSet with ``kubectl set env``, a test-only hook that no chart value carries), once (its
-``STOP_ONCE`` file on the kubelet's directory, so the restarted container goes on), and killed
-``-9`` from the host. After each fault the node must hold exactly one holder record per live
-pod and exactly the mounts those pods' volumes need: none left in the kubelet's pods
-directory, in the plugin's stage or under the pool's mount.
+can show these. The plugin is held at a step by its fault hook and killed ``-9`` from the
+host (``fixtures.plugin_faults``, shared with the DRA plugin's faults). After each fault the
+node must hold exactly one holder record per live pod and exactly the mounts those pods'
+volumes need: none left in the kubelet's pods directory, in the plugin's stage or under the
+pool's mount.
 
 One release for the module (tests run in order): the stage is private -> kill mid-publish
 (after the stage, after the bind) -> kill mid-unpublish -> kubelet restart.
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -38,7 +36,14 @@ from fixtures.chart_node import (
     remove_release,
 )
 from fixtures.node import TOLERATION, RealNode
-from hack.process import Process
+from fixtures.plugin_faults import (
+    PluginUnderTest,
+    StoppablePlugin,
+    kubelet_ready,
+    mountinfo,
+    plugin_pids,
+    restart_kubelet,
+)
 from offloadpool.csi import faults
 from offloadpool.csi.config import DRIVER_NAME, CsiConfig
 from offloadpool.csi.publication import engine_files
@@ -54,46 +59,8 @@ STAGE_SOURCE = "offloadpool-csi-stage"
 STAGE = CsiConfig(node_id="any").stage
 
 
-@dataclass(frozen=True)
-class MountEntry:
-    """One line of a mountinfo file."""
-
-    id: str
-    parent: str
-    point: str
-    tags: tuple[str, ...]
-    fstype: str
-    source: str
-
-
-def mountinfo(pid: str = "self") -> list[MountEntry]:
-    with open(f"/proc/{pid}/mountinfo") as fh:
-        out = []
-        for line in fh:
-            f = line.split()
-            sep = f.index("-")
-            out.append(MountEntry(f[0], f[1], f[4], tuple(f[6:sep]), f[sep + 1], f[sep + 2]))
-        return out
-
-
-def plugin_pids(kubelet_dir: str) -> list[int]:
-    """The host pids of this node's plugin processes (not its probes)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [a.decode(errors="replace") for a in argv]
-        if "offloadpool.csi" in args and f"--kubelet-dir={kubelet_dir}" in args and "probe" not in args:
-            found.append(int(entry))
-    return found
-
-
 @dataclass
-class Faults(ReleaseOnNode):
+class Faults(ReleaseOnNode, StoppablePlugin):
     node: RealNode
     root: Path
     ns: str
@@ -101,6 +68,17 @@ class Faults(ReleaseOnNode):
     pool: str
     config: CsiConfig
     seen: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def plugin_under_test(self) -> PluginUnderTest:
+        return PluginUnderTest(
+            PLUGIN_PODS,
+            REGISTERED,
+            "offloadpool.csi",
+            f"daemonset/{RELEASE}-csi",
+            self.config.kubelet_dir,
+            Path(self.config.endpoint).parent,
+        )
 
     def diagnostics(self) -> str:
         cp = self.cp
@@ -113,49 +91,6 @@ class Faults(ReleaseOnNode):
                 self.node.logs(3000),
             ]
         )
-
-    @property
-    def daemonset(self) -> str:
-        return f"daemonset/{RELEASE}-csi"
-
-    def plugin_pod(self) -> dict:
-        pods = (self.get("pods", "-n", self.ns, "-l", PLUGIN_PODS) or {}).get("items", [])
-        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-        assert len(live) == 1, [p["metadata"]["name"] for p in pods]
-        return live[0]
-
-    def restarts(self) -> int:
-        statuses = self.plugin_pod()["status"].get("containerStatuses") or [{}]
-        return int(statuses[0].get("restartCount", 0))
-
-    def registrations(self) -> int:
-        """How often the running plugin container heard it is registered."""
-        name = self.plugin_pod()["metadata"]["name"]
-        return self.cp.kubectl("logs", "-n", self.ns, name, check=False).stdout.count(REGISTERED)
-
-    def set_env(self, *assignments: str) -> None:
-        """A new plugin pod with these environment changes (``NAME=value``, ``NAME-``), serving
-        and registered."""
-        self.cp.kubectl("set", "env", "-n", self.ns, self.daemonset, *assignments)
-        self.cp.kubectl("rollout", "status", "-n", self.ns, self.daemonset, "--timeout=180s", timeout=200)
-        self.wait("the plugin registered", lambda: self.registrations() >= 1, 120)
-
-    def stop_at(self, step: str) -> Path:
-        """The plugin stops (once) at ``step``; the file that says it did."""
-        once = Path(self.config.endpoint).parent / f"stop-once-{step}"
-        self.set_env(f"{faults.STOP_AT_ENV}={step}", f"{faults.STOP_ONCE_ENV}={once}")
-        return once
-
-    def kill_the_stopped_plugin(self, once: Path) -> int:
-        """kill -9 of the plugin held at its step (as its container's init it is not stopped:
-        the call's thread waits forever, ``csi.faults``); the pod's restart count then."""
-        restarts = self.restarts()
-        self.wait("the plugin held at its step", once.exists, 120)
-        (pid,) = plugin_pids(self.config.kubelet_dir)
-        os.kill(pid, signal.SIGKILL)
-        self.wait("the plugin restarted in its pod", lambda: self.restarts() == restarts + 1, 120)
-        self.wait("the restarted plugin registered", lambda: self.registrations() >= 1, 120)
-        return restarts + 1
 
     def holders(self) -> list[published.Published]:
         return published.load_all(self.root / self.pool)
@@ -274,8 +209,7 @@ def csi_faults(real_node: RealNode, crds_installed: Any, shared_agent_root: Path
         assert f.seen["pool mounts"] >= 1, f"{pool_mnt} is not mounted on the host"
         yield f
     finally:
-        for once in Path(f.config.endpoint).parent.glob("stop-once-*"):
-            once.unlink()
+        f.remove_once_files()
         remove_release(cp, RELEASE, f.ns, [f.pool], real_node.name, [f.consumer_ns])
         cp.kubectl("delete", "csidriver", DRIVER_NAME, "--ignore-not-found", check=False)
 
@@ -287,7 +221,7 @@ def test_csi_the_plugins_stage_is_private_to_its_container(csi_faults: Faults) -
     emptyDir (private whatever the runtime makes of the container's root, which a runtime may
     make shared for a Bidirectional volume), and the host has no staging tmpfs."""
     f = csi_faults
-    (pid,) = plugin_pids(f.config.kubelet_dir)
+    (pid,) = plugin_pids("offloadpool.csi", f.config.kubelet_dir)
     inside = mountinfo(str(pid))
     by_id = {m.id: m for m in inside}
     stage = [m for m in inside if m.point == STAGE]
@@ -342,15 +276,6 @@ def test_csi_plugin_killed_mid_unpublish_converges(csi_faults: Faults) -> None:
     f.assert_converged([])
 
 
-def _restart_kubelet(node: RealNode) -> None:
-    """SIGTERM to the kubelet (its pods keep running under containerd), then the same command
-    again, logging to a file of its own; the node's teardown stops the new one."""
-    (i,) = [i for i, p in enumerate(node.procs) if p.name == "kubelet"]
-    old = node.procs[i]
-    old.stop()
-    node.procs[i] = Process(old.name, old.argv, old.log_path.with_name("kubelet-restarted.log"))
-
-
 def test_csi_kubelet_restart_keeps_the_pods_volume_and_reregisters(csi_faults: Faults) -> None:
     """A kubelet restart with a csi pod running: the kubelet registers the plugin again
     (CSINode still lists the driver, the plugin hears it), the pod keeps running with its
@@ -363,14 +288,8 @@ def test_csi_kubelet_restart_keeps_the_pods_volume_and_reregisters(csi_faults: F
     f.assert_converged([uid])
     holders_before, heard_before, restarts = f.holders(), f.registrations(), f.restarts()
 
-    _restart_kubelet(f.node)
-
-    def ready() -> bool:
-        conds = {c["type"]: c for c in f.node.node_json()["status"].get("conditions", [])}
-        ready = conds.get("Ready", {})
-        return ready.get("status") == "True" and ready.get("reason") == "KubeletReady"
-
-    f.wait("the restarted kubelet Ready", ready, 180)
+    restart_kubelet(f.node)
+    f.wait("the restarted kubelet Ready", lambda: kubelet_ready(f.node), 180)
     f.wait("the plugin told of its new registration", lambda: f.registrations() > heard_before, 120)
     csinode = f.get("csinode", f.node.name) or {}
     drivers = {d["name"]: d for d in (csinode.get("spec") or {}).get("drivers") or []}

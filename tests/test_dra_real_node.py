@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,14 +168,22 @@ class DraE2E(ReleaseOnNode):
         return None
 
 
-@pytest.fixture(scope="module")
-def dra_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -> Iterator[DraE2E]:
-    """helm install with the DRA driver on the test node's kubelet directory and CDI directory,
-    a namespace enforcing restricted with a ResourceClaimTemplate, a 2-share pool for it;
-    afterwards all of it gone, whatever happened."""
+@contextmanager
+def dra_release(
+    real_node: RealNode,
+    shared_agent_root: Path,
+    *,
+    release: str = RELEASE,
+    shares: int = 2,
+    kind: type[DraE2E] = DraE2E,
+) -> Iterator[DraE2E]:
+    """helm install ``release`` with the DRA driver on the test node's kubelet directory and
+    CDI directory, a namespace enforcing restricted with a ResourceClaimTemplate, a pool of
+    ``shares`` shares of 8 MiB for it; afterwards all of it gone, whatever happened. Also
+    tests/test_dra_faults_real_node.py's (``kind``: its subclass)."""
     image = import_offloadpool_image(real_node)
     suffix = uuid.uuid4().hex[:6]
-    e2e = DraE2E(
+    e2e = kind(
         node=real_node,
         root=shared_agent_root,
         ns=f"offloadpool-dra-{suffix}",
@@ -188,7 +197,7 @@ def dra_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
         cp.kubectl("label", "namespace", e2e.consumer_ns, f"{ENFORCE}=restricted")
         cp.helm(
             "install",
-            RELEASE,
+            release,
             str(CHART),
             "--namespace",
             e2e.ns,
@@ -222,9 +231,9 @@ def dra_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
             "kind": "OffloadPool",
             "metadata": {"name": e2e.pool},
             "spec": {
-                "capacity": "16Mi",
+                "capacity": f"{8 * shares}Mi",
                 "medium": "Memory",
-                "partitions": 2,
+                "partitions": shares,
                 "tolerations": [TOLERATION],
                 "consumers": {"namespaces": [e2e.consumer_ns], "uid": 1000, "gid": 1000},
             },
@@ -233,9 +242,16 @@ def dra_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
         yield e2e
     finally:
         remove_release(
-            cp, RELEASE, e2e.ns, [e2e.pool, GUIDE_POOL], real_node.name, [e2e.consumer_ns, GUIDE_NS]
+            cp, release, e2e.ns, [e2e.pool, GUIDE_POOL], real_node.name, [e2e.consumer_ns, GUIDE_NS]
         )
         cp.kubectl("delete", "deviceclass", dra.DEVICE_CLASS, "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="module")
+def dra_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -> Iterator[DraE2E]:
+    """The module's release (``dra_release``): a 2-share pool."""
+    with dra_release(real_node, shared_agent_root) as e2e:
+        yield e2e
 
 
 def test_dra_the_plugin_registers_and_the_slice_shows_each_share(dra_e2e: DraE2E) -> None:
