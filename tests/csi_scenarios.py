@@ -831,11 +831,14 @@ def deleting(w: World) -> dict[str, Any]:
     """The agent's note that the pool is being deleted: a new volume is refused
     FAILED_PRECONDITION naming the deletion; the volume given before keeps working and is
     unpublished as ever."""
-    from offloadpool.region.files import record as records
-
     out: dict[str, Any] = {"a": w.publish()}
     _write(w, "kv", POD, b"still-here")
-    out["marked"] = records.mark_deleting(f"{w.root}/kv", records.DELETING_NOTE)
+    # the agent's note as it writes it (tests/test_agent_process.py shows the agent writing it)
+    state = Path(f"{w.root}/.state/kv/state.json")
+    rec = json.loads(state.read_text())
+    rec["deleting"] = "its OffloadPool was deleted; the node is draining it for release"
+    state.write_text(json.dumps(rec))
+    out["marked"] = True
     b = _pod("kv", OTHER_POD)
     b["target_path"] = w.target(OTHER_POD)
     out["b"] = w.publish(**b)
