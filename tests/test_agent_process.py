@@ -296,6 +296,10 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     )
     assert "engine" in st["message"]
     assert mounts_under(pool_dir / "mnt")
+    # the node's root-only record says so, for the CSI and DRA plugins (no API credentials):
+    # they give no new volume or claim of a pool being deleted (issue 36, finding 7)
+    recorded = json.loads((env["root"] / ".state" / pool / "state.json").read_text())
+    assert recorded.get("deleting") == "its OffloadPool was deleted; the node is draining it for release"
 
     engine.kill()
     engine.wait(10)
