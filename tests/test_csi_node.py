@@ -289,7 +289,9 @@ def test_csi_share_is_zeroed_for_a_new_pod_while_another_share_is_held(tmp_path)
     assert {r["a_share"], r["c_share"]} == {0, 1} and r["b_share"] == r["a_share"], r
     assert r["b_reads"] == "00" * 12, "pod B read what pod A left in its share"
     assert r["c_reads"] == "secret-of-c!", "the zeroing reached the share pod C holds"
-    assert r["scrub"]["share"] == r["a_share"] and f"handed to {OTHER_POD}" in r["scrub"]["reason"], r["scrub"]
+    assert r["scrub"]["share"] == r["a_share"] and f"handed to {OTHER_POD}" in r["scrub"]["reason"], r[
+        "scrub"
+    ]
     assert f"{POD} had it before" in r["scrub"]["reason"], r["scrub"]
     assert r["b_again"] == "OK" and r["b_reads_again"] == "bytes-of-b!!", "a retry zeroed the pod's own bytes"
     assert r["unpublish_b"] == "OK" and r["engine_share"] == r["a_share"]
@@ -305,7 +307,9 @@ def test_csi_plugin_killed_while_zeroing_a_share_withholds_that_share_alone(tmp_
     assert r["share_manifest"] is False and r["modes"] == ["0o600"], r
     assert r["c_reads"] == "secret-of-c!"
     assert r["pending_after_provision"] is False, "the agent's provision left the share pending"
-    assert r["b"] == "OK" and r["b_reads"] == "00" * 12, "pod B read what pod A left after an interrupted zeroing"
+    assert r["b"] == "OK" and r["b_reads"] == "00" * 12, (
+        "pod B read what pod A left after an interrupted zeroing"
+    )
     assert r["c_reads_end"] == "secret-of-c!" and r["end"] == ["OK", "OK"]
 
 
