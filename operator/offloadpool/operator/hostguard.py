@@ -161,7 +161,10 @@ def refusals(
         if any(volume == wanted for wanted in pool_volumes):
             continue
         attrs = (volume.get("csi") or {}).get("volumeAttributes") or {}
-        what = f"volume {volume.get('name')!r}: an inline csi volume of driver {CSI_DRIVER} (pool {attrs.get('pool')!r})"
+        what = (
+            f"volume {volume.get('name')!r}: an inline csi volume of driver {CSI_DRIVER} "
+            f"(pool {attrs.get('pool')!r})"
+        )
         if pool is None:
             why.append(
                 f"{what} is a share of a pool's memory, taken at publish whatever the scheduler "
