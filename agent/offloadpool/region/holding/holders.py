@@ -416,3 +416,30 @@ def _exclusive_lease(pool: PoolHandle, proc: str) -> Lease:
     if left is not None:
         raise places.UnsafeEntry(pool.path, wrong, f"; {left}")
     return Lease.exclusive(pool.path, dir_fd=pool.fd)
+
+
+def holders_of(files: set[FileId], *, proc: str = "/proc") -> list[Holder]:
+    """Every other process mapping or holding open one of ``files`` (``find_holders`` for a part
+    of a pool: one share's segments, which the node zeroes while other shares stay in use)."""
+    global _scans
+    me = self_pid(proc)
+    inodes = {str(ino) for _, ino in files}
+    found: list[Holder] = []
+    if not files:
+        return found
+    _scans += 1
+    try:
+        pids = sorted(int(p) for p in os.listdir(proc) if p.isdigit())
+    except FileNotFoundError:
+        pids = []
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            mapped = _maps_any(proc, pid, files, inodes)
+            opened = _opens_any(proc, pid, files)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if mapped or opened:
+            found.append(Holder(pid, command_name(proc, pid), mapped=mapped, open=opened))
+    return found

@@ -48,7 +48,7 @@ from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding import shares
 from offloadpool.region.holding.holders import exclusive_unused
 from offloadpool.region.holding.lease import LeaseHeld
-from offloadpool.region.lifecycle import scrub
+from offloadpool.region.lifecycle import scrub, share_scrub
 from offloadpool.region.lifecycle.teardown import teardown
 from offloadpool.region.memory import capacity, hugepage_intent, hugepages, mounts, numa
 from offloadpool.region.memory.populate import DEFAULT_CHUNK, Progress, populate
@@ -355,6 +355,8 @@ def _reuse(
         manifest = wanted
     rec.request = records.Record.new(req).request
     rec.orphaned = ""  # a pool of this name owns it again
+    rec.deleting = ""
+    share_scrub.settle(pool, plan, req, rec)  # a share's zeroing a plugin left: done or withheld
     records.save(pool, rec)
     return ProvisionResult(
         pool_dir=pool.path,
