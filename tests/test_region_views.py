@@ -164,7 +164,8 @@ def test_an_owed_scrub_waits_for_a_mounted_view(region_root, processes, tmp_path
     pool_dir = region_root / NAME
     pod = Pod(processes, tmp_path, f"bind:{pool_dir}=/pool")
 
-    with pytest.raises(ScrubPending, match=rf"consumers changed .*pid {pod.pid} .*has the pool mounted") as exc:
+    said = rf"consumers changed .*pid {pod.pid} .*has the pool mounted"
+    with pytest.raises(ScrubPending, match=said) as exc:
         provision(pool_req(uid=1002, gid=1002, scrub="OnConsumerChange"), region_root)
     assert [h.pid for h in exc.value.holders] == [pod.pid]
     assert not (pool_dir / MANIFEST_NAME).exists()  # withheld: nothing new attaches
@@ -223,9 +224,7 @@ def test_a_release_sets_a_pods_directory_aside_and_the_next_pool_is_new(region_r
     assert not (region_root / STATE).exists()
 
 
-def test_a_kept_mount_of_a_released_directory_sees_nothing_of_the_next_pool(
-    region_root, processes, tmp_path
-):
+def test_a_kept_mount_of_a_released_directory_sees_nothing_of_the_next_pool(region_root, processes, tmp_path):
     """A forced release (the operator's, through the pod's view) and a re-create: the pod's
     mount still shows the old directory, holding only the pod's file; the new pool's files never
     appear in it, what the pod writes never appears in the new pool, and it holds nothing."""
@@ -281,3 +280,19 @@ def test_a_mount_table_over_the_bound_is_taken_as_holding(region_root, processes
         release(region_root, NAME)
     pod.stop()
     release(region_root, NAME)
+
+
+def test_a_directory_found_without_the_nodes_record_is_replaced(region_root):
+    """What an older release left (the pod's file kept the directory, the record gone): the next
+    provision builds in a new directory, the old one set aside with the pod's file."""
+    pool_dir = region_root / NAME
+    pool_dir.mkdir()
+    (pool_dir / "notes").write_text("left by a pod")
+    old = pool_dir.stat()
+
+    provision(pool_req(), region_root)
+    assert (pool_dir.stat().st_dev, pool_dir.stat().st_ino) != (old.st_dev, old.st_ino)
+    assert sorted(os.listdir(pool_dir)) == ["lease", "manifest.json", "mnt"]
+    aside = list((region_root / LEFT).iterdir())
+    assert len(aside) == 1 and os.listdir(aside[0]) == ["notes"]
+    assert aside[0].stat().st_ino == old.st_ino

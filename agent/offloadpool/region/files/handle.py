@@ -259,8 +259,8 @@ class PoolHandle:
             ) from None
         if left is not None:
             left.append(
-                f"{SET_ASIDE}{self.path} still held {shown} (not made by offloadpool): moved to {new}, out of "
-                "every pod's reach; a pool made under this name gets a new directory"
+                f"{SET_ASIDE}{self.path} still held {shown} (not made by offloadpool): moved to "
+                f"{new}, out of every pod's reach; a pool made under this name gets a new directory"
             )
 
     def renew_dir(self, left: list[str] | None = None) -> None:

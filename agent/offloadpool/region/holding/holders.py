@@ -440,7 +440,8 @@ def _exclusive_unused(pool: PoolHandle, proc: str) -> Lease:
     try:
         volumes = csi_holders(pool)
         # nothing open or mapped: only a mounted view can hold it (the lease is ours)
-        holders = view_holders(pool, proc=proc) if open_anywhere(pool) is False else find_holders(pool, proc=proc)
+        unopened = open_anywhere(pool) is False
+        holders = view_holders(pool, proc=proc) if unopened else find_holders(pool, proc=proc)
     except BaseException:
         lease.close()
         raise

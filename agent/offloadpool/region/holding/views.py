@@ -96,10 +96,9 @@ def _where(root: str) -> tuple[bytes, bytes] | None:
         return None
     for point in _ancestors(root):
         esc = re.escape(os.fsencode(_escape(point)))
-        found = None
-        for found in re.finditer(rb"^\d+ \d+ (\d+:\d+) (\S+) " + esc + rb" ", table, re.M):
-            pass  # the last one: mounted over the others
-        if found is not None:
+        matches = list(re.finditer(rb"^\d+ \d+ (\d+:\d+) (\S+) " + esc + rb" ", table, re.M))
+        if matches:
+            found = matches[-1]  # the last one: mounted over the others
             top = found.group(2)
             if top.endswith(_DELETED):
                 return None
