@@ -109,6 +109,9 @@ class NodeActions:
         partitions = self.applied.request.partitions if self.applied else 1
         found = self.region.shares(partitions)
         if found is not None:
+            crossed = [why for state in found if (why := state.crossed()) is not None]
+            if crossed:  # one note for all, posted once while it stays so (NodeEvents)
+                self._event("Warning", "ShareSharedAcrossPods", clip_message("; ".join(crossed)))
             return {"shares": [NodeShare.of(s) for s in found], "shares_claimed": shares.claimed_of(found)}
         if seen.get("sharesClaimed") is not None or self.status.current.shares_claimed is not None:
             return {"shares": None, "shares_claimed": None}

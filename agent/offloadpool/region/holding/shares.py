@@ -51,6 +51,7 @@ from pathlib import Path
 from offloadpool.region.files import beneath, bounded, places
 from offloadpool.region.files.handle import Pool, PoolHandle, given
 from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
+from offloadpool.region.holding import pod_cgroup
 from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_ENGINE, ShareViaName
 
 SHARES_NAME = "shares"
@@ -204,6 +205,9 @@ class ShareState:
     holders: tuple[int, ...]
     owner: str = ""
     reserved_for: str = ""
+    #: the pods the holders run in, by their cgroups (``pod_cgroup``: the node's evidence, not
+    #: the owner an engine wrote), sorted; holders in no pod's cgroup are not counted
+    pods: tuple[str, ...] = ()
 
     @property
     def claimed(self) -> bool:
@@ -224,6 +228,21 @@ class ShareState:
         """Who has the share, in one word: the csi volume's pod, else the engine's owner."""
         return self.reserved_for or self.owner
 
+    def crossed(self) -> str | None:
+        """Why the share is used across pods, or None: holders in two pods (an engine joined
+        another pod's share by naming its owner), or a holder in a pod other than the one a csi
+        volume reserved it for. A DRA claim's reservation names the claim, not a pod: only the
+        first rule applies to it."""
+        if len(self.pods) > 1:
+            pods = ", ".join(self.pods)
+            return f"share {self.index} is held by processes of {len(self.pods)} pods: {pods}"
+        if self.pods and self.reserved_for and not self.by_claim and self.pods[0] != self.reserved_for:
+            return (
+                f"share {self.index} is reserved for pod {self.reserved_for} but held by a process "
+                f"of pod {self.pods[0]}"
+            )
+        return None
+
 
 def states(pool: Pool, shares: int, proc: str = "/proc") -> list[ShareState]:
     """Every share of the pool, claimed or free: the kernel's flocks on their leases (engines)
@@ -242,7 +261,8 @@ def states(pool: Pool, shares: int, proc: str = "/proc") -> list[ShareState]:
                     owner = _parse(beneath.read_file(handle.fd, lease, RECORD_LIMIT)).get("owner", "")
                 except (OSError, places.UnsafeEntry):
                     owner = ""
-            out.append(ShareState(i, tuple(sorted(pids)), owner, reserved.get(i, "")))
+            pods = sorted({pod for pid in pids if (pod := pod_cgroup.pod_of(pid, proc)) is not None})
+            out.append(ShareState(i, tuple(sorted(pids)), owner, reserved.get(i, ""), tuple(pods)))
     return out
 
 
