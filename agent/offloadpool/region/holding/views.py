@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from offloadpool.region.files import beneath, places
 from offloadpool.region.files.handle import PoolHandle
 from offloadpool.region.files.manifest import MOUNT_NAME
-from offloadpool.region.memory.mounts import _escape
+from offloadpool.region.memory.mounts import mountinfo_escape
 
 #: the most of one namespace's mount table read (about 20,000 mounts of typical length)
 MAX_TABLE_BYTES = 4 << 20
@@ -95,7 +95,7 @@ def _where(root: str) -> tuple[bytes, bytes] | None:
     except OSError:
         return None
     for point in _ancestors(root):
-        esc = re.escape(os.fsencode(_escape(point)))
+        esc = re.escape(os.fsencode(mountinfo_escape(point)))
         matches = list(re.finditer(rb"^\d+ \d+ (\d+:\d+) (\S+) " + esc + rb" ", table, re.M))
         if matches:
             found = matches[-1]  # the last one: mounted over the others
@@ -103,7 +103,8 @@ def _where(root: str) -> tuple[bytes, bytes] | None:
             if top.endswith(_DELETED):
                 return None
             rest = os.path.relpath(root, point)
-            inside = os.fsdecode(top) if rest == "." else os.path.join(os.fsdecode(top), _escape(rest))
+            top_text = os.fsdecode(top)
+            inside = top_text if rest == "." else os.path.join(top_text, mountinfo_escape(rest))
             return found.group(1), os.fsencode(os.path.normpath(inside))
     return None
 
@@ -119,7 +120,7 @@ def target(pool: PoolHandle) -> Target | None:
     if where is None:
         return None
     dir_dev, root_path = where
-    pool_path = os.path.join(root_path, os.fsencode(_escape(pool.name)))
+    pool_path = os.path.join(root_path, os.fsencode(mountinfo_escape(pool.name)))
     data_dev = None
     try:
         mnt = beneath.open_dir(pool.fd, MOUNT_NAME)
