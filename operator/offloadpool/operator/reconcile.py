@@ -403,7 +403,15 @@ class Reconciler:
         else:
             if last is not None and last.rendering is None:
                 return
-            outcome = "deleted" if self.kube.delete_device_class(class_name) else "unchanged"
+            try:
+                outcome = "deleted" if self.kube.delete_device_class(class_name) else "unchanged"
+            except ApiException as exc:
+                # An operator without the right (RBAC of a release before DRA delivery) made no
+                # class either: a pool that is no DRA pool must not fail its passes for it.
+                if exc.status != 403:
+                    raise
+                log.warning("pool %s: may not delete DeviceClass %s (403); not asked again", name, class_name)
+                outcome = "unchanged"
             memory.device_class = AppliedDeviceClass(None, now)
         if outcome != "unchanged":
             result.writes.append(f"{outcome} DeviceClass {class_name}")
