@@ -73,12 +73,16 @@ class Cluster:
     #: the kubelet's ``--root-dir`` (the CSI plugin's ``csi.kubeletDir``); "" in a
     #: ``cluster.json`` written before it was recorded
     kubelet_dir: str = ""
+    #: the directory of CDI specs the node's containerd reads (the DRA plugin's ``dra.cdiDir``);
+    #: "" in a ``cluster.json`` written before it was recorded
+    cdi_dir: str = ""
 
     def shell_lines(self) -> list[str]:
         """What to run, as the guide's own commands need it on this cluster; comments say
         what differs from a real one (``eval``-safe: a comment line runs nothing)."""
         repository, tag = self.image.rsplit(":", 1)
         csi = f" --set csi.kubeletDir={self.kubelet_dir}" if self.kubelet_dir else ""
+        cdi = f" --set dra.cdiDir={self.cdi_dir}" if self.cdi_dir else ""
         return [
             f"export KUBECONFIG={self.kubeconfig}",
             f"export PATH={self.bin_dir}:$PATH",
@@ -88,10 +92,15 @@ class Cluster:
             # one node, where the pools are too: allow the operator there (the chart keeps it
             # off pool nodes by default)
             f"--set image.tag={tag} --set image.pullPolicy=Never "
-            f"""--set-json 'operator.affinity={{"nodeAffinity":{{}}}}'{csi}""",
+            f"""--set-json 'operator.affinity={{"nodeAffinity":{{}}}}'{csi}{cdi}""",
             *(
                 ["# csi.kubeletDir: this node's kubelet root (add --set csi.enabled=true for CSI delivery)"]
                 if csi
+                else []
+            ),
+            *(
+                ["# dra.cdiDir: where this node's containerd reads CDI specs (add --set dra.enabled=true)"]
+                if cdi
                 else []
             ),
             f"# images: no registry; {GUIDE_BUSYBOX_IMAGE} (the guide's busybox:{_tag(GUIDE_BUSYBOX_IMAGE)}) "
@@ -304,6 +313,7 @@ def supervise(root: Path, archive: Path, image: str) -> int:
             node=node.name,
             image=image,
             kubelet_dir=str(node.kubelet_dir),
+            cdi_dir=str(node.cdi_dir),
         )
         tmp = state.cluster_file.with_name(".cluster.json.tmp")
         tmp.write_text(json.dumps(asdict(cluster), indent=1) + "\n")

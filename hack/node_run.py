@@ -43,6 +43,8 @@ from hack.process import Process, free_ports
 BRIDGE = "opnode0"
 #: the kubelet's ``--root-dir``, under the node's work directory (``Node.kubelet_dir``)
 KUBELET_DIR_NAME = "kubelet"
+#: containerd's ``cdi_spec_dirs``, under the node's work directory (``Node.cdi_dir``)
+CDI_DIR_NAME = "cdi"
 POD_SUBNET = "10.244.77.0/24"
 #: Sysctls the kubelet (protectKernelDefaults: false) and the bridge plugin set: restored after.
 SYSCTLS = (
@@ -336,7 +338,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
   netns_mounts_under_state_dir = true
   enable_selinux = false
   enable_cdi = true
-  cdi_spec_dirs = ["{w}/cdi"]
+  cdi_spec_dirs = ["{w}/{CDI_DIR_NAME}"]
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
@@ -545,6 +547,12 @@ class Node:
         makes it a shared mount itself, as Bidirectional volumes beneath it need."""
         return self.workdir / KUBELET_DIR_NAME
 
+    @property
+    def cdi_dir(self) -> Path:
+        """The directory of CDI specs containerd reads (``cdi_spec_dirs``): the DRA plugin's
+        ``dra.cdiDir``."""
+        return self.workdir / CDI_DIR_NAME
+
     def tag_image(self, ref: str, alias: str) -> None:
         """Give the image ``ref`` of the node's containerd a second name, ``alias``."""
         self.ctr("images", "tag", "--force", ref, alias)
@@ -666,7 +674,7 @@ class NodeRunner:
             "pod-logs",
             "scheduler",
             "host",
-            "cdi",
+            CDI_DIR_NAME,
         ):
             (w / d).mkdir(parents=True, exist_ok=True)
         host_root = w / "host"

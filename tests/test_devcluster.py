@@ -129,7 +129,9 @@ def test_status_prints_the_lines_the_guide_needs_on_this_cluster(
 ) -> None:
     """The printed `helm install` line sets `csi.kubeletDir` to the node's kubelet root (where
     `/var/lib/kubelet` is no kubelet's: the CSI plugin's Bidirectional volume is refused
-    there), and comments name the local busybox and why there is no cluster DNS."""
+    there) and `dra.cdiDir` to the directory its containerd reads CDI specs from (not
+    `/var/run/cdi`: a claim's spec written there reaches no container), and comments name the
+    local busybox and why there is no cluster DNS."""
     from dataclasses import asdict
 
     from hack.devcluster import Cluster
@@ -137,6 +139,7 @@ def test_status_prints_the_lines_the_guide_needs_on_this_cluster(
 
     dev_dir, lock = paths
     kubelet = "/var/lib/offloadpool-dev/node/kubelet"
+    cdi = "/var/lib/offloadpool-dev/node/cdi"
     cluster = Cluster(
         supervisor_pid=stand_in.pid,
         kubeconfig=str(dev_dir / "admin.kubeconfig"),
@@ -145,13 +148,14 @@ def test_status_prints_the_lines_the_guide_needs_on_this_cluster(
         node="this-host",
         image="ghcr.io/offloadpool/offloadpool:0.1.0-dev",
         kubelet_dir=kubelet,
+        cdi_dir=cdi,
     )
     (dev_dir / "cluster.json").write_text(json.dumps(asdict(cluster)))
     out = hack_node("status", dev_dir=dev_dir, lock=lock)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     (helm,) = [line for line in lines if line.startswith("helm install ")]
-    assert helm.endswith(f" --set csi.kubeletDir={kubelet}"), helm
+    assert helm.endswith(f" --set csi.kubeletDir={kubelet} --set dra.cdiDir={cdi}"), helm
     # one node carries both the pools and the operator: the chart's default keeps them apart
     assert """--set-json 'operator.affinity={"nodeAffinity":{}}'""" in helm, helm
     comments = "\n".join(line for line in lines if line.startswith("# "))

@@ -44,7 +44,7 @@ EXAMPLE_POD = EXAMPLES / "dra" / "pod-labelled.yaml"
 
 
 class DraErE2E(DraE2E):
-    def engine(self, name: str, token: str, by_hand: bool = False) -> None:
+    def labelled_engine(self, name: str, token: str, by_hand: bool = False) -> None:
         """examples/dra/pod-labelled.yaml with the test's name, image, engine and toleration:
         the pool label and the container's security, nothing of offloadpool's besides (with
         ``by_hand`` the container also asks for the resource itself)."""
@@ -153,7 +153,7 @@ def test_dra_er_a_labelled_pod_gets_the_pool_by_its_resource_and_one_beyond_wait
     assert resource not in (node["status"].get("allocatable") or {}), node["status"].get("allocatable")
 
     tokens = {n: f"{n}-{uuid.uuid4().hex[:8]}" for n in ("engine-a", "engine-b")}
-    e2e.engine("engine-a", tokens["engine-a"])
+    e2e.labelled_engine("engine-a", tokens["engine-a"])
     e2e.wrote("engine-a", tokens["engine-a"])
     pod = e2e.pod("engine-a") or {}
     (container,) = pod["spec"]["containers"]
@@ -170,7 +170,7 @@ def test_dra_er_a_labelled_pod_gets_the_pool_by_its_resource_and_one_beyond_wait
     assert record.pod_namespace == e2e.consumer_ns
 
     # Beyond the one device: the pod asking by hand waits with the scheduler's reason.
-    e2e.engine("engine-b", tokens["engine-b"], by_hand=True)
+    e2e.labelled_engine("engine-b", tokens["engine-b"], by_hand=True)
     reason = e2e.wait(
         "the scheduler's refusal of the second pod", lambda: scheduled_false(e2e, "engine-b"), 120
     )

@@ -68,6 +68,24 @@ def test_a_pool_without_shares_is_one_device_with_its_whole_capacity() -> None:
     assert dra.ATTR_NUMA_NODE not in _attrs(unplaced)
 
 
+def test_memory_the_kernel_placed_is_on_the_hosts_numa_node_only_when_it_has_one() -> None:
+    """A region without a binding (the kernel's default placement, recorded as ``[]``) is on the
+    host's one NUMA node; on a host of several its node is not known, and a device with such a
+    region says no NUMA node, even where its other region is bound."""
+    req = PoolRequest(name="kv", capacity=64 * MiB, medium="Memory", ranks=2, layout_type="PerRank")
+    (one_node,) = devices("kv", req, [[], []], None, sole_node=0)
+    assert _attrs(one_node)[dra.ATTR_NUMA_NODE] == 0
+    (old_record,) = devices("kv", req, [], None, sole_node=0)  # a record without placements
+    assert _attrs(old_record)[dra.ATTR_NUMA_NODE] == 0
+    (half_bound,) = devices("kv", req, [[1], []], None)
+    assert dra.ATTR_NUMA_NODE not in _attrs(half_bound)
+    shares_req = PoolRequest(
+        name="kv", capacity=64 * MiB, medium="Memory", ranks=2, partitions=2, layout_type="PerRank"
+    )
+    found = devices("kv", shares_req, [[1], [1], [], []], [ShareState(0, ()), ShareState(1, ())])
+    assert [_attrs(d).get(dra.ATTR_NUMA_NODE) for d in found] == [1, None]
+
+
 def _slice(env: dict[str, Any], name: str) -> dict[str, Any] | None:  # noqa: F811
     try:
         return env["custom"].get_cluster_custom_object(

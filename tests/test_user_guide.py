@@ -95,10 +95,12 @@ class Command:
     output: list[str] = field(default_factory=list)  # what the guide shows it printing
 
 
-def guide_blocks(text: str) -> dict[str, list[Command]]:
-    """name -> the block's commands, each with the output lines the guide shows after it."""
+def guide_blocks(text: str, marked: re.Pattern[str] = MARKED) -> dict[str, list[Command]]:
+    """name -> the block's commands, each with the output lines the guide shows after it;
+    ``marked``: the marker's pattern (tests/test_dra_real_node.py runs the blocks marked
+    ``dra-guide-test`` on its own release)."""
     blocks: dict[str, list[Command]] = {}
-    for match in MARKED.finditer(text):
+    for match in marked.finditer(text):
         assert match["name"] not in blocks, f"two blocks marked {match['name']!r}"
         commands: list[Command] = []
         continued = False

@@ -286,6 +286,7 @@ class NodeActions:
         if self.released and self.status.phase == RELEASED:
             self._refresh()
             return self.heartbeat_seconds
+        self._mark_deleting()
         try:
             result = release(
                 self.region.root, self.region.pool_name
@@ -323,6 +324,15 @@ class NodeActions:
         )
         self._event("Normal", RELEASED, "region released")
         return self.heartbeat_seconds
+
+    def _mark_deleting(self) -> None:
+        """The node's note that the pool is being deleted, before its release is tried: the CSI
+        and DRA plugins (no API credentials) then give no new volume or claim of it, so no new
+        holder keeps the deletion waiting (``records.mark_deleting``)."""
+        try:
+            records.mark_deleting(self.region.pool_dir, records.DELETING_NOTE)
+        except (OSError, RegionError) as exc:
+            log.warning("pool %s: cannot note its deletion for the plugins: %s", self.region.pool_name, exc)
 
     def retain(self, d: Decision) -> float:
         """The pool deleted, reclaimPolicy Retain: report Released, leave the memory."""

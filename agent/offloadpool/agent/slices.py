@@ -11,9 +11,13 @@ DRA pool of the same name (one slice, so one writer: no other agent or node shar
   a DRA claim holds stays (its allocation names it).
 
 Every device says the pool (``pool``), ``medium``, ``pageSize``, ``layout``, ``ranks`` and its
-``memory`` capacity, and ``resource.kubernetes.io/numaNode`` where all of its regions are on
-one NUMA node (the node's record says where each region's pages are). Everything is read from
-the node's own record (root-only), never from the pod-writable manifest.
+``memory`` capacity, and ``resource.kubernetes.io/numaNode`` where all of its regions are known
+to be on one NUMA node: the node's record says where each region's pages were bound (a
+``spec.prefault.numa`` policy); a region left to the kernel's default placement is on the
+host's NUMA node only when the host has one (its pages can be nowhere else), and on a host of
+several its place is not known, so its device has no NUMA node (a claim matching one never gets
+it). Everything is read from the node's own record (root-only), never from the pod-writable
+manifest.
 
 The slice is written only when what it should say changes (its ``spec.pool.generation`` goes
 up each time), deleted when the pool is not Ready (provisioning, scrubbing, draining, failed,
@@ -42,6 +46,7 @@ from offloadpool.api.quantity import format_quantity, parse_quantity
 from offloadpool.region.files import record as records
 from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding.shares import ShareState
+from offloadpool.region.memory import numa
 from offloadpool.region.memory.media import medium
 from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import READY
@@ -62,22 +67,38 @@ def _attrs(pool: str, req: PoolRequest, numa: set[int] | None) -> dict[str, dict
     return out
 
 
+def sole_numa_node() -> int | None:
+    """The host's NUMA node when it has exactly one online (where any page of it is); None on a
+    host of several."""
+    online = numa.online_nodes()
+    return online[0] if len(online) == 1 else None
+
+
 def devices(
     pool: str,
     req: PoolRequest,
     numa_nodes: list[list[int]],
     states: list[ShareState] | None,
+    sole_node: int | None = None,
 ) -> list[dict[str, Any]]:
     """The pool's devices (see the module's docstring). ``numa_nodes``: per region of the plan,
-    the NUMA nodes its pages are on (the record's; empty when none was placed); ``states``: each
-    share, as ``shares.states`` read it (None for a pool without shares)."""
+    the NUMA nodes its pages are bound to (the record's; empty for the kernel's default
+    placement); ``states``: each share, as ``shares.states`` read it (None for a pool without
+    shares); ``sole_node``: the host's one NUMA node (``sole_numa_node``), where a region the
+    kernel placed is; None: such a region's node is not known."""
     regions = len(make_plan(req).regions)
-    placed = numa_nodes if len(numa_nodes) == regions else []
+    placed = numa_nodes if len(numa_nodes) == regions else [[] for _ in range(regions)]
 
     def numa_of(first: int, count: int) -> set[int] | None:
-        if not placed:
-            return None
-        return {n for region in placed[first : first + count] for n in region}
+        found: set[int] = set()
+        for region in placed[first : first + count]:
+            if region:
+                found.update(region)
+            elif sole_node is not None:
+                found.add(sole_node)
+            else:
+                return None  # the kernel's placement on a host of several nodes: anywhere
+        return found
 
     if req.partitions < 2:
         device = {
@@ -148,7 +169,7 @@ class Slices:
             return None
         req = rec.pool_request()
         states = self.region.shares(req.partitions)
-        found = devices(self.region.pool_name, req, rec.numa_nodes, states)
+        found = devices(self.region.pool_name, req, rec.numa_nodes, states, sole_numa_node())
         return slice_spec(self.node, self.region.pool_name, found)
 
     def sync(self, phase: str | None, pool_node: dict[str, Any] | None) -> None:

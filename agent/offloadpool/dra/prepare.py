@@ -165,6 +165,7 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
         open_pool(pool_dir, lock=True) as pool,
     ):
         publication.ready(pool)
+        publication.not_deleting(pool, vid)
         allowed = publication.allowed_namespaces(pool)
         if allowed is not None and namespace not in allowed:
             raise Refused(
@@ -185,8 +186,8 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
         try:
             with _claim_dir(config, claim_uid, create=True) as parent:
                 assert parent is not None
-                scrub.before_new_holder(pool, owner)
                 if device.share is None:
+                    scrub.before_new_holder(pool, owner)
                     files = publication.engine_files(pool)
                     publication.record_and_bind(
                         pool,
@@ -199,6 +200,7 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
                     index = device.share
                     shares.reserve(pool, n, owner, only=index)
                     want = _record_of(claim_uid, namespace, name, target, index)
+                    publication.given_share(pool, index, owner, lambda: publication.unreserve(pool, want))
                     files, manifest = publication.share_view(pool, index)
                     publication.record_and_bind(
                         pool,

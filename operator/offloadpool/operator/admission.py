@@ -45,9 +45,10 @@ at ``/offloadpool/<pool>``, where the CDI edits mount, is refused.
 
 Nothing of the CSI or DRA mutation needs a privilege, a capability or a host namespace, so the
 mutated pod is admissible under Pod Security ``restricted`` whenever the user's own containers
-are. The
-webhook does not refuse a ``csi`` volume of the driver that a pod writes itself: the node
-plugin checks the pod's namespace against ``spec.consumers.namespaces`` at publish
+are. A ``csi`` volume of the driver that a pod writes itself is refused by the guard
+(``hostguard``): only the mutation's volume, which comes with the pool's resource, may take a
+share; the node plugin still checks the pod's namespace against ``spec.consumers.namespaces``
+at publish
 (docs/webhook.md).
 
 Idempotent by construction: everything is keyed by name and added only when absent (a volume,
