@@ -69,7 +69,11 @@ DELIVERY_HOST_PATH: Final = "HostPath"
 #: an inline ``csi`` volume the node plugin publishes, the publication being the hold (allowed
 #: under Pod Security ``restricted``)
 DELIVERY_CSI: Final = "CSI"
-DeliveryName = Literal["HostPath", "CSI"]
+#: Dynamic Resource Allocation: the pod asks for the pool's extended resource, the scheduler
+#: satisfies it with a device of the pool's DeviceClass, and the DRA kubelet plugin's CDI edits
+#: bring the pool (allowed under Pod Security ``restricted``)
+DELIVERY_DRA: Final = "DRA"
+DeliveryName = Literal["HostPath", "CSI", "DRA"]
 DELIVERIES: Final[tuple[str, ...]] = get_args(DeliveryName)
 
 # -- what a consumer's containers are told ----------------------------------------------------
