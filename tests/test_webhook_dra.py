@@ -143,3 +143,29 @@ def test_the_operator_keeps_a_dra_pools_device_class_and_removes_it_with_the_poo
     wait_for(f"DeviceClass {name} back with delivery DRA", lambda: device_class(wh, name), timeout=60)
     wh.custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
     wait_for(f"DeviceClass {name} deleted with the pool", lambda: device_class(wh, name) is None, timeout=60)
+
+
+def test_dra_any_pod_may_ask_a_dra_pools_resource_by_hand_in_its_namespaces(
+    dra_ns: tuple[Webhook, str],
+) -> None:
+    """A DRA pool's extended resource brings nothing of the host (the scheduler allocates one of
+    the pool's devices, the plugin checks the claim's namespace at prepare), so the guard lets
+    an unlabelled pod ask for it by hand where the pool allows the namespace; a pool delivered
+    otherwise, or one whose namespaces leave this one out, is still refused, naming the rule."""
+    wh, ns = dra_ns
+    dra_pool = wh.create_pool("drahand", partitions=2, consumers={"delivery": "DRA", "namespaces": [ns]})
+    elsewhere = wh.create_pool("draelse", consumers={"delivery": "DRA", "namespaces": ["not-" + ns]})
+    host_path = wh.create_pool("drahp", consumers={"namespaces": [ns]})
+
+    def by_hand(name: str, pool: str) -> dict[str, Any]:
+        body = restricted_pod(name, None)
+        resource = extended_resource_name(pool)
+        body["spec"]["containers"][0]["resources"] = {"requests": {resource: "1"}, "limits": {resource: "1"}}
+        return body
+
+    pod = wait_admitted(wh, by_hand("hand", dra_pool), ns)
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {extended_resource_name(dra_pool): "1"}
+    assert not pod["metadata"].get("labels")  # nothing of the webhook's: the guard only admits
+    for name, pool in (("elsewhere", elsewhere), ("hostpath", host_path)):
+        message = wh.refusal(by_hand(name, pool), ns)
+        assert f"resource {extended_resource_name(pool)}: only a pod labelled" in message, message

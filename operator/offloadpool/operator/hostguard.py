@@ -22,7 +22,7 @@ Pure functions of the pod as the API server sends it; the validating webhook's h
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,7 @@ def refusals(
     trees: Sequence[Guarded],
     pool: str | None,
     pool_volumes: Sequence[Mapping[str, Any]] = (),
+    dra_resources: Collection[str] = (),
 ) -> list[str]:
     """Why the pod may not hold what it holds of the guarded trees; empty when it may.
 
@@ -136,7 +137,10 @@ def refusals(
     at publish: written by hand it would carry no ``offloadpool.io/<pool>`` request, so the
     scheduler would count no slot for it and a labelled pod placed by that count would fail
     its publish (``RESOURCE_EXHAUSTED``); only the mutation's volume comes with the request
-    (the validating webhook checks the mutation is all there)."""
+    (the validating webhook checks the mutation is all there). ``dra_resources``: extended
+    resources of DRA pools that allow the pod's namespace, which any pod may request by hand:
+    the scheduler satisfies them with a device of the pool's DeviceClass, and the DRA plugin
+    checks the claim's namespace again at prepare; nothing of the host comes with them."""
     why = []
     for volume in host_volumes(pod):
         path = str((volume.get("hostPath") or {}).get("path", ""))
@@ -178,7 +182,7 @@ def refusals(
                 f"{extended_resource_name(pool)})"
             )
     allowed = extended_resource_name(pool) if pool is not None else None
-    for name in sorted(pool_resources(pod) - {allowed}):
+    for name in sorted(pool_resources(pod) - {allowed} - set(dra_resources)):
         why.append(
             f"resource {name}: only a pod labelled {POD_POOL_LABEL}: {name[len(RESOURCE_PREFIX) :]} "
             f"may request it (the webhook gives such a pod its pool and the resource)"
