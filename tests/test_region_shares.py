@@ -346,3 +346,20 @@ def test_an_engine_joining_another_pods_share_is_seen_by_the_node(
 )
 def test_the_pod_of_a_cgroup_path_is_the_kubelets_level(path: str, uid: str | None) -> None:
     assert pod_cgroup.pod_of_path(path) == uid
+
+
+def test_a_share_shows_how_it_was_given(make_pool: PoolFactory) -> None:
+    """A csi volume's reservation reads ``CSI`` (holder the pod's uid), a DRA claim's ``DRA``
+    (holder ``claim/<uid>``), an engine's flock ``Engine``; a free share none."""
+    pool = make_pool("kv", capacity=24 * MiB, partitions=3, min_segment=4 * MiB)
+    pod, claim = "0b7c4a52-5555-4c3e-9d1a-6f2b8e0c1a05", shares.claim_owner("7d0e-claim")
+    shares.reserve(pool, 3, pod, only=0)
+    shares.reserve(pool, 3, claim, only=1)
+    engine = start(pool, "engine-1", 0x41)
+    try:
+        assert ready(engine)["share"] == 2
+        got = [(s.via, s.holder) for s in shares.states(pool, 3)]
+        assert got == [("CSI", pod), ("DRA", claim), ("Engine", "engine-1")]
+    finally:
+        stop(engine)
+    assert shares.states(pool, 3)[2].via is None

@@ -44,7 +44,8 @@ class NodeShare(StatusModel):
 
     index: int = Field(ge=0, lt=MAX_PARTITIONS)
     claimed: bool
-    #: How it is claimed: a csi volume reserved it for a pod, or an engine holds its lease.
+    #: How it is claimed: a csi volume reserved it for a pod, a DRA claim was given it, or an
+    #: engine holds its lease.
     via: ShareViaName | None = None
     #: Who holds it: the pod a csi volume gave it to, else the owner its engine wrote (the
     #: pod's uid, or a process's pid namespace). Written by a pod: clipped, printable text.

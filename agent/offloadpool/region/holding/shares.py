@@ -52,7 +52,7 @@ from offloadpool.region.files import beneath, bounded, places
 from offloadpool.region.files.handle import Pool, PoolHandle, given
 from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.holding import pod_cgroup
-from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_ENGINE, ShareViaName
+from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_DRA, VIA_ENGINE, ShareViaName
 
 SHARES_NAME = "shares"
 #: a share's reservation for a pod given it through a csi volume or a DRA claim (root's; see
@@ -215,8 +215,11 @@ class ShareState:
 
     @property
     def via(self) -> ShareViaName | None:
-        """``VIA_CSI``, ``VIA_ENGINE``, or None when free."""
-        return VIA_CSI if self.reserved_for else (VIA_ENGINE if self.holders else None)
+        """``VIA_CSI`` or ``VIA_DRA`` (a reservation for a pod's volume or a claim),
+        ``VIA_ENGINE``, or None when free."""
+        if self.reserved_for:
+            return VIA_DRA if self.by_claim else VIA_CSI
+        return VIA_ENGINE if self.holders else None
 
     @property
     def by_claim(self) -> bool:
