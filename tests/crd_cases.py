@@ -223,6 +223,11 @@ INVALID_POOLS: list[InvalidPool] = [
     InvalidPool("reclaim-policy-unknown", _s(reclaimPolicy="Keep"), "spec.reclaimPolicy"),
     InvalidPool("delivery-unknown", _s(consumers={"delivery": "Csi"}), "spec.consumers.delivery"),
     InvalidPool(
+        "delivery-dra-with-compat",
+        _s(consumers={"delivery": "DRA"}, segments={"maxFiles": 1}, compat={"vllm": {"engineId": "e-1"}}),
+        "spec.consumers.delivery",
+    ),
+    InvalidPool(
         "engineid-path-traversal",
         _s(segments={"maxFiles": 1}, compat={"vllm": {"engineId": "../etc/passwd"}}),
         "spec.compat.vllm.engineId",

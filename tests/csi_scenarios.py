@@ -693,6 +693,163 @@ def shares(w: World) -> dict[str, Any]:
     return out
 
 
+THIRD_POD = "0f8e1c2a-3333-4222-8333-444455556666"
+
+
+def _share_io(w: World, pod: str, data: bytes | None = None, n: int = 12) -> str:
+    """Write ``data`` at the start of the pod's share (its target's first file), or read ``n``
+    bytes there (hex when all zero)."""
+    t = w.target(pod)
+    name = sorted(os.listdir(f"{t}/mnt"))[0]
+    fd = os.open(f"{t}/mnt/{name}", os.O_RDWR)
+    try:
+        if data is not None:
+            os.pwrite(fd, data, 0)
+            return "written"
+        got = os.pread(fd, n, 0)
+    finally:
+        os.close(fd)
+    return got.hex() if got.strip(b"\0") == b"" else got.decode(errors="replace")
+
+
+def _share_pub(w: World, pool: str, pod: str) -> dict[str, Any]:
+    os.makedirs(os.path.dirname(w.target(pod)), exist_ok=True)
+    return {
+        "volume_id": f"csi-{pool}-{pod[9:13]}",
+        "target_path": w.target(pod),
+        "context": {"pool": pool, "csi.storage.k8s.io/pod.uid": pod},
+    }
+
+
+def _share_of(w: World, pool: str, pod: str) -> int | None:
+    from offloadpool.region.holding import published
+
+    found = [p.share for p in published.load_all(f"{w.root}/{pool}") if p.pod_uid == pod]
+    return found[0] if found else None
+
+
+def share_scrub(w: World) -> dict[str, Any]:
+    """``scrub: Always`` per share of a two-share pool: pod A writes its share and leaves while
+    pod C holds the other share; pod B is given A's share and reads zeros, C's bytes untouched;
+    B's retry keeps B's bytes; a hostPath engine's claim of the share is a holder too."""
+    from offloadpool.region.files import record as records
+    from offloadpool.region.holding import shares
+    from offloadpool.region.lifecycle.provision import provision
+    from offloadpool.region.request import PoolRequest
+
+    pool = "kvs-always"
+    provision(PoolRequest(name=pool, capacity=4 << 20, medium="Memory", partitions=2, scrub="Always"), w.root)
+    a, b, c = (_share_pub(w, pool, p) for p in (POD, OTHER_POD, THIRD_POD))
+    out: dict[str, Any] = {"a": w.publish(**a), "c": w.publish(**c)}
+    out["a_share"], out["c_share"] = _share_of(w, pool, POD), _share_of(w, pool, THIRD_POD)
+    _share_io(w, POD, b"secret-of-a!")
+    _share_io(w, THIRD_POD, b"secret-of-c!")
+    out["unpublish_a"] = w.unpublish(a["volume_id"], w.target(POD))
+    out["b"] = w.publish(**b)  # C still holds the other share: the pool is never free
+    out["b_share"] = _share_of(w, pool, OTHER_POD)
+    out["b_reads"] = _share_io(w, OTHER_POD)
+    out["c_reads"] = _share_io(w, THIRD_POD)
+    rec = records.load(f"{w.root}/{pool}")
+    assert rec is not None
+    out["scrub"] = {k: rec.scrub.get(k) for k in ("reason", "share")}
+    _share_io(w, OTHER_POD, b"bytes-of-b!!")
+    out["b_again"] = w.publish(**b)  # the kubelet's retry: the same holder, nothing zeroed
+    out["b_reads_again"] = _share_io(w, OTHER_POD)
+    out["unpublish_b"] = w.unpublish(b["volume_id"], w.target(OTHER_POD))
+    # a hostPath engine claims the free share, writes and exits; pod A is given it next
+    claim = shares.claim(Path(f"{w.root}/{pool}"), 2, owner="engine-x")
+    out["engine_share"] = claim.index
+    name = sorted(n for n in os.listdir(f"{w.root}/{pool}/mnt") if n.startswith(f"p{claim.index}-"))[0]
+    fd = os.open(f"{w.root}/{pool}/mnt/{name}", os.O_RDWR)
+    os.pwrite(fd, b"engine-bytes", 0)
+    os.close(fd)
+    claim.close()
+    out["a_again"] = w.publish(**a)
+    out["a_again_share"] = _share_of(w, pool, POD)
+    out["a_reads"] = _share_io(w, POD)
+    out["c_reads_end"] = _share_io(w, THIRD_POD)
+    out["end"] = [
+        w.unpublish(a["volume_id"], w.target(POD)),
+        w.unpublish(c["volume_id"], w.target(THIRD_POD)),
+    ]
+    return out
+
+
+def share_scrub_fault(w: World) -> dict[str, Any]:
+    """kill -9 while publish zeroes one share for a new pod: that share stays withheld (its
+    manifest gone, its files root's, the record pending) while the pool stays Ready and the
+    other share's pod keeps its bytes; the kubelet's retry finishes the zeroing."""
+    from offloadpool.region.files import record as records
+    from offloadpool.region.lifecycle.provision import provision
+    from offloadpool.region.lifecycle.status import pool_state
+    from offloadpool.region.request import PoolRequest
+
+    pool = "kvs-always"
+    req = PoolRequest(name=pool, capacity=4 << 20, medium="Memory", partitions=2, scrub="Always")
+    provision(req, w.root)
+    a, b, c = (_share_pub(w, pool, p) for p in (POD, OTHER_POD, THIRD_POD))
+    proc = _spawn(w)
+    out: dict[str, Any] = {"a": w.publish(**a), "c": w.publish(**c)}
+    share = _share_of(w, pool, POD)
+    _share_io(w, POD, b"secret-of-a!")
+    _share_io(w, THIRD_POD, b"secret-of-c!")
+    out["unpublish_a"] = w.unpublish(a["volume_id"], w.target(POD))
+    proc.kill()
+    proc.wait()
+    proc = _spawn(w, "Scrubbing")
+    out["call"] = _kill_when_stopped(proc, lambda: w.publish(**b))
+    proc = _spawn(w)
+    rec = records.load(f"{w.root}/{pool}")
+    assert rec is not None
+    out["pending"] = bool(rec.shares.get(str(share), {}).get("pending"))
+    out["phase"] = pool_state(w.root, pool).phase
+    sdir = f"{w.root}/{pool}/shares/{share}"
+    out["share_manifest"] = os.path.exists(f"{sdir}/manifest.json")
+    mnt = f"{w.root}/{pool}/mnt"
+    out["modes"] = sorted(
+        {oct(os.stat(f"{mnt}/{n}").st_mode & 0o777) for n in os.listdir(mnt) if n.startswith(f"p{share}-")}
+    )
+    out["c_reads"] = _share_io(w, THIRD_POD)
+    provision(req, w.root)  # the agent's pass in between: the share is still held by nobody: done
+    rec = records.load(f"{w.root}/{pool}")
+    assert rec is not None
+    out["pending_after_provision"] = bool(rec.shares.get(str(share), {}).get("pending"))
+    out["b"] = w.publish(**b)
+    out["b_share"] = _share_of(w, pool, OTHER_POD)
+    out["b_reads"] = _share_io(w, OTHER_POD)
+    out["c_reads_end"] = _share_io(w, THIRD_POD)
+    out["end"] = [
+        w.unpublish(b["volume_id"], w.target(OTHER_POD)),
+        w.unpublish(c["volume_id"], w.target(THIRD_POD)),
+    ]
+    proc.kill()
+    proc.wait()
+    return out
+
+
+def deleting(w: World) -> dict[str, Any]:
+    """The agent's note that the pool is being deleted: a new volume is refused
+    FAILED_PRECONDITION naming the deletion; the volume given before keeps working and is
+    unpublished as ever."""
+    out: dict[str, Any] = {"a": w.publish()}
+    _write(w, "kv", POD, b"still-here")
+    # the agent's note as it writes it (tests/test_agent_process.py shows the agent writing it)
+    state = Path(f"{w.root}/.state/kv/state.json")
+    rec = json.loads(state.read_text())
+    rec["deleting"] = "its OffloadPool was deleted; the node is draining it for release"
+    state.write_text(json.dumps(rec))
+    out["marked"] = True
+    b = _pod("kv", OTHER_POD)
+    b["target_path"] = w.target(OTHER_POD)
+    out["b"] = w.publish(**b)
+    out["a_again"] = w.publish()  # the kubelet's retry of the volume given before
+    out["a_reads"] = _read(w, "kv", POD, 10)
+    out["after"] = w.snapshot()["records"]
+    out["unpublish_a"] = w.unpublish()
+    out["end"] = w.snapshot()
+    return out
+
+
 def locks(w: World) -> dict[str, Any]:
     """No publish waits on a lock a pod can take, nor on another pool's lock: a consumer's
     flock on a partitioned pool's ``shares`` directory, and a publish of pool ``kv`` stuck

@@ -516,7 +516,23 @@ def test_csi_delivery_the_guard_still_refuses_a_hand_written_hostpath_of_the_poo
     mutated = admission.mutate(pod(volumes=[own]), p, SETTINGS)
     why = hostguard.refusals(mutated, SETTINGS.guarded(), "kv", admission.volumes(p, SETTINGS))
     assert why and "volume 'mine'" in why[0]
-    assert hostguard.refusals(admission.mutate(pod(), p, SETTINGS), SETTINGS.guarded(), "kv", []) == []
+    mutated = admission.mutate(pod(), p, SETTINGS)
+    assert hostguard.refusals(mutated, SETTINGS.guarded(), "kv", admission.volumes(p, SETTINGS)) == []
+
+
+def test_the_guard_refuses_a_csi_volume_of_the_driver_but_the_mutations_own() -> None:
+    """Issue 36 finding 7: a csi volume of the driver takes a share at publish; only the
+    mutation's, for the pod's labelled pool (with its resource), is admitted."""
+    p = csi_pool()
+    own = {"name": "own", "csi": {"driver": "offloadpool.io", "volumeAttributes": {"pool": "kv"}}}
+    (why,) = hostguard.refusals(pod(volumes=[own]), SETTINGS.guarded(), None)
+    assert "volume 'own': an inline csi volume of driver offloadpool.io (pool 'kv')" in why, why
+    assert "by the label offloadpool.io/pool: <pool>" in why, why
+    mutated = admission.mutate(pod(volumes=[own]), p, SETTINGS)
+    (why,) = hostguard.refusals(mutated, SETTINGS.guarded(), "kv", admission.volumes(p, SETTINGS))
+    assert "'own'" in why and "is not the volume the webhook writes for offloadpool.io/pool: kv" in why, why
+    other = {"name": "x", "csi": {"driver": "other.example.com", "volumeAttributes": {"pool": "kv"}}}
+    assert hostguard.refusals(pod(volumes=[other]), SETTINGS.guarded(), None) == []
 
 
 @pytest.mark.parametrize("partitions", [1, 2])

@@ -303,6 +303,30 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     assert not mounts_under(env["root"]) and not pool_dir.exists()
 
 
+def test_a_deleted_pool_is_noted_in_the_nodes_record_while_it_drains(env: dict[str, Any]) -> None:
+    """Issue 36 finding 7: the CSI and DRA plugins have no API credentials, so the agent notes a
+    pool's deletion in its root-only record when it starts draining it; the plugins then give
+    no new volume or claim of it (tests/test_csi_node.py shows the refusal)."""
+    pool, node = "agent-deleting", "node-x"
+    create(env, pool, node, {"capacity": "16Mi", "medium": "Memory"})
+    name = f"{pool}.{node}"
+    start_agent(env, pool, node)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    pool_dir = env["root"] / pool
+    record = env["root"] / ".state" / pool / "state.json"
+    assert json.loads(record.read_text()).get("deleting", "") == ""
+    engine = hold_lease(env, pool_dir)
+    wait_for("enginesAttached 1", lambda: status(env, name).get("enginesAttached") == 1, timeout=30)
+    env["custom"].delete_cluster_custom_object(GROUP, VERSION, "offloadpools", pool)
+    wait_for("Draining", lambda: status(env, name).get("phase") == "Draining", timeout=30)
+    noted = json.loads(record.read_text()).get("deleting")
+    assert noted == "its OffloadPool was deleted; the node is draining it for release", noted
+    engine.kill()
+    engine.wait(10)
+    wait_for("Released", lambda: status(env, name).get("phase") == "Released", timeout=30)
+    assert not pool_dir.exists() and not record.exists()
+
+
 def test_agent_creates_its_node_object_once_and_never_brings_back_a_removed_one(
     env: dict[str, Any],
 ) -> None:

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
+from fixtures.cgroups import Cgroups, in_cgroups
 from fixtures.host import cli
 from fixtures.wait import wait_for
 from offloadpool.region.holding import shares
@@ -93,3 +95,48 @@ def test_agent_reports_each_share_claimed_by_whom_and_frees_it_when_the_engine_d
     assert shares.unreserve(pool_dir, csi["index"], CSI_POD)
     wait_for("all free", lambda: status(env, name).get("sharesClaimed") == "0/4", timeout=30)
     assert column(env, name) == "0/4"
+
+
+def test_agent_shows_a_share_held_from_two_pods_and_warns(
+    cgroups: Cgroups,  # first: removed after ``env`` has stopped the engines in them
+    env: dict[str, Any],  # noqa: F811
+) -> None:
+    """An engine joins another pod's share by writing that pod's owner (over hostPath nothing
+    stops it): the agent names both pods in the share's status — from the cgroups the kubelet
+    put them in, not from what they wrote — and posts a ``ShareSharedAcrossPods`` Warning."""
+    pool, node = "agent-crossed", "node-c"
+    create(env, pool, node, {"capacity": "8Mi", "medium": "Memory", "partitions": 2})
+    name = f"{pool}.{node}"
+    start_agent(env, pool, node)
+    wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
+    pool_dir = env["root"] / pool
+    pods = ["0b7c4a52-3333-4c3e-9d1a-6f2b8e0c1a03", "0b7c4a52-4444-4c3e-9d1a-6f2b8e0c1a04"]
+    index = None
+    for pod in pods:
+        group = cgroups.child("memory")
+        for part in ("kubepods", "besteffort", f"pod{pod}"):
+            group = group / part
+            group.mkdir()
+            cgroups.made.append(group)
+        argv = [sys.executable, "-c", textwrap.dedent(ENGINE), str(pool_dir), "one-owner"]
+        proc = subprocess.Popen(in_cgroups([group], argv), stdout=subprocess.PIPE, text=True)
+        env["engines"].append(proc)
+        assert proc.stdout is not None
+        got = int(proc.stdout.readline())
+        assert index in (None, got)
+        index = got
+
+    def shown() -> Any:
+        st = status(env, name)
+        return next((s for s in st.get("shares", []) if s["index"] == index and s.get("pods") == pods), None)
+
+    share = wait_for("both pods in the share's status", shown, timeout=30)
+    assert share["engines"] == 2 and share["holder"] == "one-owner", share
+    core = client.CoreV1Api(env["custom"].api_client)
+
+    def warned() -> Any:
+        events = core.list_namespaced_event("default", field_selector=f"involvedObject.name={name}").items
+        return next((e for e in events if e.reason == "ShareSharedAcrossPods"), None)
+
+    event = wait_for("a ShareSharedAcrossPods Event", warned, timeout=30)
+    assert event.type == "Warning" and all(p in event.message for p in pods), event

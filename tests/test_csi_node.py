@@ -277,3 +277,50 @@ def test_csi_publish_never_waits_on_a_pods_lock_or_another_pools(tmp_path):
     assert r["kv2_seconds"] < 3, f"pool kv2's publish waited {r['kv2_seconds']:.1f} s"
     assert r["kv_while_held"] == "waiting" and r["kv"] == "OK", r
     assert r["unpublish_kv2"] == r["unpublish_kv"] == "OK", r
+
+
+def test_csi_share_is_zeroed_for_a_new_pod_while_another_share_is_held(tmp_path):
+    """Issue 36 finding 7: ``scrub: Always`` per share. Pod C holds one share throughout, so
+    the pool is never free; pod B, given the share pod A left, reads zeros and C's bytes are
+    untouched; B's retry keeps B's bytes; a hostPath engine's claim makes the next pod's share
+    zeroed too."""
+    r = scenario(tmp_path, "share_scrub")
+    assert [r[k] for k in ("a", "c", "unpublish_a", "b")] == ["OK"] * 4, r
+    assert {r["a_share"], r["c_share"]} == {0, 1} and r["b_share"] == r["a_share"], r
+    assert r["b_reads"] == "00" * 12, "pod B read what pod A left in its share"
+    assert r["c_reads"] == "secret-of-c!", "the zeroing reached the share pod C holds"
+    assert r["scrub"]["share"] == r["a_share"] and f"handed to {OTHER_POD}" in r["scrub"]["reason"], r[
+        "scrub"
+    ]
+    assert f"{POD} had it before" in r["scrub"]["reason"], r["scrub"]
+    assert r["b_again"] == "OK" and r["b_reads_again"] == "bytes-of-b!!", "a retry zeroed the pod's own bytes"
+    assert r["unpublish_b"] == "OK" and r["engine_share"] == r["a_share"]
+    assert r["a_again"] == "OK" and r["a_again_share"] == r["engine_share"]
+    assert r["a_reads"] == "00" * 12, "pod A read what a hostPath engine left in the share"
+    assert r["c_reads_end"] == "secret-of-c!" and r["end"] == ["OK", "OK"]
+
+
+def test_csi_plugin_killed_while_zeroing_a_share_withholds_that_share_alone(tmp_path):
+    r = scenario(tmp_path, "share_scrub_fault")
+    assert r["a"] == r["c"] == r["unpublish_a"] == "OK" and r["call"].startswith("UNAVAILABLE"), r
+    assert r["pending"] and r["phase"] == "Ready", r
+    assert r["share_manifest"] is False and r["modes"] == ["0o600"], r
+    assert r["c_reads"] == "secret-of-c!"
+    assert r["pending_after_provision"] is False, "the agent's provision left the share pending"
+    assert r["b"] == "OK" and r["b_reads"] == "00" * 12, (
+        "pod B read what pod A left after an interrupted zeroing"
+    )
+    assert r["c_reads_end"] == "secret-of-c!" and r["end"] == ["OK", "OK"]
+
+
+def test_csi_publish_for_a_pool_being_deleted_is_refused(tmp_path):
+    """Issue 36 finding 7: once the agent notes the pool's deletion, no new volume is given it
+    (a new holder would hold the deletion for ever); the volume given before keeps working,
+    its retry is answered, and it is unpublished as ever."""
+    r = scenario(tmp_path, "deleting")
+    assert r["a"] == "OK" and r["marked"] is True
+    assert r["b"].startswith("FAILED_PRECONDITION: pool kv is being deleted"), r["b"]
+    assert "OffloadPool was deleted" in r["b"], r["b"]
+    assert r["a_again"] == "OK" and r["a_reads"] == "still-here"
+    assert [x["volume_id"] for x in r["after"]] == ["csi-0123456789abcdef"], "a refused publish left a record"
+    assert r["unpublish_a"] == "OK" and r["end"]["mounts"] == [] and r["end"]["records"] == []

@@ -21,11 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.cgroups import Cgroups, in_cgroups
 from fixtures.pinning_pools import MiB, PoolFactory
+from offloadpool.api.node import NodeShare
 from offloadpool.pinning import AttachError, attach
 from offloadpool.region.errors import RequestError
 from offloadpool.region.files.manifest import MANIFEST_NAME, load
-from offloadpool.region.holding import shares
+from offloadpool.region.holding import pod_cgroup, shares
 from offloadpool.region.holding.lease import LeaseHeld
 from offloadpool.region.lifecycle.provision import provision
 from offloadpool.region.request import SHAPE_FIELDS, PoolRequest
@@ -270,3 +272,94 @@ def test_a_reservation_and_an_engine_claim_racing_never_share_a_share(make_pool:
                 assert shares.unreserve(pool, 1 - held.index, "a-pod")
     finally:
         held.close()
+
+
+def _pod_cgroup(cgroups: Cgroups, uid: str) -> Path:
+    """A cgroup named as the kubelet's cgroupfs driver names a Burstable pod's, below a scratch
+    cgroup of this test (removed afterwards)."""
+    path = cgroups.child("memory")
+    for part in ("kubepods", "burstable", f"pod{uid}"):
+        path = path / part
+        path.mkdir()
+        cgroups.made.append(path)
+    return path
+
+
+def test_an_engine_joining_another_pods_share_is_seen_by_the_node(
+    make_pool: PoolFactory, cgroups: Cgroups
+) -> None:
+    """Over hostPath an engine names its own owner, so it can join another pod's share; the
+    node cannot stop that, but it sees it: each holder's pod comes from the cgroup the kubelet
+    put it in, not from what the engine wrote. Two "pods" (processes in two pod-named cgroups)
+    claim with one owner: the share's state names both pods and says it is crossed; one pod
+    alone is not."""
+    pool = make_pool("kv", capacity=16 * MiB, partitions=2, min_segment=4 * MiB)
+    pod_a, pod_b = "0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01", "0b7c4a52-2222-4c3e-9d1a-6f2b8e0c1a02"
+    cg_a, cg_b = _pod_cgroup(cgroups, pod_a), _pod_cgroup(cgroups, pod_b)
+
+    def engine(group: Path, fill: int) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-c", textwrap.dedent(ENGINE), str(pool), "shared-owner", "0", str(fill)]
+        return subprocess.Popen(
+            in_cgroups([group], argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    first = engine(cg_a, 0x31)
+    try:
+        share = int(ready(first)["share"])  # type: ignore[call-overload]
+        alone = shares.states(pool, 2)[share]
+        assert alone.pods == (pod_a,) and alone.crossed() is None
+        second = engine(cg_b, 0x32)
+        try:
+            assert ready(second)["share"] == share  # joined under the same owner
+            state = shares.states(pool, 2)[share]
+            assert state.pods == (pod_a, pod_b)
+            assert state.crossed() == f"share {share} is held by processes of 2 pods: {pod_a}, {pod_b}"
+            shown = NodeShare.of(state)
+            assert shown.pods == [pod_a, pod_b] and shown.engines == 2
+        finally:
+            stop(second)
+    finally:
+        stop(first)
+
+
+@pytest.mark.parametrize(
+    ("path", "uid"),
+    [
+        (
+            "/kubepods/burstable/pod0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01/4f1d",
+            "0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01",
+        ),
+        ("/kubepods/pod0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01/4f1d", "0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01"),
+        (
+            "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0b7c4a52_1111_4c3e_9d1a_6f2b8e0c1a01"
+            ".slice/cri-containerd-4f1d.scope",
+            "0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01",
+        ),
+        # a pod that could make cgroups below its own names a second pod level: the first counts
+        (
+            "/kubepods/pod0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01/4f1d/pod0b7c4a52-2222-4c3e-9d1a-6f2b8e0c1a02",
+            "0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01",
+        ),
+        ("/system.slice/containerd.service", None),
+        ("/user.slice/podman-pod0b7c.scope", None),
+    ],
+)
+def test_the_pod_of_a_cgroup_path_is_the_kubelets_level(path: str, uid: str | None) -> None:
+    assert pod_cgroup.pod_of_path(path) == uid
+
+
+def test_a_share_shows_how_it_was_given(make_pool: PoolFactory) -> None:
+    """A csi volume's reservation reads ``CSI`` (holder the pod's uid), a DRA claim's ``DRA``
+    (holder ``claim/<uid>``), an engine's flock ``Engine``; a free share none."""
+    pool = make_pool("kv", capacity=24 * MiB, partitions=3, min_segment=4 * MiB)
+    pod, claim = "0b7c4a52-5555-4c3e-9d1a-6f2b8e0c1a05", shares.claim_owner("7d0e-claim")
+    shares.reserve(pool, 3, pod, only=0)
+    shares.reserve(pool, 3, claim, only=1)
+    engine = start(pool, "engine-1", 0x41)
+    try:
+        assert ready(engine)["share"] == 2
+        got = [(s.via, s.holder) for s in shares.states(pool, 3)]
+        assert got == [("CSI", pod), ("DRA", claim), ("Engine", "engine-1")]
+    finally:
+        stop(engine)
+    assert shares.states(pool, 3)[2].via is None

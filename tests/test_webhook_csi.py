@@ -165,21 +165,34 @@ def test_restricted_csi_compat_pool_mounts_vllms_file_from_the_volume(
     } in container["volumeMounts"]
 
 
-def test_csi_a_hand_written_csi_volume_of_the_driver_is_admitted_the_node_decides(
+def test_csi_a_hand_written_csi_volume_of_the_driver_is_refused_the_labelled_pod_admitted(
     restricted: tuple[Webhook, str],
 ) -> None:
-    """An unlabelled pod bringing its own ``csi`` volume of the driver, for a pool its
-    namespace may not have, is admitted: admission does not guard CSI volumes, the node plugin
-    checks the namespace at publish (tests/test_csi_real_node.py shows the refusal there)."""
+    """Issue 36 finding 7: a csi volume of the driver takes a share at publish; written by hand
+    it carries no ``offloadpool.io/<pool>`` request, so the scheduler counts no slot for it
+    and labelled pods placed by that count fail ``RESOURCE_EXHAUSTED``. The guard refuses it,
+    unlabelled (even for a pool its namespace may have) or beside a labelled pod's own volume;
+    the labelled pod, whose volume is exactly the mutation's (with the resource), is admitted."""
     wh, ns = restricted
-    pool = wh.create_pool("csiown", consumers={"delivery": "CSI", "namespaces": [wh.other_namespace]})
+    pool = wh.create_pool("csiown", consumers={"delivery": "CSI", "namespaces": [ns]})
     body = restricted_pod("own-csi", None)
     body["spec"]["volumes"] = [
         {"name": "p", "csi": {"driver": CSI_DRIVER, "volumeAttributes": {"pool": pool}}}
     ]
     body["spec"]["containers"][0]["volumeMounts"] = [{"name": "p", "mountPath": "/pool"}]
-    pod = wh.create_pod(body, ns)
-    assert pod["spec"]["volumes"][0]["csi"]["driver"] == CSI_DRIVER
+    message = forbidden(wh, body, ns)
+    assert "pods.guard.offloadpool.io" in message, message
+    assert f"volume 'p': an inline csi volume of driver {CSI_DRIVER} (pool '{pool}')" in message, message
+    assert f"by the label {POD_POOL_LABEL}: <pool>" in message and "offloadpool.io/<pool>" in message, message
+    # a labelled pod bringing a second share of its pool under another name
+    labelled = restricted_pod("two-csi", pool)
+    labelled["spec"]["volumes"] = copy.deepcopy(body["spec"]["volumes"])
+    labelled["spec"]["containers"][0]["volumeMounts"] = [{"name": "p", "mountPath": "/pool"}]
+    message = forbidden(wh, labelled, ns)
+    assert f"is not the volume the webhook writes for {POD_POOL_LABEL}: {pool}" in message, message
+    pod = wait_admitted(wh, restricted_pod("labelled", pool), ns)
+    asked = pod["spec"]["containers"][0]["resources"]["limits"]
+    assert asked == {f"offloadpool.io/{pool}": "1"}, asked
 
 
 def test_csi_pool_a_labelled_pod_with_its_own_hostpath_of_the_pool_is_refused(

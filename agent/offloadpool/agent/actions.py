@@ -109,6 +109,9 @@ class NodeActions:
         partitions = self.applied.request.partitions if self.applied else 1
         found = self.region.shares(partitions)
         if found is not None:
+            crossed = [why for state in found if (why := state.crossed()) is not None]
+            if crossed:  # one note for all, posted once while it stays so (NodeEvents)
+                self._event("Warning", "ShareSharedAcrossPods", clip_message("; ".join(crossed)))
             return {"shares": [NodeShare.of(s) for s in found], "shares_claimed": shares.claimed_of(found)}
         if seen.get("sharesClaimed") is not None or self.status.current.shares_claimed is not None:
             return {"shares": None, "shares_claimed": None}
@@ -286,6 +289,7 @@ class NodeActions:
         if self.released and self.status.phase == RELEASED:
             self._refresh()
             return self.heartbeat_seconds
+        self._mark_deleting()
         try:
             result = release(
                 self.region.root, self.region.pool_name
@@ -323,6 +327,15 @@ class NodeActions:
         )
         self._event("Normal", RELEASED, "region released")
         return self.heartbeat_seconds
+
+    def _mark_deleting(self) -> None:
+        """The node's note that the pool is being deleted, before its release is tried: the CSI
+        and DRA plugins (no API credentials) then give no new volume or claim of it, so no new
+        holder keeps the deletion waiting (``records.mark_deleting``)."""
+        try:
+            records.mark_deleting(self.region.pool_dir, records.DELETING_NOTE)
+        except (OSError, RegionError) as exc:
+            log.warning("pool %s: cannot note its deletion for the plugins: %s", self.region.pool_name, exc)
 
     def retain(self, d: Decision) -> float:
         """The pool deleted, reclaimPolicy Retain: report Released, leave the memory."""

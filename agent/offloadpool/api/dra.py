@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from offloadpool.api.constants import GROUP, node_object_name
+from offloadpool.api.constants import GROUP, extended_resource_name, node_object_name
 
 #: The DRA driver's name: every ResourceSlice's ``spec.driver``, the DeviceClass's selector, the
 #: kubelet plugin's registration. The same name as the CSI driver (the kubelet keeps CSI and DRA
@@ -15,6 +15,12 @@ from offloadpool.api.constants import GROUP, node_object_name
 DRA_DRIVER: Final = GROUP
 #: The DeviceClass the chart installs: claims ask for ``deviceClassName: offloadpool.io``.
 DEVICE_CLASS: Final = GROUP
+#: A DRA pool's own DeviceClass (``spec.consumers.delivery: DRA``), which the operator renders:
+#: ``<pool>.offloadpool.io`` (``pool_device_class``). Its label names the pool, as the agent
+#: DaemonSet's does.
+DEVICE_CLASS_SUFFIX: Final = f".{GROUP}"
+DEVICE_CLASS_PLURAL: Final = "deviceclasses"
+DEVICE_CLASS_KIND: Final = "DeviceClass"
 #: resource.k8s.io as the agent writes it
 RESOURCE_GROUP: Final = "resource.k8s.io"
 RESOURCE_VERSION: Final = "v1"
@@ -61,3 +67,23 @@ def share_of_device(device: str) -> int | None:
         if rest.isdigit() and rest == str(int(rest)):
             return int(rest)
     return None
+
+
+def pool_device_class(pool: str) -> str:
+    """The DeviceClass of a DRA pool: ``<pool>.offloadpool.io``. Never the chart's class
+    (``offloadpool.io``): a pool's name is not empty."""
+    return f"{pool}{DEVICE_CLASS_SUFFIX}"
+
+
+def pool_device_selector(pool: str) -> str:
+    """The CEL selector of a DRA pool's DeviceClass: the driver's devices of that pool (the
+    attribute ``pool`` every device of the agent's slices carries; a pool's name is a DNS label,
+    so it needs no escaping inside the string literal)."""
+    return f'device.driver == "{DRA_DRIVER}" && device.attributes["{DRA_DRIVER}"].{ATTR_POOL} == "{pool}"'
+
+
+def pool_extended_resource(pool: str) -> str:
+    """The extended resource a DRA pool's DeviceClass stands for (``spec.extendedResourceName``):
+    the name HostPath and CSI pools advertise on their nodes, ``offloadpool.io/<pool>``, so a pod
+    asks the same way whatever the delivery."""
+    return extended_resource_name(pool)

@@ -35,18 +35,26 @@ class OffloadPoolNodeSpec(SpecModel):
     target_generation: int | None = Field(default=None, ge=0)
 
 
+#: most pods a share's status names (CRD ``maxItems``)
+MAX_SHARE_PODS = 8
+
+
 class NodeShare(StatusModel):
     """One share of a partitioned pool on the node (``spec.partitions`` > 1)."""
 
     index: int = Field(ge=0, lt=MAX_PARTITIONS)
     claimed: bool
-    #: How it is claimed: a csi volume reserved it for a pod, or an engine holds its lease.
+    #: How it is claimed: a csi volume reserved it for a pod, a DRA claim was given it, or an
+    #: engine holds its lease.
     via: ShareViaName | None = None
     #: Who holds it: the pod a csi volume gave it to, else the owner its engine wrote (the
     #: pod's uid, or a process's pid namespace). Written by a pod: clipped, printable text.
     holder: str | None = Field(default=None, max_length=OWNER_LIMIT)
     #: Processes holding the share's lease on the node (an engine's workers).
     engines: int = Field(default=0, ge=0)
+    #: The pods those processes run in, by their cgroups (the node's evidence); more than one:
+    #: an engine joined another pod's share. At most ``MAX_SHARE_PODS`` are shown.
+    pods: list[Annotated[str, Field(max_length=36)]] | None = Field(default=None, max_length=MAX_SHARE_PODS)
 
     @classmethod
     def of(cls, state: ShareState) -> NodeShare:
@@ -56,6 +64,7 @@ class NodeShare(StatusModel):
             via=state.via,
             holder=state.holder or None,
             engines=len(state.holders),
+            pods=list(state.pods[:MAX_SHARE_PODS]) or None,
         )
 
 

@@ -33,6 +33,7 @@ from offloadpool.region.request import (
     DEFAULT_MODE as DEFAULT_MODE_BITS,
 )
 from offloadpool.region.vocabulary import (
+    DELIVERY_DRA,
     DELIVERY_HOST_PATH,
     INTERLEAVED,
     NUMA_NONE,
@@ -168,9 +169,11 @@ class ConsumersSpec(SpecModel):
     #: agents of the release before refuse a field they do not know.
     scrub: ScrubPolicy | None = None
     #: How the admission webhook gives a labelled pod the pool: HostPath (a hostPath volume and a
-    #: lease sidecar) or CSI (an inline ``csi`` volume of the node plugin, no sidecar: the
-    #: publication holds the pool). None (unset) means ``DEFAULT_DELIVERY``, not stored by the
-    #: CRD, for the reason ``scrub`` is not.
+    #: lease sidecar), CSI (an inline ``csi`` volume of the node plugin, no sidecar: the
+    #: publication holds the pool) or DRA (the pool's extended resource alone, which the
+    #: scheduler satisfies with a device of the pool's DeviceClass; the operator then advertises
+    #: no node resource for it). None (unset) means ``DEFAULT_DELIVERY``, not stored by the CRD,
+    #: for the reason ``scrub`` is not (and so a pool without it keeps its fingerprint).
     delivery: Delivery | None = None
 
     @property
@@ -268,6 +271,12 @@ class OffloadPoolSpec(SpecModel):
             raise ValueError(
                 "spec.partitions above 1 cannot be combined with spec.compat.vllm: stock vLLM "
                 "maps one region under its own file names, which one engine uses"
+            )
+        compat_vllm = self.compat is not None and self.compat.vllm is not None
+        if self.consumers.delivery == DELIVERY_DRA and compat_vllm:
+            raise ValueError(
+                "spec.consumers.delivery DRA cannot be combined with spec.compat.vllm: the DRA "
+                "plugin mounts the pool's directory, not stock vLLM's files in /dev/shm"
             )
         slot = self.slot_size_bytes()
         if slot is not None and self.layout.ranks is not None:

@@ -43,7 +43,7 @@ from offloadpool.region.files.handle import Pool, PoolHandle, given, open_pool, 
 from offloadpool.region.files.manifest import MOUNT_NAME, ManifestError
 from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding import published, shares
-from offloadpool.region.lifecycle import scrub
+from offloadpool.region.lifecycle import scrub, share_scrub
 from offloadpool.region.lifecycle.status import state_of
 from offloadpool.region.vocabulary import READY
 
@@ -86,6 +86,24 @@ def ready(pool: Pool) -> None:
         why = f": {state.message}" if state.message else ""
         message = f"pool {handle.name} is not Ready on this node ({state.phase}{why})"
         raise Refused(grpc.StatusCode.NOT_FOUND, message)
+
+
+def not_deleting(pool: PoolHandle, volume_id: str) -> None:
+    """FAILED_PRECONDITION when the node's record says the pool is being deleted (the agent
+    marks it when it starts draining it, ``records.mark_deleting``) or was left orphaned, and
+    ``volume_id`` is not one of its volumes already: a new holder would keep the deletion
+    waiting. Volumes given before keep working (a kubelet's retry of one is answered as ever)
+    and are unpublished as ever."""
+    if any(p.volume_id == volume_id for p in published.load_all(pool)):
+        return
+    rec = records.load(pool)
+    why = "" if rec is None else rec.deleting or rec.orphaned
+    if why:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pool {pool.name} is being deleted ({why}): no new volume or claim is given "
+            "it; the ones given before keep working until they are unpublished",
+        )
 
 
 def allowed_namespaces(pool: Pool) -> frozenset[str] | None:
@@ -157,6 +175,7 @@ def publish(config: CsiConfig, req: Publish) -> None:
         open_pool(pool_dir, lock=True) as pool,
     ):
         ready(pool)
+        not_deleting(pool, req.volume_id)
         allowed = allowed_namespaces(pool)
         if allowed is not None and req.pod_namespace not in allowed:
             raise Refused(
@@ -168,11 +187,11 @@ def publish(config: CsiConfig, req: Publish) -> None:
         try:
             with targets.parent_fd(req.target) as parent:
                 n = partitions(pool)
-                files = engine_files(pool) if n == 1 else []
-                scrub.before_new_holder(pool, req.pod_uid, say=faults.reached)
                 if n > 1:
                     _publish_share(config, pool, parent, req, n)
                     return
+                files = engine_files(pool)
+                scrub.before_new_holder(pool, req.pod_uid, say=faults.reached)
                 record_and_bind(
                     pool,
                     parent,
@@ -201,6 +220,7 @@ def _publish_share(config: CsiConfig, pool: PoolHandle, parent: int, req: Publis
         index = shares.reserve(pool, n, req.pod_uid, prefer=prefer)
     except (FileNotFoundError, beneath.WrongEntry) as exc:  # not the kubelet's directory
         raise RegionError(f"the shares of {pool.path} are not there as the node made them: {exc}") from None
+    given_share(pool, index, req.pod_uid, lambda: unreserve(pool, _record_of(req, index)))
     want = _record_of(req, index)
     if before is not None and before[1] != want:
         unreserve(pool, before[1])  # recorded for another share (its reservation lost)
@@ -213,6 +233,17 @@ def _publish_share(config: CsiConfig, pool: PoolHandle, parent: int, req: Publis
         lambda: bind.bind_share(pool, parent, files, manifest, config.stage, req.volume_id),
         lambda: unreserve(pool, want),
     )
+
+
+def given_share(pool: PoolHandle, index: int, holder: str, undo: Callable[[], None]) -> None:
+    """Share ``index``, reserved for ``holder``, zeroed first when another had it
+    (``share_scrub.before_share_holder``); held meanwhile: ``undo`` (the reservation dropped)
+    and UNAVAILABLE, which the kubelet retries."""
+    try:
+        share_scrub.before_share_holder(pool, index, holder, say=faults.reached)
+    except share_scrub.ShareBusy as exc:
+        undo()
+        raise Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
 
 def record_and_bind(

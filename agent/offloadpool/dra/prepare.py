@@ -179,6 +179,7 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
         open_pool(pool_dir, lock=True) as pool,
     ):
         publication.ready(pool)
+        publication.not_deleting(pool, vid)
         allowed = publication.allowed_namespaces(pool)
         if allowed is not None and namespace not in allowed:
             raise Refused(
@@ -199,8 +200,8 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
         try:
             with _claim_dir(config, claim_uid, create=True) as parent:
                 assert parent is not None
-                scrub.before_new_holder(pool, owner, say=faults.reached)
                 if device.share is None:
+                    scrub.before_new_holder(pool, owner, say=faults.reached)
                     files = publication.engine_files(pool)
                     publication.record_and_bind(
                         pool,
@@ -214,6 +215,7 @@ def prepare(config: DraConfig, namespace: str, name: str, claim_uid: str, device
                     shares.reserve(pool, n, owner, only=index)
                     faults.reached(faults.RESERVED)
                     want = _record_of(claim_uid, namespace, name, target, index)
+                    publication.given_share(pool, index, owner, lambda: publication.unreserve(pool, want))
                     files, manifest = publication.share_view(pool, index)
                     publication.record_and_bind(
                         pool,

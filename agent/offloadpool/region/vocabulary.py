@@ -69,7 +69,11 @@ DELIVERY_HOST_PATH: Final = "HostPath"
 #: an inline ``csi`` volume the node plugin publishes, the publication being the hold (allowed
 #: under Pod Security ``restricted``)
 DELIVERY_CSI: Final = "CSI"
-DeliveryName = Literal["HostPath", "CSI"]
+#: Dynamic Resource Allocation: the pod asks for the pool's extended resource, the scheduler
+#: satisfies it with a device of the pool's DeviceClass, and the DRA kubelet plugin's CDI edits
+#: bring the pool (allowed under Pod Security ``restricted``)
+DELIVERY_DRA: Final = "DRA"
+DeliveryName = Literal["HostPath", "CSI", "DRA"]
 DELIVERIES: Final[tuple[str, ...]] = get_args(DeliveryName)
 
 # -- what a consumer's containers are told ----------------------------------------------------
@@ -121,7 +125,9 @@ STATE_PHASES: Final = (ABSENT, PROVISIONING, POPULATING, SCRUBBING, READY, ORPHA
 MANIFEST_STATES: Final = (READY, DRAINING)
 
 # How a share of a partitioned pool is claimed (``region.holding.shares``): a csi volume's reservation
-# for a pod, or an engine's flock on the share's lease.
-ShareViaName = Literal["CSI", "Engine"]
+# for a pod, a DRA claim's reservation (the same record, owner ``claim/<uid>``), or an engine's
+# flock on the share's lease.
+ShareViaName = Literal["CSI", "DRA", "Engine"]
 VIA_CSI: Final = "CSI"
+VIA_DRA: Final = "DRA"
 VIA_ENGINE: Final = "Engine"

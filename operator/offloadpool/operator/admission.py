@@ -34,10 +34,21 @@ affinity:
   publish to its unpublish; the pod's 1 ``offloadpool.io/<pool>`` goes to its first container
   (request = limit), unless a container already asks for it.
 
-Nothing of that needs a privilege, a capability or a host namespace, so the mutated pod is
-admissible under Pod Security ``restricted`` whenever the user's own containers are. The
-webhook does not refuse a ``csi`` volume of the driver that a pod writes itself: the node
-plugin checks the pod's namespace against ``spec.consumers.namespaces`` at publish
+A pool whose delivery is DRA gives only the pod's 1 ``offloadpool.io/<pool>`` in its first
+container (request = limit, unless a container already asks for it): the scheduler satisfies it
+with a device of the pool's DeviceClass (the operator renders it and advertises no node
+resource for the pool), and the DRA kubelet plugin's CDI edits bring the pool's directory (or
+the allocated share) and ``OFFLOADPOOL_POOL_DIR``, ``OFFLOADPOOL_POOL`` (``OFFLOADPOOL_SHARE``)
+into that container. No volume, no environment, no affinity (only a node whose slice offers a
+device gets the pod), no sidecar (the prepared claim holds the pool); a container's own mount
+at ``/offloadpool/<pool>``, where the CDI edits mount, is refused.
+
+Nothing of the CSI or DRA mutation needs a privilege, a capability or a host namespace, so the
+mutated pod is admissible under Pod Security ``restricted`` whenever the user's own containers
+are. A ``csi`` volume of the driver that a pod writes itself is refused by the guard
+(``hostguard``): only the mutation's volume, which comes with the pool's resource, may take a
+share; the node plugin still checks the pod's namespace against ``spec.consumers.namespaces``
+at publish
 (docs/webhook.md).
 
 Idempotent by construction: everything is keyed by name and added only when absent (a volume,
@@ -101,7 +112,7 @@ from offloadpool.api.pods import (
     pool_volume_name,
 )
 from offloadpool.api.spec import OffloadPoolSpec
-from offloadpool.region.vocabulary import DELIVERY_CSI
+from offloadpool.region.vocabulary import DELIVERY_CSI, DELIVERY_DRA
 
 from . import hostguard
 
@@ -219,6 +230,12 @@ def csi_delivery(pool: Pool) -> bool:
     return _spec(pool).consumers.delivery_mode == DELIVERY_CSI
 
 
+def dra_delivery(pool: Pool) -> bool:
+    """Whether the pool is given to pods by DRA through its extended resource
+    (``spec.consumers.delivery``)."""
+    return _spec(pool).consumers.delivery_mode == DELIVERY_DRA
+
+
 def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
     """The pool's one volume: for HostPath the pool directory as a hostPath volume (type
     Directory); for CSI an inline ``csi`` volume of the pool directory.
@@ -229,8 +246,12 @@ def volumes(pool: Pool, settings: InjectionSettings) -> list[dict[str, Any]]:
     ``<root>``). What is below it (``mnt/`` and its files) a root consumer can write, so a name
     there must never become a host path that the kubelet ``stat``s and the runtime binds (both
     follow links): the kubelet resolves a subPath beneath the volume, refusing one that leads
-    out of it, and binds what it opened."""
+    out of it, and binds what it opened.
+
+    A DRA pool has none: what the guard allows a pod of it (``hostguard``) is no volume at all."""
     name = pool["metadata"]["name"]
+    if dra_delivery(pool):
+        return []
     if csi_delivery(pool):
         return [
             {
@@ -306,6 +327,9 @@ def mutate(pod: Mapping[str, Any], pool: Pool, settings: InjectionSettings) -> P
     name = pool["metadata"]["name"]
     new: Pod = copy.deepcopy(dict(pod))
     spec = new.setdefault("spec", {})
+    if dra_delivery(pool):
+        _mutate_dra(spec, name)
+        return new
 
     vols = spec.setdefault("volumes", [])
     for reserved in reserved_volume_names(pool):
@@ -445,9 +469,26 @@ def _spec(pool: Pool) -> OffloadPoolSpec:
     return OffloadPoolSpec.model_validate(pool.get("spec") or {})
 
 
+def _mutate_dra(spec: dict[str, Any], pool: str) -> None:
+    """A DRA pool's pod: the pool's resource in its first container, nothing else. A container
+    mounting something at ``/offloadpool/<pool>`` is refused: the plugin's CDI edits mount the
+    pool there in the container that asks for the resource."""
+    where = pod_pool_dir(pool)
+    for kind in ("containers", "initContainers", "ephemeralContainers"):
+        for container in spec.get(kind) or []:
+            for mount in container.get("volumeMounts") or []:
+                if str(mount.get("mountPath", "")).rstrip("/") == where:
+                    raise Refused(
+                        f"container {container.get('name')!r} mounts volume {mount.get('name')!r} at "
+                        f"{where}, where the DRA plugin mounts the pool; remove that mount and let "
+                        f"the {POD_POOL_LABEL} label provide the pool"
+                    )
+    _ask_in_first_container(spec, extended_resource_name(pool))
+
+
 def _ask_in_first_container(spec: dict[str, Any], resource: str) -> None:
     """The pod's 1 ``resource`` (request = limit) in its first container, unless a container or
-    init container already asks for it: a CSI pod has no sidecar to carry it."""
+    init container already asks for it: a CSI or DRA pod has no sidecar to carry it."""
     kinds = ("containers", "initContainers")
     everyone = [c for kind in kinds for c in spec.get(kind) or []]
     if any(resource in ((c.get("resources") or {}).get("limits") or {}) for c in everyone):

@@ -143,6 +143,9 @@ async def guard_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if namespace in settings.excluded_namespaces:  # the configuration leaves them out; restated
         return
     why = hostguard.refusals(pod, settings.guarded(), None)
+    dra = await _dra_resources(pod, namespace, runtime) if why else set()
+    if dra:
+        why = hostguard.refusals(pod, settings.guarded(), None, dra_resources=dra)
     name = admission.requested_pool(pod)
     if not why or name is None:
         _refuse(why)
@@ -153,4 +156,30 @@ async def guard_pod(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     denied = admission.refusal(name, namespace, pool)
     if denied or pool is None:
         raise kopf.AdmissionError(f"{'; '.join(why)} ({denied})", code=FORBIDDEN)
-    _refuse(hostguard.refusals(pod, settings.guarded(), name, admission.volumes(pool, settings)))
+    _refuse(
+        hostguard.refusals(
+            pod, settings.guarded(), name, admission.volumes(pool, settings), dra_resources=dra
+        )
+    )
+
+
+#: most pools a pod's resources name that the guard looks up (each a read of the API server)
+DRA_LOOKUPS = 8
+
+
+async def _dra_resources(pod: Mapping[str, Any], namespace: str | None, runtime: WebhookRuntime) -> set[str]:
+    """The pod's ``offloadpool.io/<pool>`` resources whose pool is delivered by DRA and allows
+    the pod's namespace: requested by hand, labelled or not, they bring nothing of the host (the
+    scheduler allocates a device of the pool's DeviceClass; the plugin checks the claim's
+    namespace again at prepare). At most ``DRA_LOOKUPS`` pools are read; others stay refused."""
+    out = set()
+    for resource in sorted(hostguard.pool_resources(pod))[:DRA_LOOKUPS]:
+        name = resource[len(hostguard.RESOURCE_PREFIX) :]
+        if pool_name_error(name) is not None:
+            continue
+        pool = await asyncio.to_thread(runtime.get_pool, name)
+        if pool is None or not admission.dra_delivery(pool):
+            continue
+        if admission.refusal(name, namespace, pool) is None:
+            out.add(resource)
+    return out

@@ -22,12 +22,12 @@ Pure functions of the pod as the API server sends it; the validating webhook's h
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from offloadpool.api.constants import GROUP, extended_resource_name
-from offloadpool.api.pods import POD_POOL_LABEL
+from offloadpool.api.pods import CSI_DRIVER, POD_POOL_LABEL
 
 #: Every extended resource a pool advertises is ``offloadpool.io/<pool>``.
 RESOURCE_PREFIX = f"{GROUP}/"
@@ -98,6 +98,14 @@ def host_volumes(pod: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
             yield volume
 
 
+def pool_csi_volumes(pod: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """The pod's inline ``csi`` volumes of the node plugin (driver ``offloadpool.io``), as written."""
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        csi = volume.get("csi")
+        if isinstance(csi, Mapping) and csi.get("driver") == CSI_DRIVER:
+            yield volume
+
+
 def pool_resources(pod: Mapping[str, Any]) -> set[str]:
     """Every ``offloadpool.io/*`` resource the pod requests or limits, in any container or at the
     pod level."""
@@ -118,13 +126,21 @@ def refusals(
     trees: Sequence[Guarded],
     pool: str | None,
     pool_volumes: Sequence[Mapping[str, Any]] = (),
+    dra_resources: Collection[str] = (),
 ) -> list[str]:
     """Why the pod may not hold what it holds of the guarded trees; empty when it may.
 
     ``trees``: ``guarded(...)``; ``pool``: the pool the pod's label names and that it may use
     (None: no label, or a pool it may not have); ``pool_volumes``: that pool's volumes exactly as
-    the mutation writes them, the only hostPath volumes reaching a guarded tree the pod may
-    carry."""
+    the mutation writes them, the only hostPath volumes reaching a guarded tree and the only
+    ``offloadpool.io`` csi volumes the pod may carry. A csi volume of the driver takes a share
+    at publish: written by hand it would carry no ``offloadpool.io/<pool>`` request, so the
+    scheduler would count no slot for it and a labelled pod placed by that count would fail
+    its publish (``RESOURCE_EXHAUSTED``); only the mutation's volume comes with the request
+    (the validating webhook checks the mutation is all there). ``dra_resources``: extended
+    resources of DRA pools that allow the pod's namespace, which any pod may request by hand:
+    the scheduler satisfies them with a device of the pool's DeviceClass, and the DRA plugin
+    checks the claim's namespace again at prepare; nothing of the host comes with them."""
     why = []
     for volume in host_volumes(pod):
         path = str((volume.get("hostPath") or {}).get("path", ""))
@@ -145,8 +161,28 @@ def refusals(
                 f"a pod labelled {POD_POOL_LABEL}: {pool} may hold only its pool's volumes, exactly "
                 f"as the webhook writes them"
             )
+    for volume in pool_csi_volumes(pod):
+        if any(volume == wanted for wanted in pool_volumes):
+            continue
+        attrs = (volume.get("csi") or {}).get("volumeAttributes") or {}
+        what = (
+            f"volume {volume.get('name')!r}: an inline csi volume of driver {CSI_DRIVER} "
+            f"(pool {attrs.get('pool')!r})"
+        )
+        if pool is None:
+            why.append(
+                f"{what} is a share of a pool's memory, taken at publish whatever the scheduler "
+                f"counted; a pod gets one only from the webhook, by the label {POD_POOL_LABEL}: "
+                f"<pool>, which also requests the pool's resource {RESOURCE_PREFIX}<pool>"
+            )
+        else:
+            why.append(
+                f"{what} is not the volume the webhook writes for {POD_POOL_LABEL}: {pool} (a pool "
+                f"delivered by CSI gets exactly one, of its own pool, with its resource "
+                f"{extended_resource_name(pool)})"
+            )
     allowed = extended_resource_name(pool) if pool is not None else None
-    for name in sorted(pool_resources(pod) - {allowed}):
+    for name in sorted(pool_resources(pod) - {allowed} - set(dra_resources)):
         why.append(
             f"resource {name}: only a pod labelled {POD_POOL_LABEL}: {name[len(RESOURCE_PREFIX) :]} "
             f"may request it (the webhook gives such a pod its pool and the resource)"

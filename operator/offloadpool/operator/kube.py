@@ -31,9 +31,11 @@ import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from offloadpool.api import dra
 from offloadpool.api.base import parse_time
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_NAME_LABEL, POOL_PLURAL, VERSION
 
+from . import deviceclass
 from .daemonset import HASH_ANNOTATION
 
 log = logging.getLogger(__name__)
@@ -247,6 +249,52 @@ class Kube:
         replacement["metadata"] = {**meta, "resourceVersion": current["metadata"]["resourceVersion"]}
         made = _json(self.apps.replace_namespaced_daemon_set, meta["name"], meta["namespace"], replacement)
         return "updated", made["metadata"].get("generation")
+
+    # -- DRA pools' DeviceClasses (resource.k8s.io/v1, through the generic custom-object calls) --
+    def apply_device_class(self, body: Mapping[str, Any]) -> str:
+        """Create the DeviceClass, or replace it when what the operator owns of it differs
+        (``deviceclass.essence``): "created", "updated" or "unchanged"."""
+        name = body["metadata"]["name"]
+        where = (dra.RESOURCE_GROUP, dra.RESOURCE_VERSION, dra.DEVICE_CLASS_PLURAL)
+        try:
+            current = _json(self.custom.get_cluster_custom_object, *where, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            try:
+                _json(self.custom.create_cluster_custom_object, *where, dict(body))
+                return "created"
+            except ApiException as exc2:
+                if exc2.status != 409:
+                    raise
+                return "unchanged"  # made meanwhile: the next pass compares it
+        if deviceclass.essence(current) == deviceclass.essence(body):
+            return "unchanged"
+        meta = current.get("metadata") or {}
+        replacement = dict(body)
+        replacement["metadata"] = {
+            **body["metadata"],
+            "labels": {**(meta.get("labels") or {}), **body["metadata"]["labels"]},
+            "resourceVersion": meta["resourceVersion"],
+        }
+        _json(self.custom.replace_cluster_custom_object, *where, name, replacement)
+        return "updated"
+
+    def delete_device_class(self, name: str) -> bool:
+        """True when deleted now, False when it was gone already."""
+        try:
+            _json(
+                self.custom.delete_cluster_custom_object,
+                dra.RESOURCE_GROUP,
+                dra.RESOURCE_VERSION,
+                dra.DEVICE_CLASS_PLURAL,
+                name,
+            )
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
 
     # -- agent pods --------------------------------------------------------------------
     def list_agent_pods(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:

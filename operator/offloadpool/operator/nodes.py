@@ -15,7 +15,10 @@ On a Node, while the pool is Ready there, the operator keeps:
   region on one node. Allocatable is written too because no kubelet fills it in for a resource
   it does not manage.
 
-Both are removed (a merge patch with ``null``) as soon as the pool is not Ready there.
+Both are removed (a merge patch with ``null``) as soon as the pool is not Ready there. A DRA
+pool (``spec.consumers.delivery: DRA``) gets the label and never the resource (its ``count`` is
+0): the scheduler satisfies ``offloadpool.io/<pool>`` with a device of the pool's DeviceClass
+only on a node whose allocatable does not have it (``deviceclass``).
 
 Both go in one merge patch of the Node's status subresource (``marks_patch``): the API server
 keeps metadata changes made through a Node's status (tests/test_operator_lifecycle.py checks
@@ -83,9 +86,11 @@ def resource_patch(pool: str, node: SelectableNode, ready: bool, count: int = 1)
 
 
 def marks_patch(pool: str, node: SelectableNode, ready: bool, count: int = 1) -> dict[str, Any] | None:
-    """The one patch (for the status subresource) that makes both marks match ``ready``."""
+    """The one patch (for the status subresource) that makes both marks match ``ready``; with
+    ``count`` 0 (a DRA pool) the resource is never advertised, and removed where it is."""
     patch: dict[str, Any] = {}
-    for part in (label_patch(pool, node, ready), resource_patch(pool, node, ready, count)):
+    advertised = resource_patch(pool, node, ready and count > 0, count)
+    for part in (label_patch(pool, node, ready), advertised):
         patch.update(part or {})
     return patch or None
 

@@ -4,7 +4,8 @@ A pass never relies on what an earlier pass (or an earlier operator process) did
 pool fresh from the API server, takes Nodes and the pool's OffloadPoolNodes from the watch-fed
 indexes (``watched``: what the API server said, plus the answers to the operator's own writes,
 so a pass sees what the pass before it wrote), and derives the DaemonSet, the OffloadPoolNode
-set, the rollout step, the pool status, the Node labels and resources from them. Every write is
+set, the rollout step, the pool status, the Node labels and resources (and a DRA pool's
+DeviceClass) from them. Every write is
 idempotent and skipped when nothing changed. So passes can be repeated at will (every event,
 every resync, after a kill -9) and converge; and a repeated pass after convergence writes
 nothing. A pass costs O(nodes) in memory only: no list of the pool's objects per pass.
@@ -40,12 +41,13 @@ from typing import Any, NamedTuple, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
+from offloadpool.api import dra
 from offloadpool.api.base import now as utcnow
 from offloadpool.api.constants import node_object_name
 from offloadpool.api.node import new_object
 from offloadpool.region.vocabulary import RELEASED
 
-from . import agentpods, daemonset, nodes, rollout
+from . import agentpods, daemonset, deviceclass, nodes, rollout
 from .aggregate import aggregate
 from .config import OperatorConfig
 from .events import Event, transitions
@@ -110,6 +112,14 @@ class Marked(NamedTuple):
     advertised: int = 1
 
 
+class AppliedDeviceClass(NamedTuple):
+    """A DRA pool's DeviceClass as this process last left it: the rendering applied, or None
+    for none there (deleted, or found gone)."""
+
+    rendering: str | None
+    at: float  # monotonic
+
+
 class MarkWrite(NamedTuple):
     """A Node's marks to write: the pool Ready there or not, and the status patch."""
 
@@ -130,6 +140,8 @@ class PoolMemory:
     renewed: dict[str, Renewed] = field(default_factory=dict)
     #: the DaemonSet last applied: see ``Reconciler._apply_daemonset``
     daemonset: AppliedDaemonSet | None = None
+    #: the pool's DeviceClass as last applied or removed: see ``Reconciler._sync_device_class``
+    device_class: AppliedDeviceClass | None = None
     #: node -> when a pass first found it selected without an OffloadPoolNode
     unclaimed: dict[str, float] = field(default_factory=dict)
     #: which nodes the pool selects, decided again only for Nodes that changed
@@ -311,6 +323,7 @@ class Reconciler:
                     ),
                 )
 
+        self._sync_device_class(pool, result)
         selected = self._memory[name].selection.selected(spec, existing.values())
         views = self._views(name, now)
 
@@ -339,6 +352,8 @@ class Reconciler:
         result.unreleased = agg.unreleased_nodes
         shares = spec.get("partitions")
         count = shares if isinstance(shares, int) and not isinstance(shares, bool) and shares > 0 else 1
+        if deviceclass.is_dra(spec):
+            count = 0  # its DeviceClass stands for the resource: no node may advertise it
         self._sync_node_marks(name, agg.ready_nodes, existing, result, count)
 
         before = pool.get("status") or {}
@@ -369,6 +384,41 @@ class Reconciler:
         if generation is not None:
             memory.daemonset = AppliedDaemonSet(rendered, generation, time.monotonic())
         return outcome, generation
+
+    def _sync_device_class(self, pool: Mapping[str, Any], result: PassResult) -> None:
+        """A DRA pool's DeviceClass there and as rendered; none for any other pool, or one being
+        deleted. Like the DaemonSet, not read back while this process applied the same
+        rendering less than a resync ago; a pool found without one is not asked again."""
+        name = pool["metadata"]["name"]
+        memory = self._memory[name]
+        last, now = memory.device_class, time.monotonic()
+        class_name = dra.pool_device_class(name)
+        if deviceclass.wanted(pool):
+            body = deviceclass.render(pool)
+            rendered = deviceclass.rendering(body)
+            if last is not None and last.rendering == rendered and now - last.at < self.config.resync_seconds:
+                return
+            outcome = self.kube.apply_device_class(body)
+            memory.device_class = AppliedDeviceClass(rendered, now)
+        else:
+            if last is not None and last.rendering is None:
+                return
+            try:
+                outcome = "deleted" if self.kube.delete_device_class(class_name) else "unchanged"
+            except ApiException as exc:
+                # An operator without the right (RBAC of a release before DRA delivery) made no
+                # class either: a pool that is no DRA pool must not fail its passes for it.
+                if exc.status != 403:
+                    raise
+                log.warning("pool %s: may not delete DeviceClass %s (403); not asked again", name, class_name)
+                outcome = "unchanged"
+            memory.device_class = AppliedDeviceClass(None, now)
+        if outcome != "unchanged":
+            result.writes.append(f"{outcome} DeviceClass {class_name}")
+            self.emit(
+                pool,
+                Event("Normal", f"DeviceClass{outcome.capitalize()}", f"DeviceClass {class_name} {outcome}"),
+            )
 
     def _sync_node_objects(
         self,

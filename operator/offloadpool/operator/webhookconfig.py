@@ -55,6 +55,7 @@ from offloadpool.api.constants import GROUP, HOST_ROOT, KUBELET_DIR
 from offloadpool.api.pods import (
     ADMISSION_DISABLED,
     ADMISSION_NAMESPACE_LABEL,
+    CSI_DRIVER,
     GUARD_PATH,
     GUARD_WEBHOOK_NAME,
     MUTATE_PATH,
@@ -165,12 +166,17 @@ def _may_reach(path: str, kubelet_dir: str = KUBELET_DIR) -> str:
 
 def guard_expression(kubelet_dir: str = KUBELET_DIR) -> str:
     """CEL on the request: the pod holds a hostPath volume that could reach a guarded tree
-    (``_may_reach``; the guard then decides exactly) or an ``offloadpool.io/*`` resource (any
-    container kind, or the pod-level resources). Everything else stays off the webhook."""
+    (``_may_reach``; the guard then decides exactly), an inline ``csi`` volume of the node
+    plugin (driver ``offloadpool.io``: a share of a pool) or an ``offloadpool.io/*`` resource
+    (any container kind, or the pod-level resources). Everything else stays off the webhook."""
     lines = [
         "(has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.hostPath) && "
         f"{_may_reach('v.hostPath.path', kubelet_dir)}))"
     ]
+    lines.append(
+        "|| (has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.csi) && "
+        f"v.csi.driver == {_cel_string(CSI_DRIVER)}))"
+    )
     lines.append(f"|| (has(object.spec.resources) && ({_holds_pool_resource('object.spec.resources')}))")
     for kind in ("containers", "initContainers", "ephemeralContainers"):
         lines.append(

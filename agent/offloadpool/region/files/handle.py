@@ -29,10 +29,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeAlias
 
+from offloadpool.region.errors import RegionError
 from offloadpool.region.files import beneath, places
-from offloadpool.region.files.manifest import MANIFEST_NAME, Manifest, load_at
+from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, Manifest, load_at
 
 _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+#: how a line of ``left`` begins when the pool directory was moved, not left in place
+SET_ASIDE = "set aside: "
 
 
 class PoolHandle:
@@ -209,15 +212,82 @@ class PoolHandle:
     def remove_dirs(self, left: list[str] | None) -> None:
         """rmdir the pool directory, its state directory and (when no other pool's is in it)
         ``.state``, by name beneath the host root: a directory cannot be removed through its
-        descriptor. One that is not empty is left, and said in ``left``."""
+        descriptor. A pool directory that is not empty is set aside (``retire_dir``); a state
+        directory that is not empty is left. Both are said in ``left``. Set-aside directories
+        of this pool that are empty by now are removed; the others are named in ``left``."""
         if self._root is None:
             return
-        for rel in (self.name, self._state_rel):
-            _rmdir(self._root, self.root, rel, left)
+        if self._fd is None:
+            _rmdir(self._root, self.root, self.name, left)  # made since this handle looked
+        else:
+            self._sweep_set_aside(left)  # those of earlier pools of this name
+            if _linked(self._fd):
+                try:
+                    self.retire_dir(left)
+                except RegionError as exc:  # the memory is freed all the same: said, not raised
+                    if left is not None:
+                        left.append(str(exc))
+        _rmdir(self._root, self.root, self._state_rel, left)
+        for rel in (places.LEFT_DIR, places.STATE_DIR_NAME):  # shared by every pool
+            try:
+                _rmdir(self._root, self.root, rel, None)
+            except OSError:
+                pass
+
+    def retire_dir(self, left: list[str] | None) -> None:
+        """Remove the pool directory, or, when it is not empty, set it aside
+        (``places.set_aside``): the pool's name is free afterwards either way, so whatever is
+        made under it next is a new directory, which no mount of the old one shows. Raises
+        RegionError when a directory that is not empty cannot be set aside: used again, it
+        would hand the next pool to whoever kept a mount of it."""
+        assert self._root is not None
+        held = os.fstat(self.fd)
         try:
-            _rmdir(self._root, self.root, places.STATE_DIR_NAME, None)  # shared by every pool
-        except OSError:
-            pass
+            beneath.rmdir(self._root, self.name)
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:
+                raise
+        names = sorted(beneath.listdir(self.fd))
+        shown = f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+        try:
+            new = places.set_aside(self._root, self.root, self.name, held)
+        except OSError as exc:
+            raise RegionError(
+                f"{self.path} still holds {shown} (not made by offloadpool) and cannot be set "
+                f"aside ({exc}): it is never used for a pool again; remove it by hand"
+            ) from None
+        if left is not None:
+            left.append(
+                f"{SET_ASIDE}{self.path} still held {shown} (not made by offloadpool): moved to "
+                f"{new}, out of every pod's reach; a pool made under this name gets a new directory"
+            )
+
+    def renew_dir(self, left: list[str] | None = None) -> None:
+        """Replace the pool directory with a new, empty one (``retire_dir``, then made again);
+        the lease name goes first (a caller holding the lease keeps its descriptor)."""
+        places.remove_entry(self.fd, LEASE_NAME)
+        self.retire_dir(left)
+        assert self._fd is not None and self._root is not None
+        os.close(self._fd)
+        self._fd = None
+        self._fd = _made_dir(self._root, self.name, places.POOL_DIR_MODE)
+
+    def _sweep_set_aside(self, left: list[str] | None) -> None:
+        """Remove this pool's set-aside directories that are empty now; name the others."""
+        assert self._root is not None
+        kept = []
+        for name in places.set_aside_of(self._root, self.name):
+            try:
+                beneath.rmdir(self._root, f"{places.LEFT_DIR}/{name}")
+            except OSError:  # a pod's files are still in it (never removed recursively)
+                kept.append(str(self.root / places.LEFT_DIR / name))
+        if kept and left is not None:
+            left.append(
+                f"{len(kept)} director{'ies' if len(kept) > 1 else 'y'} set aside from earlier pools "
+                f"named {self.name} still hold a pod's files: {', '.join(kept)}; remove them once no "
+                "pod uses them"
+            )
 
     # -- the pool's lock -----------------------------------------------------------------------
 

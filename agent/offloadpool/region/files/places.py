@@ -9,6 +9,11 @@ Two directories per pool under the host root::
                             trust: the provisioning record and the populate journal (and their
                             temp files). No pod is ever given it: ``.state`` is no pool name.
 
+A pool directory that a release cannot remove (a pod left files in it) is moved aside, out of
+every pod's reach, to ``<root>/.state/.left/<pool>.<time>.<random>`` (``set_aside``): a pod
+that kept a mount of it sees only what it left there, never a pool made under the name later.
+``.left`` is no pool name either.
+
 The host root itself is the administrator's and is trusted as a path; a pool's name is checked
 (``names.pool_name_error``) before any path is made of it; everything below the pool's two
 directories is reached through ``beneath`` (directory descriptors, no link ever followed),
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
+import time
 from pathlib import Path
 
 from offloadpool.region.errors import RegionError, RequestError
@@ -29,6 +36,9 @@ from offloadpool.region.files.names import pool_name_error
 STATE_DIR_NAME = ".state"
 POOL_DIR_MODE = 0o755
 STATE_DIR_MODE = 0o700
+#: beneath ``.state``: pool directories set aside (``set_aside``), root-only like it
+LEFT_DIR_NAME = ".left"
+LEFT_DIR = f"{STATE_DIR_NAME}/{LEFT_DIR_NAME}"
 #: Names an older offloadpool kept in the pool directory, where pods can write them: never read
 #: as the node's own (``migrate`` re-validates an old record against the mount), then removed.
 OLD_RECORD_NAME = "state.json"
@@ -96,3 +106,42 @@ def remove_entry(dirfd: int, rel: str) -> str | None:
             return f"{rel} is a directory holding {names[:8]}{' ...' if len(names) > 8 else ''}: left"
         return f"{rel}: {exc.strerror or exc}: left"
     return None
+
+
+def set_aside(root_fd: int, root: Path, name: str, expect: os.stat_result) -> Path:
+    """Move the directory ``name`` beneath the host root (``root_fd``) to ``.state/.left``
+    under a name of its own, ``<name>.<UTC time>.<random>``; return its new path.
+
+    Why: a directory given to pods that release could not remove holds a pod's files, and a pod
+    may keep a mount of it. Used again for the next pool of that name, it would show that pool's
+    manifest, lease and memory to whoever kept the mount. Moved into the root-only ``.state``,
+    it is out of reach of any path a pod can be given, and its mounts (which follow the
+    directory, not its name) show only what was left in it. ``expect``: the directory as the
+    caller holds it (``fstat`` of its descriptor); a name that no longer is that directory is
+    refused (``beneath.WrongEntry``), never moved. Raises OSError when it cannot be moved (the
+    name is a mount point, ``.state`` is on another file system).
+    """
+    make_root_dir(root_fd, STATE_DIR_NAME, STATE_DIR_MODE)
+    make_root_dir(root_fd, LEFT_DIR, STATE_DIR_MODE)
+    left_fd = beneath.open_dir(root_fd, LEFT_DIR)
+    try:
+        now = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (expect.st_dev, expect.st_ino):
+            raise beneath.WrongEntry(name, "is no longer the directory being set aside")
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        while True:
+            new = f"{name}.{stamp}.{secrets.token_hex(4)}"
+            if beneath.lstat(left_fd, new) is None:  # renameat would replace an empty directory
+                break
+        os.rename(name, new, src_dir_fd=root_fd, dst_dir_fd=left_fd)
+    finally:
+        os.close(left_fd)
+    return root / LEFT_DIR / new
+
+
+def set_aside_of(root_fd: int, name: str) -> list[str]:
+    """The directories set aside for the pool ``name`` (names in ``.state/.left``)."""
+    try:
+        return sorted(n for n in beneath.listdir(root_fd, LEFT_DIR) if n.startswith(f"{name}."))
+    except (FileNotFoundError, beneath.WrongEntry):
+        return []

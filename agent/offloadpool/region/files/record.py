@@ -26,6 +26,8 @@ from offloadpool.region.request import PoolRequest
 from offloadpool.region.vocabulary import PROVISIONING, RECORD_PHASES
 
 RECORD_NAME = "state.json"
+#: what the agent notes as ``Record.deleting`` when it starts draining a deleted pool
+DELETING_NOTE = "its OffloadPool was deleted; the node is draining it for release"
 
 
 @dataclass
@@ -54,6 +56,15 @@ class Record:
     #: deleted with reclaimPolicy Retain and left the memory (``mark_orphaned``). Cleared by
     #: the next provision of the name, which adopts or rebuilds it.
     orphaned: str = ""
+    #: per share of a partitioned pool (``"<index>"``), the node's note of who was last given
+    #: it since it was zero (``holder``), the share lease's print then (``lease``: an engine's
+    #: claim over hostPath rewrites it) and a zeroing under way (``pending``):
+    #: ``offloadpool.region.lifecycle.share_scrub``. Empty: no share handed out since zero.
+    shares: dict[str, Any] = field(default_factory=dict)
+    #: why the pool is being deleted ("" while it is not): the agent writes it when it starts
+    #: draining the pool for its deletion, and the CSI and DRA plugins (which have no API
+    #: credentials) refuse a new volume or claim for the pool from then on (``mark_deleting``)
+    deleting: str = ""
 
     @classmethod
     def new(cls, req: PoolRequest) -> Record:
@@ -90,6 +101,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "scrub_pending": (str,),
     "orphaned": (str,),
     "scrub": (dict,),
+    "shares": (dict,),
+    "deleting": (str,),
 }
 
 
@@ -157,4 +170,19 @@ def mark_orphaned(pool: Pool, why: str) -> bool:
             return False
         rec.orphaned = why
         save(handle, rec)
+        return True
+
+
+def mark_deleting(pool: Pool, why: str) -> bool:
+    """Note in the record that the pool is being deleted (``why``; "" clears it): from then on
+    no new csi volume or DRA claim is given it, so no new holder keeps the deletion waiting.
+    False when the node holds no record of it. Under the pool's lock, so a publish either
+    finishes before the mark (and is a holder the deletion waits for) or sees it."""
+    with given(pool) as handle, handle.lock():
+        rec = load(handle)
+        if rec is None:
+            return False
+        if rec.deleting != why:
+            rec.deleting = why
+            save(handle, rec)
         return True

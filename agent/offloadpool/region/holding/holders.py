@@ -11,7 +11,9 @@ tells the host through ``/proc``:
 * ``/proc/<pid>/maps`` prints, for each file mapping, the file's device as hex ``major:minor``
   and its inode number;
 * ``/proc/<pid>/fd/<n>`` resolves (``stat``) to the open file itself, wherever it was opened;
-* ``/proc/locks`` lists flock holders by ``major:minor:inode`` and pid.
+* ``/proc/locks`` lists flock holders by ``major:minor:inode`` and pid;
+* ``/proc/<pid>/mountinfo`` lists the mounts of the process's mount namespace: a mount that
+  shows the pool's directory or its memory is a holder too, mapped or not (``views``).
 
 A bind mount shows the same device and inode as the original, so matching by (st_dev, st_ino)
 — never by path, which differs in every mount namespace — finds holders in every namespace.
@@ -30,12 +32,12 @@ import fcntl
 import os
 import signal
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from offloadpool.region.files import beneath, places
 from offloadpool.region.files.handle import Pool, PoolHandle, given
 from offloadpool.region.files.manifest import LEASE_NAME, MOUNT_NAME
-from offloadpool.region.holding import published
+from offloadpool.region.holding import published, views
 from offloadpool.region.holding.lease import Lease, LeaseHeld
 
 FileId = tuple[int, int]  # (st_dev, st_ino)
@@ -57,6 +59,12 @@ class Holder:
     mapped: bool = False  # maps one of the pool's files
     open: bool = False  # has one of the pool's files open
     lease: bool = False  # holds the pool's lease (shared flock)
+    #: its mount namespace shows the pool's directory or memory (``views``): mapped or not,
+    #: whatever the pool holds next would show through it
+    mounted: bool = False
+    #: its mount namespace's table is longer than the scan reads (``views.MAX_TABLE_BYTES``):
+    #: taken as having the pool mounted
+    unread: bool = False
 
     def describe(self) -> str:
         """``pid 1234 (python3) maps the pool's memory, holds the lease``."""
@@ -66,6 +74,12 @@ class Holder:
                 ("maps the pool's memory", self.mapped),
                 ("has a pool file open", self.open),
                 ("holds the lease", self.lease),
+                ("has the pool mounted", self.mounted and not self.unread),
+                (
+                    f"has a mount table over {views.MAX_TABLE_BYTES >> 20} MiB (not read in full: "
+                    "taken as having the pool mounted)",
+                    self.unread,
+                ),
             )
             if yes
         ]
@@ -304,35 +318,64 @@ def find_holders(pool: Pool, *, proc: str = "/proc") -> list[Holder]:
 
     A process that holds the lease and maps the files is one holder. The calling process is
     left out: the node side opens the files itself (populate, the exclusive lease), and an
-    unmount it attempts still fails with EBUSY on its own open files.
+    unmount it attempts still fails with EBUSY on its own open files. A mount namespace that
+    shows the pool (``views``) is one holder: the process of it that holds the pool otherwise,
+    else its lowest pid.
     """
     global _scans
     with given(pool) as handle:
         files = memory_files(handle)
         lockers = pool_lockers(handle, proc)
-    me = self_pid(proc)
-    inodes = {str(ino) for _, ino in files}
+        me = self_pid(proc)
+        inodes = {str(ino) for _, ino in files}
+        found: dict[int, Holder] = {}
+        pids = _pids(proc)
+        if files:
+            _scans += 1
+            for pid in pids:
+                if pid == me:
+                    continue
+                try:
+                    mapped = _maps_any(proc, pid, files, inodes)
+                    opened = _opens_any(proc, pid, files)
+                except (FileNotFoundError, ProcessLookupError, PermissionError):
+                    continue  # exited during the scan, or not ours to read
+                if mapped or opened:
+                    found[pid] = Holder(
+                        pid, command_name(proc, pid), mapped=mapped, open=opened, lease=pid in lockers
+                    )
+        for pid in lockers - set(found) - {me}:
+            found[pid] = Holder(pid, command_name(proc, pid), lease=True)
+        _add_views(found, handle, proc, me, pids)
+    return [found[pid] for pid in sorted(found)]
+
+
+def _pids(proc: str) -> list[int]:
+    try:
+        return [int(p) for p in os.listdir(proc) if p.isdigit()]
+    except FileNotFoundError:
+        return []
+
+
+def _add_views(
+    found: dict[int, Holder], pool: PoolHandle, proc: str, me: int, pids: list[int] | None = None
+) -> None:
+    """Add the pool's mounted views (``views.find``) to ``found``: each namespace's view goes
+    to the process of it already found holding the pool, else to its lowest pid."""
+    for view in views.find(pool, _pids(proc) if pids is None else pids, proc):
+        members = sorted(p for p in view.pids if p != me)
+        if not members:
+            continue
+        pid = next((p for p in members if p in found), members[0])
+        held = found.get(pid) or Holder(pid, command_name(proc, pid))
+        found[pid] = replace(held, mounted=True, unread=view.unread)
+
+
+def view_holders(pool: Pool, *, proc: str = "/proc") -> list[Holder]:
+    """The processes whose mount namespace shows the pool (``views``), one per namespace."""
     found: dict[int, Holder] = {}
-    if files:
-        _scans += 1
-        try:
-            pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
-        except FileNotFoundError:
-            pids = []
-        for pid in pids:
-            if pid == me:
-                continue
-            try:
-                mapped = _maps_any(proc, pid, files, inodes)
-                opened = _opens_any(proc, pid, files)
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue  # exited during the scan, or not ours to read
-            if mapped or opened:
-                found[pid] = Holder(
-                    pid, command_name(proc, pid), mapped=mapped, open=opened, lease=pid in lockers
-                )
-    for pid in lockers - set(found) - {me}:
-        found[pid] = Holder(pid, command_name(proc, pid), lease=True)
+    with given(pool) as handle:
+        _add_views(found, handle, proc, self_pid(proc))
     return [found[pid] for pid in sorted(found)]
 
 
@@ -341,15 +384,19 @@ def count(pool: Pool, *, proc: str = "/proc") -> int:
     plus the pool's published CSI volumes (``csi_holders``; a pod's volume and its engine
     process that maps the files are two).
 
-    The scan of every process (``find_holders``) runs only when a file of the pool is open or
-    mapped somewhere (``open_anywhere``): the count is reported at every heartbeat, the scan's
-    cost grows with the node's processes and sockets, and nearly always nothing holds the
-    memory. Otherwise only flock holders can hold the pool, and ``/proc/locks`` names them.
+    The scan of every process's maps and fds (``find_holders``) runs only when a file of the
+    pool is open or mapped somewhere (``open_anywhere``): the count is reported at every
+    heartbeat, the scan's cost grows with the node's processes and sockets, and nearly always
+    nothing holds the memory. Otherwise only flock holders and mounted views can hold the pool:
+    ``/proc/locks`` names the first, one mount table per namespace the second (``views``).
     """
     with given(pool) as handle:
         volumes = len(csi_holders(handle))
         if open_anywhere(handle) is False:
-            return volumes + len(pool_lockers(handle, proc) - {self_pid(proc)})
+            me = self_pid(proc)
+            found = {pid: Holder(pid, "?", lease=True) for pid in pool_lockers(handle, proc) - {me}}
+            _add_views(found, handle, proc, me)
+            return volumes + len(found)
         return volumes + len(find_holders(handle, proc=proc))
 
 
@@ -368,8 +415,9 @@ def exclusive_unused(pool: Pool, *, proc: str = "/proc") -> Lease:
     the caller's own work under the lease, which is why callers scan last, right before it.
 
     With the exclusive lease taken no engine holds the lease, so when no file of the pool is
-    open or mapped anywhere (``open_anywhere``) nothing holds the pool and the scan of every
-    process is skipped: a release or a rebuild on a node with thousands of processes or open
+    open or mapped anywhere (``open_anywhere``) only a mounted view can hold the pool (one
+    mount table per namespace, ``views``) and the scan of every process's maps and fds is
+    skipped: a release or a rebuild on a node with thousands of processes or open
     files paid for it, nearly always to find nobody (at 1,000 simulated nodes in one process,
     minutes of deletion).
 
@@ -391,7 +439,9 @@ def _exclusive_unused(pool: PoolHandle, proc: str) -> Lease:
         raise  # a holder this proc cannot see (another pid namespace): the lease's own message
     try:
         volumes = csi_holders(pool)
-        holders = [] if open_anywhere(pool) is False else find_holders(pool, proc=proc)
+        # nothing open or mapped: only a mounted view can hold it (the lease is ours)
+        unopened = open_anywhere(pool) is False
+        holders = view_holders(pool, proc=proc) if unopened else find_holders(pool, proc=proc)
     except BaseException:
         lease.close()
         raise
@@ -416,3 +466,30 @@ def _exclusive_lease(pool: PoolHandle, proc: str) -> Lease:
     if left is not None:
         raise places.UnsafeEntry(pool.path, wrong, f"; {left}")
     return Lease.exclusive(pool.path, dir_fd=pool.fd)
+
+
+def holders_of(files: set[FileId], *, proc: str = "/proc") -> list[Holder]:
+    """Every other process mapping or holding open one of ``files`` (``find_holders`` for a part
+    of a pool: one share's segments, which the node zeroes while other shares stay in use)."""
+    global _scans
+    me = self_pid(proc)
+    inodes = {str(ino) for _, ino in files}
+    found: list[Holder] = []
+    if not files:
+        return found
+    _scans += 1
+    try:
+        pids = sorted(int(p) for p in os.listdir(proc) if p.isdigit())
+    except FileNotFoundError:
+        pids = []
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            mapped = _maps_any(proc, pid, files, inodes)
+            opened = _opens_any(proc, pid, files)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if mapped or opened:
+            found.append(Holder(pid, command_name(proc, pid), mapped=mapped, open=opened))
+    return found

@@ -51,7 +51,8 @@ from pathlib import Path
 from offloadpool.region.files import beneath, bounded, places
 from offloadpool.region.files.handle import Pool, PoolHandle, given
 from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
-from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_ENGINE, ShareViaName
+from offloadpool.region.holding import pod_cgroup
+from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_DRA, VIA_ENGINE, ShareViaName
 
 SHARES_NAME = "shares"
 #: a share's reservation for a pod given it through a csi volume or a DRA claim (root's; see
@@ -204,6 +205,9 @@ class ShareState:
     holders: tuple[int, ...]
     owner: str = ""
     reserved_for: str = ""
+    #: the pods the holders run in, by their cgroups (``pod_cgroup``: the node's evidence, not
+    #: the owner an engine wrote), sorted; holders in no pod's cgroup are not counted
+    pods: tuple[str, ...] = ()
 
     @property
     def claimed(self) -> bool:
@@ -211,8 +215,11 @@ class ShareState:
 
     @property
     def via(self) -> ShareViaName | None:
-        """``VIA_CSI``, ``VIA_ENGINE``, or None when free."""
-        return VIA_CSI if self.reserved_for else (VIA_ENGINE if self.holders else None)
+        """``VIA_CSI`` or ``VIA_DRA`` (a reservation for a pod's volume or a claim),
+        ``VIA_ENGINE``, or None when free."""
+        if self.reserved_for:
+            return VIA_DRA if self.by_claim else VIA_CSI
+        return VIA_ENGINE if self.holders else None
 
     @property
     def by_claim(self) -> bool:
@@ -223,6 +230,21 @@ class ShareState:
     def holder(self) -> str:
         """Who has the share, in one word: the csi volume's pod, else the engine's owner."""
         return self.reserved_for or self.owner
+
+    def crossed(self) -> str | None:
+        """Why the share is used across pods, or None: holders in two pods (an engine joined
+        another pod's share by naming its owner), or a holder in a pod other than the one a csi
+        volume reserved it for. A DRA claim's reservation names the claim, not a pod: only the
+        first rule applies to it."""
+        if len(self.pods) > 1:
+            pods = ", ".join(self.pods)
+            return f"share {self.index} is held by processes of {len(self.pods)} pods: {pods}"
+        if self.pods and self.reserved_for and not self.by_claim and self.pods[0] != self.reserved_for:
+            return (
+                f"share {self.index} is reserved for pod {self.reserved_for} but held by a process "
+                f"of pod {self.pods[0]}"
+            )
+        return None
 
 
 def states(pool: Pool, shares: int, proc: str = "/proc") -> list[ShareState]:
@@ -242,7 +264,8 @@ def states(pool: Pool, shares: int, proc: str = "/proc") -> list[ShareState]:
                     owner = _parse(beneath.read_file(handle.fd, lease, RECORD_LIMIT)).get("owner", "")
                 except (OSError, places.UnsafeEntry):
                     owner = ""
-            out.append(ShareState(i, tuple(sorted(pids)), owner, reserved.get(i, "")))
+            pods = sorted({pod for pid in pids if (pod := pod_cgroup.pod_of(pid, proc)) is not None})
+            out.append(ShareState(i, tuple(sorted(pids)), owner, reserved.get(i, ""), tuple(pods)))
     return out
 
 

@@ -48,7 +48,7 @@ from offloadpool.region.files.planner import plan as make_plan
 from offloadpool.region.holding import shares
 from offloadpool.region.holding.holders import exclusive_unused
 from offloadpool.region.holding.lease import LeaseHeld
-from offloadpool.region.lifecycle import scrub
+from offloadpool.region.lifecycle import scrub, share_scrub
 from offloadpool.region.lifecycle.teardown import teardown
 from offloadpool.region.memory import capacity, hugepage_intent, hugepages, mounts, numa
 from offloadpool.region.memory.populate import DEFAULT_CHUNK, Progress, populate
@@ -202,6 +202,9 @@ def _provision(pool: PoolHandle, call: _Call, opts: _PrefaultOptions) -> Provisi
     rec = records.load(pool)
     if rec is None and pool.has_dir():
         rec = migrate.adopt(pool)  # an older offloadpool's pool, only if it re-validates
+    # A pool directory without the node's record was handed out under a right nobody records
+    # (a release that could not remove it, an older offloadpool's): never built in again.
+    unknown_dir = rec is None and pool.has_dir()
     unsafe: places.UnsafeEntry | None = None
     if rec is not None and rec.fingerprint == req.fingerprint() and rec.phase in (READY, POPULATING):
         with pool.lock():
@@ -245,7 +248,7 @@ def _provision(pool: PoolHandle, call: _Call, opts: _PrefaultOptions) -> Provisi
                         capacity.check(plan, credit_bytes=credit, credit_pages=old_pages)
                     except CapacityError as short:
                         raise _Untouched(short) from short
-                return _build(pool, call, opts, rebuild=unsafe is not None)
+                return _build(pool, call, opts, rebuild=unsafe is not None, unknown_dir=unknown_dir)
             finally:
                 lease.close()
     except _Untouched as untouched:
@@ -355,6 +358,8 @@ def _reuse(
         manifest = wanted
     rec.request = records.Record.new(req).request
     rec.orphaned = ""  # a pool of this name owns it again
+    rec.deleting = ""
+    share_scrub.settle(pool, plan, req, rec)  # a share's zeroing a plugin left: done or withheld
     records.save(pool, rec)
     return ProvisionResult(
         pool_dir=pool.path,
@@ -398,21 +403,29 @@ class _PrefaultOptions:
 
 
 def _build(
-    pool: PoolHandle, call: _Call, opts: _PrefaultOptions, *, rebuild: bool = False
+    pool: PoolHandle,
+    call: _Call,
+    opts: _PrefaultOptions,
+    *,
+    rebuild: bool = False,
+    unknown_dir: bool = False,
 ) -> ProvisionResult:
     """Build, finish or rebuild the pool; the caller holds the pool's lock and exclusive lease.
 
     A name of the wrong kind found while finishing (``places.UnsafeEntry``) makes it start
-    over once from a torn-down pool: nothing holds it (the caller made sure)."""
+    over once from a torn-down pool: nothing holds it (the caller made sure). ``unknown_dir``:
+    the pool directory was there without the node's record; it is replaced by a new one."""
     try:
-        return _build_once(pool, call, opts, rebuild=rebuild)
+        return _build_once(pool, call, opts, rebuild=rebuild, unknown_dir=unknown_dir)
     except places.UnsafeEntry:
         if rebuild:
             raise
         return _build_once(pool, call, opts, rebuild=True)
 
 
-def _build_once(pool: PoolHandle, call: _Call, opts: _PrefaultOptions, *, rebuild: bool) -> ProvisionResult:
+def _build_once(
+    pool: PoolHandle, call: _Call, opts: _PrefaultOptions, *, rebuild: bool, unknown_dir: bool = False
+) -> ProvisionResult:
     req, plan, say, t0 = call.req, call.plan, call.say, call.t0
     _drop_interrupted_writes(pool)
     rec = records.load(pool)
@@ -429,11 +442,15 @@ def _build_once(pool: PoolHandle, call: _Call, opts: _PrefaultOptions, *, rebuil
         # rebuild from scratch.
         teardown(pool, keep_dir=True)  # the caller holds the lock and the exclusive lease
         rec, rebuilt = None, True
-    elif rec is None and _holds_something(pool):
+    elif rec is None and (unknown_dir or _holds_something(pool)):
         # No record of this pool's (lost, or an older offloadpool's that did not re-validate):
-        # what is there is unknown, so it is taken apart, never built upon.
+        # what is there is unknown, so it is taken apart, never built upon. A directory that was
+        # there before this call was handed to consumers under a right nobody records now: it
+        # is replaced (a pod's files in it set aside), so no mount of it shows the new pool.
+        rebuilt = _holds_something(pool)
         teardown(pool, keep_dir=True)
-        rebuilt = True
+        if unknown_dir:
+            pool.renew_dir()
     if rec is None:
         rec = records.Record.new(req)
     else:

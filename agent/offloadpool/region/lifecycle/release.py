@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from offloadpool.region.errors import RegionError
 from offloadpool.region.files import places
 from offloadpool.region.files import record as records
-from offloadpool.region.files.handle import PoolHandle, open_pool
+from offloadpool.region.files.handle import SET_ASIDE, PoolHandle, open_pool
 from offloadpool.region.holding.holders import Holder, describe, exclusive_unused, find_holders
 from offloadpool.region.holding.lease import LeaseHeld
 from offloadpool.region.lifecycle.teardown import teardown
@@ -86,5 +86,5 @@ def _release(pool: PoolHandle, name: str, *, force: bool) -> ReleaseResult:
         if lease is not None:
             lease.close()
     warnings = [FORCE_CONSEQUENCES.format(n=len(holders), holders=describe(holders))] if holders else []
-    warnings += [f"left in place: {line}" for line in left]
+    warnings += [line if line.startswith(SET_ASIDE) else f"left in place: {line}" for line in left]
     return ReleaseResult(name, True, total, given, force, len(holders), tuple(warnings))

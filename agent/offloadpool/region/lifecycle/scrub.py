@@ -330,6 +330,9 @@ def _zero_withheld(
         raise RegionError(f"scrubbing pool {req.name} failed ({due.reason}): {exc}") from exc
     if rec.consumer is not None:
         rec.consumer.pop(HOLDER_KEY, None)  # zero memory: no pod's bytes in it any more
+    from offloadpool.region.lifecycle import share_scrub  # it builds on this module
+
+    rec.shares = share_scrub.baseline(pool, plan.shares)  # every share zero: no holder since
     rec.scrub = {
         "reason": due.reason,
         "seconds": stats.seconds,
@@ -400,12 +403,21 @@ def before_hand_out(
 ) -> None:
     """Provision's build path, before the manifest is written: the caller holds the exclusive
     lease. Fresh memory needs nothing; a build finishing memory that was handed out already
-    (killed after its manifest, or during an owed scrub) is zeroed first when due."""
-    due = scrub_needed(rec, req)
+    (killed after its manifest, or during an owed scrub, or a share's) is zeroed first when due."""
+    due = scrub_needed(rec, req) or _share_pending(rec)
     if due is not None:
         _zero_withheld(pool, plan, req, rec, due, progress, say)
     rec.scrub_pending = ""
     _handed_to(rec, req)
+
+
+def _share_pending(rec: records.Record) -> Due | None:
+    """A share's zeroing left pending (``share_scrub``): nothing holds a pool being built, so
+    the whole pool is zeroed (which takes every share's note with it)."""
+    for note in rec.shares.values():
+        if isinstance(note, dict) and note.get("pending"):
+            return Due(str(note["pending"]))
+    return None
 
 
 def holder_due(rec: records.Record, req: PoolRequest, holder: str) -> Due | None:

@@ -39,7 +39,7 @@ class MountInfo:
     propagation: str  # e.g. "shared:42" or ""
 
 
-def _escape(path: str) -> str:
+def mountinfo_escape(path: str) -> str:
     """A path as mountinfo writes it: space, tab, newline and backslash as octal."""
     for char, code in (("\\", "\\134"), (" ", "\\040"), ("\t", "\\011"), ("\n", "\\012")):
         path = path.replace(char, code)
@@ -77,7 +77,7 @@ def mount_at(path: str | os.PathLike[str]) -> MountInfo | None:
     target = _resolved(path)
     with open("/proc/self/mountinfo") as fh:
         table = fh.read()
-    escaped = _escape(target)
+    escaped = mountinfo_escape(target)
     if f" {escaped} " not in table:
         return None
     found = None
