@@ -589,7 +589,6 @@ def test_the_operator_keeps_off_pool_nodes_by_default(control_plane: Any, tmp_pa
     puts on every node with a Ready pool (its privileged agents could read the operator's token)
     and prefers nodes without agent pods (as the operator renders them); deploy/operator.yaml
     says the same; an affinity of one's own replaces the default whole."""
-    from offloadpool.api.constants import POOL_NODE_LABEL
     from offloadpool.operator.daemonset import render
 
     def affinity(docs: list[dict[str, Any]]) -> Any:
@@ -598,6 +597,10 @@ def test_the_operator_keeps_off_pool_nodes_by_default(control_plane: Any, tmp_pa
         )
 
     default = affinity(helm_template(control_plane))
+    assert default, f"nothing keeps the operator off pool nodes: its default affinity is {default!r}"
+    # imported after that check: it reaches a chart from before this label (hack/against.py)
+    from offloadpool.api.constants import POOL_NODE_LABEL
+
     (term,) = default["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term == {"matchExpressions": [{"key": POOL_NODE_LABEL, "operator": "DoesNotExist"}]}
     (preferred,) = default["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
