@@ -711,7 +711,7 @@ def locks(w: World) -> dict[str, Any]:
         def pool_lock(pool: str) -> Any:
             return open_pool(pool, lock=True)
     except ImportError:  # a commit before the pool handle (hack/against.py): the same lock, as it was
-        from offloadpool.region.files.places import lock as pool_lock
+        from offloadpool.region.places import lock as pool_lock
 
     provision(PoolRequest(name="kv2", capacity=4 << 20, medium="Memory", partitions=2), w.root)
     other = {
