@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -156,8 +157,25 @@ def _consumer(c: Compat, scratch: Path, token: str) -> dict:
     }
 
 
+@pytest.fixture
+def host_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory for the host file, on a shared mount as host files are on a systemd node
+    (``/`` is shared there). Here ``/`` is private, and containerd binds a hostPath into a
+    ``HostToContainer`` mount (6d76805's compat volume had one) only from a shared or slave
+    mount: on ``/`` it refused the link's target ("is mounted on / but it is not a shared or
+    slave mount"), after following the link, which hid what the kubelet and runc give."""
+    path = tmp_path / "host"
+    path.mkdir()
+    for argv in (["mount", "--bind", path, path], ["mount", "--make-shared", path]):
+        subprocess.run(argv, check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=True, capture_output=True)
+
+
 def test_a_root_consumer_that_links_vllms_name_to_a_host_file_never_gets_the_host_file(
-    compat: Compat, tmp_path: Path
+    compat: Compat, host_dir: Path
 ) -> None:
     """A Ready 16Mi tmpfs compat pool; a root consumer replaces ``mnt/vllm_offload_<id>.mmap``
     (through its own pool mount) with a symlink to a scratch host file and exits non-zero. The
@@ -168,9 +186,7 @@ def test_a_root_consumer_that_links_vllms_name_to_a_host_file_never_gets_the_hos
     unchanged, the OffloadPoolNode gets an ``EntryChanged`` Warning naming the entry, the name
     is a hard link of the segment again, the pool stays Ready."""
     c = compat
-    scratch_dir = tmp_path / "host"
-    scratch_dir.mkdir()
-    scratch = scratch_dir / "scratch-host-file"
+    scratch = host_dir / "scratch-host-file"
     content = f"SCRATCH-HOST-FILE-{uuid.uuid4().hex}\n".encode() * 8
     scratch.write_bytes(content)
     scratch.chmod(0o644)
