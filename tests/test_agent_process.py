@@ -327,6 +327,53 @@ def test_a_deleted_pool_is_noted_in_the_nodes_record_while_it_drains(env: dict[s
     assert not pool_dir.exists() and not record.exists()
 
 
+def threads_of(pid: int) -> int:
+    """The number of threads of process ``pid`` (``Threads:`` of /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Threads line in /proc/{pid}/status")
+
+
+def test_idle_connections_to_the_agents_port_hold_no_thread_and_are_closed(env: dict[str, Any]) -> None:
+    """Issue 36, finding 8, through the agent's own port: 400 connections that never send a
+    byte held 400 threads of the agent, and stayed open. Now the agent's threads barely move,
+    the connections beyond its cap (64) are closed at once, a probe made after them is
+    answered, and every idle one is closed after the agent's 10 s timeout."""
+    import socket
+
+    def closed(conn: socket.socket) -> bool:
+        """Whether the agent has closed ``conn`` (end of file or reset), without waiting."""
+        try:
+            return conn.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    pool, node = "agent-idle", "node-i"
+    create(env, pool, node, {"capacity": "16Mi", "medium": "Memory"})
+    agent = start_agent(env, pool, node)
+    wait_for("/readyz 200", lambda: agent.get("/readyz") == 200, timeout=90)
+    before = threads_of(agent.proc.pid)
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(400):
+            conns.append(socket.create_connection(("127.0.0.1", agent.port), timeout=10))
+            conns[-1].setblocking(False)
+        time.sleep(1)
+        grew = threads_of(agent.proc.pid) - before
+        assert agent.get("/healthz") == 200, "no answer to a probe behind 400 idle connections"
+        at_once = sum(closed(c) for c in conns)
+        print(f"400 idle connections: {grew} more threads, {at_once} closed at once")
+        assert grew < 32, f"the agent runs {grew} more threads with 400 idle connections open"
+        assert at_once >= 400 - 64, f"{at_once} of 400 idle connections closed: no cap"
+        wait_for("every idle connection closed", lambda: all(closed(c) for c in conns), timeout=20)
+    finally:
+        for c in conns:
+            c.close()
+
+
 def test_agent_creates_its_node_object_once_and_never_brings_back_a_removed_one(
     env: dict[str, Any],
 ) -> None:

@@ -21,11 +21,9 @@ import yaml
 
 import offloadpool
 from fixtures.operator_process import wait_agent_policy_in_force
-from offloadpool.api import dra
 from offloadpool.api.agent_env import NODE_NAME_ENV
 from offloadpool.api.constants import HOST_ROOT, MIN_HEARTBEATS_PER_TIMEOUT
 from offloadpool.csi.config import DRIVER_NAME, CsiConfig
-from offloadpool.dra.config import DraConfig
 from offloadpool.operator.config import OperatorConfig
 from offloadpool.operator.main import config_from_args, parse_args
 
@@ -484,6 +482,10 @@ def test_chart_dra_renders_the_device_class_only_when_enabled(control_plane: Any
     """Off by default. On: the DeviceClass offloadpool.io selecting the driver's devices, the
     object deploy/dra.yaml holds (but the release's labels), and the kubelet plugin's DaemonSet
     with its one right, reading ResourceClaims."""
+    # imported here: the chart's other tests also run against a commit before DRA (hack/against.py)
+    from offloadpool.api import dra
+    from offloadpool.dra.config import DraConfig
+
     plain = helm_template(control_plane)
     docs = helm_template(control_plane, "--set", "dra.enabled=true")
     added = [d for d in docs if d not in plain]
@@ -587,7 +589,6 @@ def test_the_operator_keeps_off_pool_nodes_by_default(control_plane: Any, tmp_pa
     puts on every node with a Ready pool (its privileged agents could read the operator's token)
     and prefers nodes without agent pods (as the operator renders them); deploy/operator.yaml
     says the same; an affinity of one's own replaces the default whole."""
-    from offloadpool.api.constants import POOL_NODE_LABEL
     from offloadpool.operator.daemonset import render
 
     def affinity(docs: list[dict[str, Any]]) -> Any:
@@ -596,6 +597,10 @@ def test_the_operator_keeps_off_pool_nodes_by_default(control_plane: Any, tmp_pa
         )
 
     default = affinity(helm_template(control_plane))
+    assert default, f"nothing keeps the operator off pool nodes: its default affinity is {default!r}"
+    # imported after that check: it reaches a chart from before this label (hack/against.py)
+    from offloadpool.api.constants import POOL_NODE_LABEL
+
     (term,) = default["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term == {"matchExpressions": [{"key": POOL_NODE_LABEL, "operator": "DoesNotExist"}]}
     (preferred,) = default["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]

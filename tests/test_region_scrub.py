@@ -295,7 +295,8 @@ def test_a_pool_re_created_over_a_retained_region_is_zeroed(shared_root, tmp_pat
     cli("provision", "--root", str(shared_root), "-f", pool_file("3f0c-old"))
     assert all(r["patterns"] == 3 for r in tenant("read", pool_dir, A)), "the same pool keeps its memory"
     cli("provision", "--root", str(shared_root), "-f", pool_file("9a1d-new"))
-    assert all(r["zero"] for r in tenant("read", pool_dir, A))
+    reads = tenant("read", pool_dir, A)
+    assert all(r["zero"] for r in reads), f"the new pool reads the old one's memory: {reads}"
     rec = records.load(pool_dir)
     assert rec is not None and "re-created over a retained region" in rec.scrub["reason"]
 
