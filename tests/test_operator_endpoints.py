@@ -1,7 +1,8 @@
 """The operator's HTTP endpoints (the webhook's HTTPS server, the liveness endpoint) are bounded:
-idle and stalled connections are closed after the timeout, connections beyond the cap are closed
-at once, a body beyond the cap is refused unread. Real sockets, real TLS, kopf's own webhook
-request handling (``offloadpool.operator.endpoints``, ``webhook.ConfiguringWebhookServer``)."""
+idle and stalled connections are closed after the timeout, a connection beyond the cap resets the
+oldest idle one (never locking a caller out), a body beyond the cap is refused unread. Real
+sockets, real TLS, kopf's own webhook request handling (``offloadpool.operator.endpoints``,
+``webhook.ConfiguringWebhookServer``)."""
 
 from __future__ import annotations
 
@@ -56,11 +57,19 @@ def test_the_liveness_endpoint_answers_and_closes_idle_stalled_and_surplus_conne
             answer = await request(port, get)
             assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"{}")
             idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(BOUNDS.max_connections)]
-            surplus, _ = await asyncio.open_connection("127.0.0.1", port)
-            assert await closed_by_server(surplus, within=2)  # beyond the cap: at once
-            (stalled_reader, stalled_writer) = idle[0]
+            (stalled_reader, stalled_writer) = idle[1]
             stalled_writer.write(b"GET /healthz HTTP/1.1\r\n")  # the headers never end
-            assert all([await closed_by_server(r) for r, _ in idle])  # after the timeout
+            # a client holding every place with idle connections locks nobody out: the next
+            # connection is answered at once and the oldest idle one is reset for it
+            answer = await asyncio.wait_for(request(port, get), 2)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert await closed_by_server(idle[0][0], within=0.3)  # at once, before the timeout
+            # a stalled request is no request: with the places full again, the next connection
+            # makes room by resetting it, now the oldest
+            idle.append(await asyncio.open_connection("127.0.0.1", port))
+            assert (await asyncio.wait_for(request(port, get), 2)).startswith(b"HTTP/1.1 200")
+            assert await closed_by_server(stalled_reader, within=0.3)
+            assert all([await closed_by_server(r) for r, _ in idle[2:]])  # the rest after the timeout
             assert (await request(port, get)).startswith(b"HTTP/1.1 200")  # room again
         finally:
             await runner.cleanup()

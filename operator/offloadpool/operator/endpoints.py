@@ -7,8 +7,13 @@ same aiohttp pieces kopf uses, with:
 
 - **a timeout** (``HttpBounds.idle_seconds``): a connection that sends no (complete) request for
   this long is closed, whether it never sent one or was kept alive after one;
-- **a cap on open connections** (``max_connections``): a connection beyond it is closed as soon
-  as it is made (for HTTPS, once its handshake is done; asyncio gives a handshake 60 s);
+- **a cap on open connections** (``max_connections``): a connection beyond it makes room by
+  aborting the oldest one that is not in the middle of a request (idle, kept alive, or still
+  sending its headers): so a client holding the cap with idle connections never locks the API
+  server out of the webhook (for HTTPS the new connection counts once its handshake is done;
+  asyncio gives a handshake 60 s). The aborted connection is reset, not shut down: a TLS close
+  would wait up to 30 s for the client's answer while still taking its place. Only when every
+  open connection is mid-request is the new one closed as soon as it is made;
 - **a cap on a request's body** (``max_body_bytes``, aiohttp's ``client_max_size``): an
   AdmissionReview carries the object and, on an update, the old one: two of the API server's
   1.5 MiB request limit, and more is refused with 413 before it is read;
@@ -41,7 +46,8 @@ class HttpBounds:
     ``keepalive_timeout``: from the connection's start, and again after each answer). The API
     server's webhook calls time out after at most 30 s, the kubelet's probes after 1 s."""
     max_connections: int = 64
-    """Open connections at most; one beyond it is closed at once."""
+    """Open connections at most; one beyond it aborts the oldest that is not mid-request (closed
+    at once itself only when all are)."""
     max_body_bytes: int = 3 << 20
     """The largest request body read (aiohttp's ``client_max_size``); larger: 413."""
     backlog: int = 64
@@ -56,17 +62,29 @@ class _Refused(asyncio.Protocol):
 
 
 class _CappedServer:
-    """aiohttp's protocol factory (``web_server.Server``), refusing connections beyond ``cap``."""
+    """aiohttp's protocol factory (``web_server.Server``), keeping at most ``cap`` connections."""
 
     def __init__(self, server: Server, cap: int) -> None:
         self._server = server
         self._cap = cap
         self.refused = 0
+        self.evicted = 0
 
     def __call__(self) -> asyncio.Protocol:
-        if len(self._server.connections) >= self._cap:
-            self.refused += 1
-            return _Refused()
+        # a handler whose transport is gone is closing (aiohttp drops it at connection_lost)
+        live = [c for c in self._server.connections if c.transport is not None]
+        if len(live) >= self._cap:
+            # aiohttp's own flag: a complete request is being handled (``RequestHandler``);
+            # connections are listed in the order they were made, so the first idle is the oldest
+            idle = next((c for c in live if not c._request_in_progress), None)
+            if idle is None:
+                self.refused += 1
+                return _Refused()
+            transport = idle.transport
+            assert transport is not None
+            transport.abort()  # reset now: a TLS shutdown would keep the place up to 30 s
+            idle.force_close()
+            self.evicted += 1
         return self._server()
 
     def __getattr__(self, name: str) -> Any:  # shutdown, connections, ...: the server's
@@ -74,7 +92,7 @@ class _CappedServer:
 
 
 class BoundedRunner(aiohttp.web.AppRunner):
-    """An ``AppRunner`` whose server closes idle connections and refuses those beyond the cap."""
+    """An ``AppRunner`` whose server closes idle connections and keeps at most the cap open."""
 
     def __init__(self, app: aiohttp.web.Application, bounds: HttpBounds, **kwargs: Any) -> None:
         super().__init__(app, handle_signals=False, keepalive_timeout=bounds.idle_seconds, **kwargs)
