@@ -9,7 +9,8 @@ from ``git ls-files``) builds the old code. The tree is a worktree under
 ``$OFFLOADPOOL_AGAINST_TREE`` (default /var/tmp/offloadpool-against/<commit>), reset on every
 run but its ``.venv`` (remade only when the old pyproject.toml changes). Run it as the tests need
 (root, caches built: hack/test.sh's phases), one real node or control plane on the machine at a
-time as ever.
+time as ever. Runs on one tree take turns (an flock beside it): each run resets the tree, so
+worktrees running at once should each name their own ``OFFLOADPOOL_AGAINST_TREE`` anyway.
 
 Modules that moved between ``<commit>`` and HEAD (``git diff -M``: renames only) are importable
 under their new names too: a finder, installed in that venv by a ``.pth`` file, answers a new
@@ -22,6 +23,7 @@ Standard library only. Exit status: pytest's.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -152,8 +154,18 @@ def main(argv: list[str]) -> int:
     commit = git("rev-parse", "--verify", f"{argv[0]}^{{commit}}").strip()
     head = git("rev-parse", "HEAD").strip()
     tree = Path(os.environ.get("OFFLOADPOOL_AGAINST_TREE", f"/var/tmp/offloadpool-against/{commit[:12]}"))
-    python = prepare(commit, head, tree)
-    return subprocess.run([str(python), "-m", "pytest", *argv[1:]], cwd=tree).returncode
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    # one run per tree at a time: each run resets the tree to its own HEAD's tests, so a second
+    # checkout (another worktree's, another session's) under a running one would change what it
+    # runs; the next run waits, saying so
+    with open(tree.parent / f".{tree.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"hack.against: {tree} is in use by another run; waiting for it", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        python = prepare(commit, head, tree)
+        return subprocess.run([str(python), "-m", "pytest", *argv[1:]], cwd=tree).returncode
 
 
 if __name__ == "__main__":
