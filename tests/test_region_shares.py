@@ -27,7 +27,7 @@ from offloadpool.api.node import NodeShare
 from offloadpool.pinning import AttachError, attach
 from offloadpool.region.errors import RequestError
 from offloadpool.region.files.manifest import MANIFEST_NAME, load
-from offloadpool.region.holding import pod_cgroup, shares
+from offloadpool.region.holding import shares
 from offloadpool.region.holding.lease import LeaseHeld
 from offloadpool.region.lifecycle.provision import provision
 from offloadpool.region.request import SHAPE_FIELDS, PoolRequest
@@ -345,6 +345,8 @@ def test_an_engine_joining_another_pods_share_is_seen_by_the_node(
     ],
 )
 def test_the_pod_of_a_cgroup_path_is_the_kubelets_level(path: str, uid: str | None) -> None:
+    from offloadpool.region.holding import pod_cgroup  # here: the module loads on older commits
+
     assert pod_cgroup.pod_of_path(path) == uid
 
 
