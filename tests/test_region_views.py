@@ -294,3 +294,49 @@ def test_a_directory_found_without_the_nodes_record_is_replaced(region_root):
     aside = list((region_root / LEFT).iterdir())
     assert len(aside) == 1 and os.listdir(aside[0]) == ["notes"]
     assert aside[0].stat().st_ino == old.st_ino
+
+
+#: mount tables opened by this process, by path (``_count_mountinfo``; off until a test turns it on)
+_MOUNTINFO_OPENS: list[str] | None = None
+
+
+def _count_mountinfo(event: str, args: tuple) -> None:
+    if _MOUNTINFO_OPENS is not None and event == "open" and str(args[0]).endswith("/mountinfo"):
+        _MOUNTINFO_OPENS.append(str(args[0]))
+
+
+sys.addaudithook(_count_mountinfo)
+
+
+def test_the_engine_count_of_many_pools_reads_each_mount_table_once(region_root, processes, tmp_path):
+    """``count`` is a report made at every heartbeat of every pool; the simulated nodes of
+    bench/scale.py run a thousand pools in one process, and each count reading every
+    namespace's table (and this process's own, to find ``<root>``) made their steps grow with
+    the count. Counts share one snapshot of the node's namespaces for a few seconds; a process
+    that starts or leaves shows at once; a decision (release) reads afresh."""
+    global _MOUNTINFO_OPENS
+    from offloadpool.region.holding import views
+
+    names = ["kv", "kv2", "kv3"]
+    for name in names:
+        provision(pool_req(name=name), region_root)
+    pod = Pod(processes, tmp_path, f"bind:{region_root / 'kv'}=/pool")
+    views._snapshot = None  # what an earlier test left
+    _MOUNTINFO_OPENS = []
+    try:
+        counts = [holders.count(region_root / name) for name in names * 2]
+        first = list(_MOUNTINFO_OPENS)
+        assert counts == [1, 0, 0, 1, 0, 0]
+        assert first.count(f"/proc/{pod.pid}/mountinfo") == 1, first
+        assert first.count("/proc/self/mountinfo") == 1, first
+        _MOUNTINFO_OPENS.clear()
+        with pytest.raises(PoolInUse):  # a decision: the tables read again
+            release(region_root, "kv")
+        assert f"/proc/{pod.pid}/mountinfo" in _MOUNTINFO_OPENS, _MOUNTINFO_OPENS
+        other = Pod(processes, tmp_path, f"bind:{region_root / 'kv2'}=/pool")
+        assert holders.count(region_root / "kv2") == 1  # started inside the window: seen at once
+        other.stop()
+        pod.stop()
+        assert [holders.count(region_root / name) for name in names] == [0, 0, 0]  # left: at once
+    finally:
+        _MOUNTINFO_OPENS = None

@@ -46,6 +46,9 @@ FileId = tuple[int, int]  # (st_dev, st_ino)
 _NOT_FILES = ("socket:", "pipe:", "anon_inode:")
 #: how many holders a message names before it says "and N more"
 _NAMED = 5
+#: how old the node's mount tables may be for ``count`` (a report, made at every heartbeat of
+#: every pool: ``views.find``'s shared snapshot); release, reshape and scrub read them afresh
+COUNT_VIEWS_MAX_AGE = 5.0
 #: scans of every process made by this process (``scans()``; the tests' evidence of a skipped one)
 _scans = 0
 
@@ -358,11 +361,18 @@ def _pids(proc: str) -> list[int]:
 
 
 def _add_views(
-    found: dict[int, Holder], pool: PoolHandle, proc: str, me: int, pids: list[int] | None = None
+    found: dict[int, Holder],
+    pool: PoolHandle,
+    proc: str,
+    me: int,
+    pids: list[int] | None = None,
+    *,
+    max_age: float = 0.0,
 ) -> None:
     """Add the pool's mounted views (``views.find``) to ``found``: each namespace's view goes
-    to the process of it already found holding the pool, else to its lowest pid."""
-    for view in views.find(pool, _pids(proc) if pids is None else pids, proc):
+    to the process of it already found holding the pool, else to its lowest pid. ``max_age``:
+    as ``views.find`` (a report's may be shared; a decision's never)."""
+    for view in views.find(pool, pids, proc, max_age=max_age):
         members = sorted(p for p in view.pids if p != me)
         if not members:
             continue
@@ -395,7 +405,7 @@ def count(pool: Pool, *, proc: str = "/proc") -> int:
         if open_anywhere(handle) is False:
             me = self_pid(proc)
             found = {pid: Holder(pid, "?", lease=True) for pid in pool_lockers(handle, proc) - {me}}
-            _add_views(found, handle, proc, me)
+            _add_views(found, handle, proc, me, max_age=COUNT_VIEWS_MAX_AGE)
             return volumes + len(found)
         return volumes + len(find_holders(handle, proc=proc))
 

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 from offloadpool.region.files import beneath, places
 from offloadpool.region.files.handle import PoolHandle
@@ -70,6 +72,27 @@ class View:
 
     pids: tuple[int, ...]
     unread: bool = False
+
+
+@dataclass
+class _Snapshot:
+    """The node's mount namespaces as one ``find`` saw them, for ``max_age`` callers to share:
+    the processes grouped by namespace, and each namespace's table and ``<root>``'s place once
+    read. Status reports the engines attached at every heartbeat of every pool; one snapshot
+    serves them all for a few seconds (the simulated nodes of bench/scale.py, a thousand pools
+    in one process, read every table once per window instead of once per pool and step)."""
+
+    taken: float
+    proc: str
+    mine: str | None
+    groups: dict[tuple[str, int, int], list[int]]
+    pids: frozenset[int] = frozenset()
+    tables: dict[tuple[str, int, int], tuple[bytes, bool] | None] = field(default_factory=dict)
+    where: dict[str, tuple[bytes, bytes] | None] = field(default_factory=dict)
+
+
+_snapshot: _Snapshot | None = None
+_snapshot_lock = threading.Lock()
 
 
 def _dev(st_dev: int) -> bytes:
@@ -109,14 +132,21 @@ def _where(root: str) -> tuple[bytes, bytes] | None:
     return None
 
 
-def target(pool: PoolHandle) -> Target | None:
+def target(pool: PoolHandle, snapshot: _Snapshot | None = None) -> Target | None:
     """What a view of ``pool`` looks like; None when it has no directory (nothing to view) or
-    the file system holding the root cannot be told."""
+    the file system holding the root cannot be told. ``snapshot``: where ``<root>`` was found
+    is taken from it (and kept in it)."""
     try:
         pool_st = os.fstat(pool.fd)
     except (FileNotFoundError, places.UnsafeEntry):
         return None
-    where = _where(os.path.realpath(pool.root))
+    root = os.path.realpath(pool.root)
+    if snapshot is None:
+        where = _where(root)
+    else:
+        if root not in snapshot.where:
+            snapshot.where[root] = _where(root)
+        where = snapshot.where[root]
     if where is None:
         return None
     dir_dev, root_path = where
@@ -188,23 +218,85 @@ def own_namespace() -> str | None:
         return None
 
 
-def find(pool: PoolHandle, pids: list[int], proc: str = "/proc") -> list[View]:
-    """The namespaces among ``pids`` (of ``proc``) that show ``pool`` and are not the node's."""
-    want = target(pool)
+def _pids(proc: str) -> list[int]:
+    try:
+        return [int(p) for p in os.listdir(proc) if p.isdigit()]
+    except FileNotFoundError:
+        return []
+
+
+def _snapshot_for(proc: str, pids: list[int] | None, max_age: float) -> _Snapshot:
+    """A snapshot of the node's namespaces no older than ``max_age`` (0: a new one, unshared);
+    ``pids``: the processes to group (None: every one of ``proc``)."""
+    global _snapshot
+
+    listed = _pids(proc) if pids is None else pids
+    if max_age <= 0:
+        return _Snapshot(time.monotonic(), proc, own_namespace(), _namespaces(proc, listed))
+    now_pids = frozenset(listed)
+    with _snapshot_lock:
+        now = time.monotonic()
+        held = _snapshot
+        if held is None or held.proc != proc or now - held.taken > max_age:
+            held = _Snapshot(now, proc, own_namespace(), _namespaces(proc, listed), now_pids)
+        elif held.pids != now_pids:
+            # processes came or went: group only the new ones, drop the gone ones (and the
+            # tables of namespaces left with none), so a pod that started or left shows at once
+            groups = {
+                key: kept
+                for key, members in held.groups.items()
+                if (kept := [pid for pid in members if pid in now_pids])
+            }
+            for key, members in _namespaces(proc, sorted(now_pids - held.pids)).items():
+                groups[key] = groups.get(key, []) + members
+            tables = dict(held.tables)  # a copy in one step: other threads may be adding to it
+            for key in [k for k in tables if k not in groups]:
+                del tables[key]
+            held = _Snapshot(held.taken, proc, held.mine, groups, now_pids, tables, held.where)
+        _snapshot = held
+        return held
+
+
+def _table(snapshot: _Snapshot, key: tuple[str, int, int], members: list[int]) -> tuple[bytes, bool] | None:
+    """The namespace's mount table as the first of its processes that can still be read shows
+    it (kept in the snapshot); None when none can."""
+    if key in snapshot.tables:
+        return snapshot.tables[key]
+    read = None
+    for pid in members:
+        try:
+            read = _read_table(snapshot.proc, pid)
+            break
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        except OSError:  # EINVAL: the process is leaving; the next may speak for the namespace
+            continue
+    snapshot.tables[key] = read
+    return read
+
+
+def find(
+    pool: PoolHandle, pids: list[int] | None, proc: str = "/proc", *, max_age: float = 0.0
+) -> list[View]:
+    """The namespaces among ``pids`` (of ``proc``; None: all) that show ``pool`` and are not the
+    node's.
+
+    ``max_age``: the namespaces and their tables may be a snapshot that old, shared by every
+    caller in this process; for a report (the engines attached), never for a decision —
+    release, reshape and scrub read the tables afresh (the default)."""
+    snapshot = _snapshot_for(proc, pids, max_age)
+    want = target(pool, snapshot)
     if want is None:
         return []
-    mine = own_namespace()
     found: list[View] = []
-    for (ns, _, _), members in _namespaces(proc, pids).items():
-        if ns == mine:
+    for key, members in snapshot.groups.items():
+        if key[0] == snapshot.mine:
             continue
-        for pid in members:  # the first that can still be read speaks for its namespace
-            try:
-                table, whole = _read_table(proc, pid)
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-            said = judge(table, want)
-            if said == "view" or (said is None and not whole):
-                found.append(View(tuple(members), unread=said is None))
-            break
+        read = _table(snapshot, key, members)
+        if read is None:
+            continue
+        table, whole = read
+        said = judge(table, want)
+        if said == "view" or (said is None and not whole):
+            found.append(View(tuple(members), unread=said is None))
     return found
