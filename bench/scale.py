@@ -7,10 +7,10 @@ prints per count: seconds to converge, operator CPU-ms and API writes (all clien
 converge, steady-state operator CPU % and API writes per second, operator peak RSS; the ratio
 of each cost between consecutive counts (doubling the nodes should at most double each cost);
 and where the machine's CPU went while each pool converged (CPU-ms per node of the agents, the
-API server, etcd, the controller manager and the operator). Then the slices' update: a share
-taken on every node after convergence, seconds until every node's ResourceSlice leaves it out,
-slice writes and requests per node, operator and API server CPU-ms per node, and the growth of
-their totals between counts.
+API server, etcd, the controller manager and the operator). Then the slices' change: the pool
+deleted after its steady state, seconds until every node's ResourceSlice is gone, slice writes
+and requests per node, operator and API server CPU-ms per node, and the growth of their totals
+between counts.
 
 With ``--rounds R`` the counts run R times over (200, 500, 1,000, 200, 500, 1,000, ...) against
 the same operator, and every figure is the median of a count's R runs (the machine is shared
@@ -48,26 +48,26 @@ COLUMNS = [
     ("operator_rss_mib_before", "operator RSS MiB before the pool"),
     ("offloadpoolnodes_created_by_operator", "OffloadPoolNodes the operator made"),
 ]
-#: The slices' update (a share taken on every node after convergence; tests/test_scale.py's
-#: ``take_a_share_everywhere``): until every node's ResourceSlice leaves its device out.
+#: The slices' change (the pool deleted after its steady state; tests/test_scale.py's
+#: ``slices_gone_with_the_pool``): until every node's ResourceSlice is gone.
 SLICE_COLUMNS = [
     ("nodes", "nodes"),
-    ("seconds_to_slice_update", "s until every slice is updated"),
-    ("slice_writes_per_node_update", "slice writes / node"),
-    ("slice_requests_per_node_update", "slice requests / node (any verb)"),
-    ("operator_cpu_ms_per_node_slice_update", "operator CPU-ms / node"),
-    ("apiserver_cpu_ms_per_node_slice_update", "API server CPU-ms / node"),
+    ("seconds_to_slices_gone", "s until every slice is gone"),
+    ("slice_writes_per_node_gone", "slice writes / node"),
+    ("slice_requests_per_node_gone", "slice requests / node (any verb)"),
+    ("operator_cpu_ms_per_node_slices_gone", "operator CPU-ms / node"),
+    ("apiserver_cpu_ms_per_node_slices_gone", "API server CPU-ms / node"),
 ]
 
 
 def slice_table(reports: list[dict[str, Any]]) -> str:
-    """The slices' update per count, and its costs' growth between consecutive counts."""
-    reports = [r for r in reports if "seconds_to_slice_update" in r]
+    """The slices' change per count, and its costs' growth between consecutive counts."""
+    reports = [r for r in reports if "seconds_to_slices_gone" in r]
     if not reports:
         return ""
     lines = [
-        "The slices' update: a share taken on every node (as a csi volume takes one) until every "
-        "node's ResourceSlice leaves its device out:",
+        "The slices' change: the pool deleted, until every node's ResourceSlice is gone (its agent "
+        "deletes it as it drains):",
         "",
         "| " + " | ".join(title for _, title in SLICE_COLUMNS) + " |",
         "|" + "---:|" * len(SLICE_COLUMNS),
@@ -87,9 +87,9 @@ def slice_table(reports: list[dict[str, Any]]) -> str:
 
             lines.append(
                 f"| {a['nodes']} → {b['nodes']} | {b['nodes'] / a['nodes']:.1f} | "
-                f"{total('slice_writes_per_node_update')} | "
-                f"{total('operator_cpu_ms_per_node_slice_update')} | "
-                f"{total('apiserver_cpu_ms_per_node_slice_update')} |"
+                f"{total('slice_writes_per_node_gone')} | "
+                f"{total('operator_cpu_ms_per_node_slices_gone')} | "
+                f"{total('apiserver_cpu_ms_per_node_slices_gone')} |"
             )
     return "\n".join(lines)
 
