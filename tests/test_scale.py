@@ -411,22 +411,30 @@ def slices_gone_with_the_pool(
     all_gone = threading.Event()
 
     def watch_slices() -> None:
-        w = watch.Watch()
+        """Watch from the list, again from the last event's resourceVersion when the API
+        server ends a watch, until every slice went or 600 s passed."""
+        version, deadline = listed["metadata"]["resourceVersion"], time.monotonic() + 600
         try:
-            for event in w.stream(
-                custom.list_cluster_custom_object,
-                *args,
-                label_selector=selector,
-                resource_version=listed["metadata"]["resourceVersion"],
-                timeout_seconds=600,
-            ):
-                name = event["object"].get("metadata", {}).get("name", "")
-                if event["type"] == "DELETED" and name in slice_names and name not in gone:
-                    gone[name] = time.monotonic()
-                    if len(gone) == count:
-                        break
+            while len(gone) < count and time.monotonic() < deadline:
+                w = watch.Watch()
+                try:
+                    for event in w.stream(
+                        custom.list_cluster_custom_object,
+                        *args,
+                        label_selector=selector,
+                        resource_version=version,
+                        timeout_seconds=60,
+                    ):
+                        meta = event["object"].get("metadata", {})
+                        version = meta.get("resourceVersion", version)
+                        name = meta.get("name", "")
+                        if event["type"] == "DELETED" and name in slice_names and name not in gone:
+                            gone[name] = time.monotonic()
+                            if len(gone) == count:
+                                break
+                finally:
+                    w.stop()
         finally:
-            w.stop()
             all_gone.set()
 
     watcher = threading.Thread(target=watch_slices, daemon=True)
