@@ -395,11 +395,12 @@ def slices_gone_with_the_pool(
     slices (from a list's resourceVersion, as a scheduler's informer reads them) says when each
     went. Asserts every node had its slice, with the pool's device, and that none is left.
 
-    Why the deletion and not a share taken on every node (a slice rewritten): a partitioned
-    scale pool made each simulated agent's step read its shares twice (status and slice), and
-    1,000 such agents in one process no longer kept to their heartbeats on this 2-core machine
-    (1,000 nodes took 169 s to converge, 77 of 100 renewals/s steady): the harness's limit, not
-    the product's; a share's change is one write per node too (tests/test_agent_slice_writes.py)."""
+    Why the deletion and not a share taken on every node (a slice rewritten): agents see a
+    reservation only at their next heartbeat step, and at 1,000 nodes this harness's agents no
+    longer keep to their heartbeats (their mounted-view scan reads one mount table that all the
+    simulated nodes share; docs/scale.md), so that change did not reach every slice in 300 s;
+    the pool's deletion wakes every agent through its pool watch. A share's change is one write
+    per node too (tests/test_agent_slice_writes.py)."""
     cp, count = op.cp, len(nodes)
     slice_names = {dra.slice_name(pool, node) for node in nodes}
     args = (dra.RESOURCE_GROUP, dra.RESOURCE_VERSION, dra.SLICE_PLURAL)
