@@ -7,7 +7,10 @@ prints per count: seconds to converge, operator CPU-ms and API writes (all clien
 converge, steady-state operator CPU % and API writes per second, operator peak RSS; the ratio
 of each cost between consecutive counts (doubling the nodes should at most double each cost);
 and where the machine's CPU went while each pool converged (CPU-ms per node of the agents, the
-API server, etcd, the controller manager and the operator).
+API server, etcd, the controller manager and the operator). Then the slices' change: the pool
+deleted after its steady state, seconds until every node's ResourceSlice is gone, slice writes
+and requests per node, operator and API server CPU-ms per node, and the growth of their totals
+between counts.
 
 With ``--rounds R`` the counts run R times over (200, 500, 1,000, 200, 500, 1,000, ...) against
 the same operator, and every figure is the median of a count's R runs (the machine is shared
@@ -45,6 +48,50 @@ COLUMNS = [
     ("operator_rss_mib_before", "operator RSS MiB before the pool"),
     ("offloadpoolnodes_created_by_operator", "OffloadPoolNodes the operator made"),
 ]
+#: The slices' change (the pool deleted after its steady state; tests/test_scale.py's
+#: ``slices_gone_with_the_pool``): until every node's ResourceSlice is gone.
+SLICE_COLUMNS = [
+    ("nodes", "nodes"),
+    ("seconds_to_slices_gone", "s until every slice is gone"),
+    ("slice_writes_per_node_gone", "slice writes / node"),
+    ("slice_requests_per_node_gone", "slice requests / node (any verb)"),
+    ("operator_cpu_ms_per_node_slices_gone", "operator CPU-ms / node"),
+    ("apiserver_cpu_ms_per_node_slices_gone", "API server CPU-ms / node"),
+]
+
+
+def slice_table(reports: list[dict[str, Any]]) -> str:
+    """The slices' change per count, and its costs' growth between consecutive counts."""
+    reports = [r for r in reports if "seconds_to_slices_gone" in r]
+    if not reports:
+        return ""
+    lines = [
+        "The slices' change: the pool deleted, until every node's ResourceSlice is gone (its agent "
+        "deletes it as it drains):",
+        "",
+        "| " + " | ".join(title for _, title in SLICE_COLUMNS) + " |",
+        "|" + "---:|" * len(SLICE_COLUMNS),
+    ]
+    lines += ["| " + " | ".join(str(r[key]) for key, _ in SLICE_COLUMNS) + " |" for r in reports]
+    if len(reports) > 1:
+        lines += [
+            "",
+            "| from → to | nodes × | slice writes total × | operator CPU total × | API server CPU total × |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for a, b in zip(reports, reports[1:], strict=False):  # consecutive pairs
+
+            def total(key: str, a: dict[str, Any] = a, b: dict[str, Any] = b) -> str:
+                ta, tb = a[key] * a["nodes"], b[key] * b["nodes"]
+                return f"{tb / ta:.2f}" if ta else "n/a"
+
+            lines.append(
+                f"| {a['nodes']} → {b['nodes']} | {b['nodes'] / a['nodes']:.1f} | "
+                f"{total('slice_writes_per_node_gone')} | "
+                f"{total('operator_cpu_ms_per_node_slices_gone')} | "
+                f"{total('apiserver_cpu_ms_per_node_slices_gone')} |"
+            )
+    return "\n".join(lines)
 
 
 def table(reports: list[dict[str, Any]]) -> str:
@@ -202,6 +249,8 @@ def main() -> int:
     if args.png:
         plot(merged, args.png)
     print(table(merged))
+    if slices := slice_table(merged):
+        print("\n" + slices)
     if any(len(m["runs"]) > 1 for m in merged):
         print("\nMedians of each count's runs above; the runs:\n")
         print(runs_table(merged))

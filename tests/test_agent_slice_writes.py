@@ -3,7 +3,8 @@
 A new pool has no slice on any node, so a read before the first write finds nothing, at every
 node (at 1,000 nodes, a thousand quorum reads of etcd while the pool converges). The slice is
 created straight away, as the heartbeat Lease is; one that is there already (a restarted agent)
-answers 409 and is then read and compared, and written only when it says something else. The
+answers 409 and is then read and compared, and written only when it says something else. A
+change (a share taken) is one write over what the agent last wrote, no read first. The
 requests are counted on a stand-in for ``KubeAccess``; the slice's content is ``Slices.want``'s
 (tests/test_dra_slices.py checks it against the real API server).
 """
@@ -48,8 +49,11 @@ class Access:
     def replace_slice(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append("replace")
         assert self.stored is not None and body["metadata"]["resourceVersion"]
-        self.stored = body
-        return body
+        if body["metadata"]["resourceVersion"] != self.stored["metadata"]["resourceVersion"]:
+            raise ApiException(status=409, reason="Conflict")
+        version = str(int(body["metadata"]["resourceVersion"]) + 1)
+        self.stored = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
+        return self.stored
 
     def delete_slice(self, name: str) -> None:
         self.calls.append("delete")
@@ -118,3 +122,33 @@ def test_a_pool_not_ready_reads_first_and_deletes_what_is_there(monkeypatch: pyt
     assert access.calls == ["get", "delete"] and access.stored is None
     s.sync(PENDING, POOL_NODE)
     assert access.calls == ["get", "delete"], "nothing there, nothing to say"
+
+
+def test_a_change_is_one_write_over_what_the_agent_last_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = dict(SPEC)
+    access = Access()
+    s = slices(access, monkeypatch, spec)
+    s.sync(READY, POOL_NODE)
+    spec["devices"] = []  # a share taken: its device left out
+    s.sync(READY, POOL_NODE)
+    assert access.calls == ["create", "replace"], "no read before a change: the agent is its one writer"
+    assert access.stored is not None and access.stored["spec"]["pool"]["generation"] == 2
+    assert access.stored["spec"]["devices"] == []
+
+
+def test_a_change_over_a_slice_someone_else_wrote_is_read_and_written_at_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = dict(SPEC)
+    access = Access()
+    s = slices(access, monkeypatch, spec)
+    s.sync(READY, POOL_NODE)
+    assert access.stored is not None
+    access.stored = {**access.stored, "metadata": {**access.stored["metadata"], "resourceVersion": "5"}}
+    spec["devices"] = []
+    s.sync(READY, POOL_NODE)  # 409: what it last wrote is not what is there
+    s.sync(READY, POOL_NODE)
+    # after a refusal what is there is not known: the next step starts as a restarted agent's
+    # (a create, 409, the read), then writes over what it read
+    assert access.calls == ["create", "replace", "create", "get", "replace"]
+    assert access.stored["spec"]["devices"] == [] and access.stored["spec"]["pool"]["generation"] == 2

@@ -18,11 +18,14 @@ polling would be what is measured. For the same reason the agents' regions are b
 ``REGIONS_AT_ONCE`` at a time (a node builds on its own CPU) and the GIL switch interval is
 ``HARNESS_SWITCH_SECONDS`` while they run (see each).
 
-The test asserts convergence (all Ready, pool Ready N/N), that a steady pool makes no
-OffloadPoolNode status writes (liveness is the Leases'), and that deletion releases every
-node. It reports, without asserting on them, the time to converge, the operator's CPU per
-node and peak RSS, the API writes per node (all clients, by resource) and the CPU per node of
-each process on the machine (agents, API server, etcd, controller manager, operator) from the
+The test asserts convergence (all Ready, pool Ready N/N, every node's ResourceSlice with the
+pool's device), that a steady pool makes no OffloadPoolNode status writes (liveness is the
+Leases'), that the pool's deletion removes every node's slice (``slices_gone_with_the_pool``:
+each agent deletes its own as it drains) and that it releases every node. It reports the
+slices' change (seconds, slice requests per node by verb, CPU per node of each process) and,
+without asserting on them, the time to converge, the operator's CPU per node and peak RSS, the
+API writes per node (all clients, by resource) and the CPU per node of each process on the
+machine (agents, API server, etcd, controller manager, operator) from the
 pool's creation to its convergence, and steady-state operator CPU and API writes per second.
 
 ``OFFLOADPOOL_SCALE_NODES`` is a comma-separated list of node counts run one after the other
@@ -63,6 +66,7 @@ from offloadpool.agent import actions, kube
 from offloadpool.agent.loop import Agent
 from offloadpool.agent.metrics import AgentMetrics
 from offloadpool.agent.observation import REREAD_PERIODS
+from offloadpool.api import dra
 from offloadpool.api.constants import GROUP, NODE_PLURAL, POOL_NAME_LABEL, POOL_PLURAL, VERSION
 from offloadpool.operator.daemonset import daemonset_name, pod_node, selector_labels
 
@@ -322,7 +326,9 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
         if seconds < node_object_grace():  # every agent was Ready (so had made its object) in time
             assert made_by_operator == 0, report
 
-        custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
+        # the slices' change: the pool deleted, every node's agent deletes its slice as it drains
+        report.update(slices_gone_with_the_pool(op, custom, pool, names))
+        print(f"\nSCALE SLICES {json.dumps({k: v for k, v in report.items() if 'slice' in k})}")
         wait_for(
             "pool deleted after every node released", lambda: cluster.pool(pool) is None, 900, interval=1
         )
@@ -359,6 +365,109 @@ def _run_one(op: OperatorProcess, nodes: int, warmup: bool) -> dict[str, Any]:
                 agent_api.close()
             admin.close()
         assert not left, f"mounts left: {left}"
+
+
+def api_requests_of(cp: Any, resource: str) -> Counter[str]:
+    """Requests of every verb the API server has answered so far for ``resource``, by verb
+    (its own /metrics, every response code)."""
+    text = cp.kubectl("get", "--raw", "/metrics").stdout
+    out: Counter[str] = Counter()
+    for m in _REQUESTS.finditer(text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
+        if labels.get("resource") == resource and not labels.get("subresource"):
+            out[labels.get("verb", "?")] += int(float(m["value"]))
+    return out
+
+
+def devices_of(obj: dict[str, Any]) -> list[str]:
+    """The device names a ResourceSlice lists."""
+    return sorted(d.get("name", "") for d in (obj.get("spec") or {}).get("devices") or [])
+
+
+def slices_gone_with_the_pool(
+    op: OperatorProcess, custom: client.CustomObjectsApi, pool: str, nodes: list[str]
+) -> dict[str, Any]:
+    """Delete the pool and measure until every node's ResourceSlice is gone: each agent deletes
+    its own as its pool stops being Ready here (draining), the garbage collector any left with
+    the node's OffloadPoolNode. Seconds from the deletion; the slice requests per node by verb
+    and every client's writes per node by resource; the CPU per node of each process (the
+    operator's is its share of the deletion: its Node marks taken off). A watch of the pool's
+    slices (from a list's resourceVersion, as a scheduler's informer reads them) says when each
+    went. Asserts every node had its slice, with the pool's device, and that none is left.
+
+    Why the deletion and not a share taken on every node (a slice rewritten): agents see a
+    reservation only at their next heartbeat step, and at 1,000 nodes this harness's agents no
+    longer keep to their heartbeats (their mounted-view scan reads one mount table that all the
+    simulated nodes share; docs/scale.md), so that change did not reach every slice in 300 s;
+    the pool's deletion wakes every agent through its pool watch. A share's change is one write
+    per node too (tests/test_agent_slice_writes.py)."""
+    cp, count = op.cp, len(nodes)
+    slice_names = {dra.slice_name(pool, node) for node in nodes}
+    args = (dra.RESOURCE_GROUP, dra.RESOURCE_VERSION, dra.SLICE_PLURAL)
+    selector = f"{POOL_NAME_LABEL}={pool}"
+    listed = custom.list_cluster_custom_object(*args, label_selector=selector)
+    before = {o["metadata"]["name"]: devices_of(o) for o in listed["items"]}
+    assert before == {name: [dra.POOL_DEVICE] for name in slice_names}, before
+    gone: dict[str, float] = {}
+    all_gone = threading.Event()
+
+    def watch_slices() -> None:
+        """Watch from the list, again from the last event's resourceVersion when the API
+        server ends a watch, until every slice went or 600 s passed."""
+        version, deadline = listed["metadata"]["resourceVersion"], time.monotonic() + 600
+        try:
+            while len(gone) < count and time.monotonic() < deadline:
+                w = watch.Watch()
+                try:
+                    for event in w.stream(
+                        custom.list_cluster_custom_object,
+                        *args,
+                        label_selector=selector,
+                        resource_version=version,
+                        timeout_seconds=60,
+                    ):
+                        meta = event["object"].get("metadata", {})
+                        version = meta.get("resourceVersion", version)
+                        name = meta.get("name", "")
+                        if event["type"] == "DELETED" and name in slice_names and name not in gone:
+                            gone[name] = time.monotonic()
+                            if len(gone) == count:
+                                break
+                finally:
+                    w.stop()
+        finally:
+            all_gone.set()
+
+    watcher = threading.Thread(target=watch_slices, daemon=True)
+    watcher.start()
+    # the API server's /metrics scrapes outside the CPU measured (one costs it tens of CPU-ms)
+    (writes0, _), slice0 = api_writes(cp), api_requests_of(cp, dra.SLICE_PLURAL)
+    machine0, t0 = machine_cpu(op), time.monotonic()
+    custom.delete_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, pool)
+    wait_for("every node's slice deleted", all_gone.is_set, timeout=600, interval=0.1)
+    assert len(gone) == count, f"{count - len(gone)} slices not seen deleted"
+    seconds = max(gone.values()) - t0
+    machine = {k: v - machine0.get(k, 0.0) for k, v in machine_cpu(op).items()}
+    writes, slice_requests = api_writes(cp)[0] - writes0, api_requests_of(cp, dra.SLICE_PLURAL) - slice0
+    assert not custom.list_cluster_custom_object(*args, label_selector=selector)["items"]
+    slice_writes = sum(v for verb, v in slice_requests.items() if verb in WRITE_VERBS)
+    return {
+        "seconds_to_slices_gone": round(seconds, 1),
+        "slice_writes_per_node_gone": round(slice_writes / count, 2),
+        "slice_requests_per_node_gone": round(sum(slice_requests.values()) / count, 2),
+        "slice_requests_per_node_gone_by_verb": {
+            k: round(v / count, 2) for k, v in slice_requests.most_common()
+        },
+        # every client's writes from the deletion until the last slice went
+        "api_writes_per_node_slices_gone_by_resource": {
+            k: round(v / count, 2) for k, v in writes.most_common()
+        },
+        "operator_cpu_ms_per_node_slices_gone": round(1000 * machine["operator"] / count, 3),
+        "apiserver_cpu_ms_per_node_slices_gone": round(1000 * machine.get("kube-apiserver", 0.0) / count, 2),
+        "cpu_ms_per_node_slices_gone_by_process": {
+            k: round(1000 * v / count, 2) for k, v in sorted(machine.items(), key=lambda kv: -kv[1])
+        },
+    }
 
 
 def wake_agents(

@@ -24,9 +24,11 @@ up each time), deleted when the pool is not Ready (provisioning, scrubbing, drai
 released), and read back every ``reread_seconds`` so a slice someone else removed (the kubelet
 wipes a driver's slices when its plugin goes) is made again. An agent's first slice is
 created without a read first (a new pool has none: a 409 says one is there, which is then read
-and compared), so a new pool's node makes one request for it, not two. It is owned by the pool's
-OffloadPoolNode, so the garbage collector removes it with the node's object (the pool deleted,
-the Node gone) even if no agent is left to.
+and compared), so a new pool's node makes one request for it, not two; a change is written over
+the object this agent last wrote or read (its resourceVersion: a 409 if anyone changed it since,
+then it is read again at the next step), so a change is one request too, not a read and a write.
+It is owned by the pool's OffloadPoolNode, so the garbage collector removes it with the node's
+object (the pool deleted, the Node gone) even if no agent is left to.
 """
 
 from __future__ import annotations
@@ -157,6 +159,9 @@ class Slices:
         self.clock = clock
         #: the spec last written or read (None: no slice), and when it was last read
         self._spec: dict[str, Any] | None = None
+        #: the slice as last written or read (None: no slice), whose resourceVersion a change
+        #: replaces
+        self._object: dict[str, Any] | None = None
         self._known = False
         self._read_at = float("-inf")
 
@@ -187,24 +192,27 @@ class Slices:
                 assert pool_node is not None
                 written = self._create(spec, pool_node)
                 if written is not None:
-                    self._spec = _comparable(written)
+                    self._spec, self._object = _comparable(written), written
                     self._known, self._read_at = True, now
                     return
             if not self._known or now - self._read_at >= self.reread_seconds:
                 current = self.access.get_slice(self.name)
-                self._spec = _comparable(current)
+                self._spec, self._object = _comparable(current), current
                 self._known, self._read_at = True, now
             if spec == self._spec:
                 return
             if spec is None:
                 self.access.delete_slice(self.name)
-                self._spec = None
+                self._spec = self._object = None
                 return
             if current is None and self._spec is not None:
-                current = self.access.get_slice(self.name)
+                # this agent is the slice's one writer: what it last wrote is what is there (a
+                # 409 says otherwise, and the slice is read again at the next step), so a change
+                # is one write at every node, not a quorum read of etcd and a write
+                current = self._object or self.access.get_slice(self.name)
             assert pool_node is not None
             written = self._write(spec, current, pool_node)
-            self._spec = _comparable(written)
+            self._spec, self._object = _comparable(written), written
         except ApiException as exc:
             self._known = False  # read it again next time: what is there is not known
             log.warning(
