@@ -53,6 +53,8 @@ from offloadpool.region.memory.mounts import mountinfo_escape
 MAX_TABLE_BYTES = 4 << 20
 #: the kernel's mark on a mount whose root directory was removed
 _DELETED = b"//deleted"
+#: a mountinfo line's device, root field and mount point
+_MOUNT_LINE = re.compile(rb"^\d+ \d+ (\d+:\d+) (\S+) (\S+) ", re.M)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class _Snapshot:
     pids: frozenset[int] = frozenset()
     tables: dict[tuple[str, int, int], tuple[bytes, bool] | None] = field(default_factory=dict)
     where: dict[str, tuple[bytes, bytes] | None] = field(default_factory=dict)
+    #: this process's own mount table (``own_mounts``), read once per snapshot
+    mounts: dict[bytes, tuple[bytes, bytes]] | None = None
 
 
 _snapshot: _Snapshot | None = None
@@ -108,27 +112,37 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-def _where(root: str) -> tuple[bytes, bytes] | None:
-    """The device and the path within its file system of the directory ``root``, from this
-    process's own mount table: the topmost mount at the deepest mount point above ``root`` (its
-    root field, plus the rest of the path). None when no mount contains it (no procfs)."""
+def own_mounts() -> dict[bytes, tuple[bytes, bytes]] | None:
+    """This process's mount table by mount point (as mountinfo spells it): the device and root
+    field of the topmost mount there (the last listed: mounted over the others). None without
+    procfs."""
     try:
         with open("/proc/self/mountinfo", "rb") as fh:
             table = fh.read()
     except OSError:
         return None
+    return {m.group(3): (m.group(1), m.group(2)) for m in _MOUNT_LINE.finditer(table)}
+
+
+def _where(root: str, mounts: dict[bytes, tuple[bytes, bytes]] | None = None) -> tuple[bytes, bytes] | None:
+    """The device and the path within its file system of the directory ``root``, from this
+    process's own mount table (``mounts``: ``own_mounts()``, read now when not given): the
+    topmost mount at the deepest mount point above ``root`` (its root field, plus the rest of
+    the path). None when no mount contains it (no procfs)."""
+    if mounts is None:
+        mounts = own_mounts()
+        if mounts is None:
+            return None
     for point in _ancestors(root):
-        esc = re.escape(os.fsencode(mountinfo_escape(point)))
-        matches = list(re.finditer(rb"^\d+ \d+ (\d+:\d+) (\S+) " + esc + rb" ", table, re.M))
-        if matches:
-            found = matches[-1]  # the last one: mounted over the others
-            top = found.group(2)
+        found = mounts.get(os.fsencode(mountinfo_escape(point)))
+        if found is not None:
+            dev, top = found
             if top.endswith(_DELETED):
                 return None
             rest = os.path.relpath(root, point)
             top_text = os.fsdecode(top)
             inside = top_text if rest == "." else os.path.join(top_text, mountinfo_escape(rest))
-            return found.group(1), os.fsencode(os.path.normpath(inside))
+            return dev, os.fsencode(os.path.normpath(inside))
     return None
 
 
@@ -145,7 +159,9 @@ def target(pool: PoolHandle, snapshot: _Snapshot | None = None) -> Target | None
         where = _where(root)
     else:
         if root not in snapshot.where:
-            snapshot.where[root] = _where(root)
+            if snapshot.mounts is None:
+                snapshot.mounts = own_mounts()
+            snapshot.where[root] = None if snapshot.mounts is None else _where(root, snapshot.mounts)
         where = snapshot.where[root]
     if where is None:
         return None
@@ -252,7 +268,7 @@ def _snapshot_for(proc: str, pids: list[int] | None, max_age: float) -> _Snapsho
             tables = dict(held.tables)  # a copy in one step: other threads may be adding to it
             for key in [k for k in tables if k not in groups]:
                 del tables[key]
-            held = _Snapshot(held.taken, proc, held.mine, groups, now_pids, tables, held.where)
+            held = _Snapshot(held.taken, proc, held.mine, groups, now_pids, tables, held.where, held.mounts)
         _snapshot = held
         return held
 
