@@ -325,28 +325,14 @@ def find_holders(pool: Pool, *, proc: str = "/proc") -> list[Holder]:
     shows the pool (``views``) is one holder: the process of it that holds the pool otherwise,
     else its lowest pid.
     """
-    global _scans
     with given(pool) as handle:
         files = memory_files(handle)
         lockers = pool_lockers(handle, proc)
         me = self_pid(proc)
-        inodes = {str(ino) for _, ino in files}
-        found: dict[int, Holder] = {}
         pids = _pids(proc)
-        if files:
-            _scans += 1
-            for pid in pids:
-                if pid == me:
-                    continue
-                try:
-                    mapped = _maps_any(proc, pid, files, inodes)
-                    opened = _opens_any(proc, pid, files)
-                except (FileNotFoundError, ProcessLookupError, PermissionError):
-                    continue  # exited during the scan, or not ours to read
-                if mapped or opened:
-                    found[pid] = Holder(
-                        pid, command_name(proc, pid), mapped=mapped, open=opened, lease=pid in lockers
-                    )
+        found = {
+            h.pid: replace(h, lease=h.pid in lockers) for h in _mapping_or_opening(files, proc, me, pids)
+        }
         for pid in lockers - set(found) - {me}:
             found[pid] = Holder(pid, command_name(proc, pid), lease=True)
         _add_views(found, handle, proc, me, pids)
@@ -358,6 +344,28 @@ def _pids(proc: str) -> list[int]:
         return [int(p) for p in os.listdir(proc) if p.isdigit()]
     except FileNotFoundError:
         return []
+
+
+def _mapping_or_opening(files: set[FileId], proc: str, me: int, pids: list[int]) -> list[Holder]:
+    """The processes among ``pids`` but ``me`` that map or hold open one of ``files`` (one scan of
+    their maps and fds; none when ``files`` is empty)."""
+    global _scans
+    if not files:
+        return []
+    _scans += 1
+    inodes = {str(ino) for _, ino in files}
+    found = []
+    for pid in sorted(pids):
+        if pid == me:
+            continue
+        try:
+            mapped = _maps_any(proc, pid, files, inodes)
+            opened = _opens_any(proc, pid, files)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # exited during the scan, or not ours to read
+        if mapped or opened:
+            found.append(Holder(pid, command_name(proc, pid), mapped=mapped, open=opened))
+    return found
 
 
 def _add_views(
@@ -481,25 +489,4 @@ def _exclusive_lease(pool: PoolHandle, proc: str) -> Lease:
 def holders_of(files: set[FileId], *, proc: str = "/proc") -> list[Holder]:
     """Every other process mapping or holding open one of ``files`` (``find_holders`` for a part
     of a pool: one share's segments, which the node zeroes while other shares stay in use)."""
-    global _scans
-    me = self_pid(proc)
-    inodes = {str(ino) for _, ino in files}
-    found: list[Holder] = []
-    if not files:
-        return found
-    _scans += 1
-    try:
-        pids = sorted(int(p) for p in os.listdir(proc) if p.isdigit())
-    except FileNotFoundError:
-        pids = []
-    for pid in pids:
-        if pid == me:
-            continue
-        try:
-            mapped = _maps_any(proc, pid, files, inodes)
-            opened = _opens_any(proc, pid, files)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if mapped or opened:
-            found.append(Holder(pid, command_name(proc, pid), mapped=mapped, open=opened))
-    return found
+    return _mapping_or_opening(files, proc, self_pid(proc), _pids(proc) if files else [])
