@@ -125,6 +125,10 @@ def csi_e2e(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) -
             f"csi.kubeletDir={kubelet_dir}",
             "--set-json",
             f"csi.tolerations={json.dumps([TOLERATION])}",
+            # the plugin's own namespace check, as on a cluster without the webhook: the guard
+            # refuses a hand-written csi volume of the driver wherever the webhook looks
+            "--set-json",
+            f"webhook.excludeNamespaces={json.dumps([e2e.allowed_ns, e2e.other_ns])}",
             timeout=120,
         )
         yield e2e
@@ -198,7 +202,9 @@ def test_csi_a_pod_of_an_allowed_namespace_gets_the_pool_another_is_refused(csi_
     """A Ready tmpfs pool for one namespace: a pod there with an inline csi volume starts and
     reads the pool's manifest at its mount, and the plugin holds the pool for it (a record
     naming the pod); the same pod in another namespace never starts, the kubelet's event
-    carrying the plugin's refusal."""
+    carrying the plugin's refusal. Both namespaces are left out of the webhooks
+    (``webhook.excludeNamespaces``): where the webhook looks, its guard refuses such a
+    hand-written volume first (tests/test_webhook_csi.py); here the node's check is tested."""
     e2e, cp = csi_e2e, csi_e2e.cp
     assert e2e.seen.get("registered"), "the plugin did not register (see the test before)"
     e2e.ready_memory_pool(e2e.pool, {"namespaces": [e2e.allowed_ns]})
