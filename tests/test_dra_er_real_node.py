@@ -27,13 +27,13 @@ from typing import Any
 import pytest
 import yaml
 
-from fixtures.chart_node import CHART, import_offloadpool_image, node_values, remove_release
+from fixtures.chart_node import import_offloadpool_image, remove_release
 from fixtures.node import TOLERATION, RealNode
 from offloadpool.api import dra
 from offloadpool.api.constants import extended_resource_name, pool_label_key
 from offloadpool.api.pods import POD_POOL_LABEL
 from offloadpool.region.holding import published
-from test_dra_real_node import ENFORCE, ENGINE, SECURITY, DraE2E
+from test_dra_real_node import ENGINE, SECURITY, DraE2E, install_dra
 
 pytestmark = pytest.mark.node
 
@@ -86,27 +86,7 @@ def dra_er(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) ->
     )
     cp = real_node.control_plane
     try:
-        cp.kubectl("create", "namespace", e2e.consumer_ns)
-        cp.kubectl("label", "namespace", e2e.consumer_ns, f"{ENFORCE}=restricted")
-        cp.helm(
-            "install",
-            RELEASE,
-            str(CHART),
-            "--namespace",
-            e2e.ns,
-            "--create-namespace",
-            "--take-ownership",
-            *node_values(image),
-            "--set",
-            "dra.enabled=true",
-            "--set",
-            f"csi.kubeletDir={real_node.workdir / 'kubelet'}",
-            "--set",
-            f"dra.cdiDir={real_node.workdir / 'cdi'}",
-            "--set-json",
-            f"csi.tolerations={json.dumps([TOLERATION])}",
-            timeout=120,
-        )
+        install_dra(real_node, RELEASE, e2e.ns, e2e.consumer_ns, image)
         pool = yaml.safe_load(EXAMPLE_POOL.read_text())
         assert pool["spec"]["consumers"]["delivery"] == "DRA"
         pool["metadata"]["name"] = e2e.pool

@@ -168,6 +168,33 @@ class DraE2E(ReleaseOnNode):
         return None
 
 
+def install_dra(real_node: RealNode, release: str, ns: str, consumer_ns: str, image: str) -> None:
+    """A namespace enforcing ``restricted`` for the consumers, and the chart installed with
+    its DRA plugin on the test node's kubelet and CDI directories."""
+    cp = real_node.control_plane
+    cp.kubectl("create", "namespace", consumer_ns)
+    cp.kubectl("label", "namespace", consumer_ns, f"{ENFORCE}=restricted")
+    cp.helm(
+        "install",
+        release,
+        str(CHART),
+        "--namespace",
+        ns,
+        "--create-namespace",
+        "--take-ownership",
+        *node_values(image),
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        f"csi.kubeletDir={real_node.workdir / 'kubelet'}",
+        "--set",
+        f"dra.cdiDir={real_node.cdi_dir}",
+        "--set-json",
+        f"csi.tolerations={json.dumps([TOLERATION])}",
+        timeout=120,
+    )
+
+
 @contextmanager
 def dra_release(
     real_node: RealNode,
@@ -193,27 +220,7 @@ def dra_release(
     )
     cp = real_node.control_plane
     try:
-        cp.kubectl("create", "namespace", e2e.consumer_ns)
-        cp.kubectl("label", "namespace", e2e.consumer_ns, f"{ENFORCE}=restricted")
-        cp.helm(
-            "install",
-            release,
-            str(CHART),
-            "--namespace",
-            e2e.ns,
-            "--create-namespace",
-            "--take-ownership",
-            *node_values(image),
-            "--set",
-            "dra.enabled=true",
-            "--set",
-            f"csi.kubeletDir={real_node.workdir / 'kubelet'}",
-            "--set",
-            f"dra.cdiDir={real_node.cdi_dir}",
-            "--set-json",
-            f"csi.tolerations={json.dumps([TOLERATION])}",
-            timeout=120,
-        )
+        install_dra(real_node, release, e2e.ns, e2e.consumer_ns, image)
         # examples/dra/claim-template.yaml as a user applies it, its pool and namespace renamed
         template = yaml.safe_load(EXAMPLE_TEMPLATE.read_text())
         assert template["metadata"]["name"] == TEMPLATE
