@@ -329,7 +329,7 @@ def find_holders(pool: Pool, *, proc: str = "/proc") -> list[Holder]:
         files = memory_files(handle)
         lockers = pool_lockers(handle, proc)
         me = self_pid(proc)
-        pids = _pids(proc)
+        pids = views.process_ids(proc)
         found = {
             h.pid: replace(h, lease=h.pid in lockers) for h in _mapping_or_opening(files, proc, me, pids)
         }
@@ -337,13 +337,6 @@ def find_holders(pool: Pool, *, proc: str = "/proc") -> list[Holder]:
             found[pid] = Holder(pid, command_name(proc, pid), lease=True)
         _add_views(found, handle, proc, me, pids)
     return [found[pid] for pid in sorted(found)]
-
-
-def _pids(proc: str) -> list[int]:
-    try:
-        return [int(p) for p in os.listdir(proc) if p.isdigit()]
-    except FileNotFoundError:
-        return []
 
 
 def _mapping_or_opening(files: set[FileId], proc: str, me: int, pids: list[int]) -> list[Holder]:
@@ -489,4 +482,4 @@ def _exclusive_lease(pool: PoolHandle, proc: str) -> Lease:
 def holders_of(files: set[FileId], *, proc: str = "/proc") -> list[Holder]:
     """Every other process mapping or holding open one of ``files`` (``find_holders`` for a part
     of a pool: one share's segments, which the node zeroes while other shares stay in use)."""
-    return _mapping_or_opening(files, proc, self_pid(proc), _pids(proc) if files else [])
+    return _mapping_or_opening(files, proc, self_pid(proc), views.process_ids(proc) if files else [])

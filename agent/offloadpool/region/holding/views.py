@@ -94,6 +94,14 @@ class _Snapshot:
     #: this process's own mount table (``own_mounts``), read once per snapshot
     mounts: dict[bytes, tuple[bytes, bytes]] | None = None
 
+    def where_of(self, root: str) -> tuple[bytes, bytes] | None:
+        """``_where`` of ``root``, from this process's table as the snapshot first read it."""
+        if root not in self.where:
+            if self.mounts is None:
+                self.mounts = own_mounts()
+            self.where[root] = _where(root, self.mounts)
+        return self.where[root]
+
 
 _snapshot: _Snapshot | None = None
 _snapshot_lock = threading.Lock()
@@ -112,27 +120,23 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-def own_mounts() -> dict[bytes, tuple[bytes, bytes]] | None:
+def own_mounts() -> dict[bytes, tuple[bytes, bytes]]:
     """This process's mount table by mount point (as mountinfo spells it): the device and root
-    field of the topmost mount there (the last listed: mounted over the others). None without
+    field of the topmost mount there (the last listed: mounted over the others). Empty without
     procfs."""
     try:
         with open("/proc/self/mountinfo", "rb") as fh:
             table = fh.read()
     except OSError:
-        return None
+        return {}
     return {m.group(3): (m.group(1), m.group(2)) for m in _MOUNT_LINE.finditer(table)}
 
 
-def _where(root: str, mounts: dict[bytes, tuple[bytes, bytes]] | None = None) -> tuple[bytes, bytes] | None:
+def _where(root: str, mounts: dict[bytes, tuple[bytes, bytes]]) -> tuple[bytes, bytes] | None:
     """The device and the path within its file system of the directory ``root``, from this
-    process's own mount table (``mounts``: ``own_mounts()``, read now when not given): the
-    topmost mount at the deepest mount point above ``root`` (its root field, plus the rest of
-    the path). None when no mount contains it (no procfs)."""
-    if mounts is None:
-        mounts = own_mounts()
-        if mounts is None:
-            return None
+    process's mount table ``mounts`` (``own_mounts``): the topmost mount at the deepest mount
+    point above ``root`` (its root field, plus the rest of the path). None when no mount
+    contains it (no procfs)."""
     for point in _ancestors(root):
         found = mounts.get(os.fsencode(mountinfo_escape(point)))
         if found is not None:
@@ -146,23 +150,15 @@ def _where(root: str, mounts: dict[bytes, tuple[bytes, bytes]] | None = None) ->
     return None
 
 
-def target(pool: PoolHandle, snapshot: _Snapshot | None = None) -> Target | None:
+def target(pool: PoolHandle, snapshot: _Snapshot) -> Target | None:
     """What a view of ``pool`` looks like; None when it has no directory (nothing to view) or
-    the file system holding the root cannot be told. ``snapshot``: where ``<root>`` was found
-    is taken from it (and kept in it)."""
+    the file system holding the root cannot be told. Where ``<root>`` is comes from
+    ``snapshot`` (and is kept in it)."""
     try:
         pool_st = os.fstat(pool.fd)
     except (FileNotFoundError, places.UnsafeEntry):
         return None
-    root = os.path.realpath(pool.root)
-    if snapshot is None:
-        where = _where(root)
-    else:
-        if root not in snapshot.where:
-            if snapshot.mounts is None:
-                snapshot.mounts = own_mounts()
-            snapshot.where[root] = None if snapshot.mounts is None else _where(root, snapshot.mounts)
-        where = snapshot.where[root]
+    where = snapshot.where_of(os.path.realpath(pool.root))
     if where is None:
         return None
     dir_dev, root_path = where
@@ -234,7 +230,8 @@ def own_namespace() -> str | None:
         return None
 
 
-def _pids(proc: str) -> list[int]:
+def process_ids(proc: str) -> list[int]:
+    """Every process ``proc`` lists."""
     try:
         return [int(p) for p in os.listdir(proc) if p.isdigit()]
     except FileNotFoundError:
@@ -246,7 +243,7 @@ def _snapshot_for(proc: str, pids: list[int] | None, max_age: float) -> _Snapsho
     ``pids``: the processes to group (None: every one of ``proc``)."""
     global _snapshot
 
-    listed = _pids(proc) if pids is None else pids
+    listed = process_ids(proc) if pids is None else pids
     if max_age <= 0:
         return _Snapshot(time.monotonic(), proc, own_namespace(), _namespaces(proc, listed))
     now_pids = frozenset(listed)
@@ -283,9 +280,7 @@ def _table(snapshot: _Snapshot, key: tuple[str, int, int], members: list[int]) -
         try:
             read = _read_table(snapshot.proc, pid)
             break
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        except OSError:  # EINVAL: the process is leaving; the next may speak for the namespace
+        except OSError:  # gone, not ours to read, or leaving (EINVAL): the next may speak
             continue
     snapshot.tables[key] = read
     return read

@@ -35,6 +35,7 @@ never reads the bytes of whoever had that share before.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import time
@@ -216,8 +217,6 @@ def _zero_share(
 def _exclusive_share(pool: PoolHandle, plan: Plan, index: int) -> int:
     """Share ``index``'s lease held exclusively (its descriptor), once no engine holds the lease
     and no process maps or holds open one of its segments; ShareBusy naming them otherwise."""
-    import fcntl
-
     rel = f"{shares.share_rel(index)}/{LEASE_NAME}"
     try:
         fd = beneath.open_file(pool.fd, rel, os.O_RDONLY)
