@@ -142,6 +142,35 @@ def compare(stock: dict[str, str], substituted: dict[str, str]) -> dict[str, Any
     }
 
 
+#: Alone, a candidate regression is run substituted up to this many times before it counts.
+RERUNS = 3
+
+
+def settle(python: Path, candidates: list[str]) -> dict[str, list[str]]:
+    """Which candidates are regressions: they fail substituted, alone, every time, and pass stock.
+
+    vLLM's multi-process and ZeroMQ tests wait on queues and sockets with fixed deadlines (30 s,
+    5 s): on a loaded machine they time out in either run, and one alone rerun was seen failing
+    again (``test_lookup_expiry_allows_zmq_reconnect``, a P2P test the spec does not touch). A
+    test that fails every substituted rerun and also fails stock alone, under the same load, is
+    the machine's, not the spec's; one that passes stock and never substituted is a regression.
+    """
+    left = list(candidates)
+    passed: list[str] = []
+    for _ in range(RERUNS):
+        if not left:
+            break
+        again = run(python, True, [node_id(n) for n in left])
+        passed += [n for n in left if again.get(n) == "passed"]
+        left = [n for n in left if again.get(n) != "passed"]
+    stock_again = run(python, False, [node_id(n) for n in left]) if left else {}
+    return {
+        "passed_on_rerun": sorted(passed),
+        "failed_stock_too": sorted(n for n in left if stock_again.get(n) != "passed"),
+        "regressions": sorted(n for n in left if stock_again.get(n) == "passed"),
+    }
+
+
 def main() -> int:
     python = vllm_env.python_path()
     ensure(python)
@@ -149,11 +178,7 @@ def main() -> int:
     substituted = run(python, True)
     result = compare(stock, substituted)
     if result["regressions"]:
-        # vLLM's multi-process tests wait 30 s on queues: on a loaded machine they time out in
-        # either run. A test counts as a regression only if it fails again, alone, substituted.
-        again = run(python, True, [node_id(n) for n in result["regressions"]])
-        result["passed_on_rerun"] = sorted(n for n in result["regressions"] if again.get(n) == "passed")
-        result["regressions"] = sorted(n for n in result["regressions"] if again.get(n) != "passed")
+        result.update(settle(python, result["regressions"]))
     print(json.dumps(result, indent=1))
     return 1 if result["regressions"] or set(result["by_design"]) != set(BY_DESIGN) else 0
 
