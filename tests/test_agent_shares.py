@@ -101,37 +101,52 @@ def test_agent_shows_a_share_held_from_two_pods_and_warns(
     cgroups: Cgroups,  # first: removed after ``env`` has stopped the engines in them
     env: dict[str, Any],  # noqa: F811
 ) -> None:
-    """An engine joins another pod's share by writing that pod's owner (over hostPath nothing
-    stops it): the agent names both pods in the share's status — from the cgroups the kubelet
-    put them in, not from what they wrote — and posts a ``ShareSharedAcrossPods`` Warning."""
+    """Two pods' engines naming one owner are given two shares by the agent (it reads each pod
+    from the cgroup the kubelet put it in); a process of pod B that takes pod A's share anyway,
+    by flocking its lease itself (over hostPath every share's files are open to it), is named
+    in the share's status next to pod A — from the cgroups, not from anything written — and
+    the agent posts a ``ShareSharedAcrossPods`` Warning."""
     pool, node = "agent-crossed", "node-c"
     create(env, pool, node, {"capacity": "8Mi", "medium": "Memory", "partitions": 2})
     name = f"{pool}.{node}"
     start_agent(env, pool, node)
     wait_for("Ready", lambda: status(env, name).get("phase") == "Ready", timeout=90)
     pool_dir = env["root"] / pool
+    wait_for(
+        "the share service", lambda: (pool_dir / shares.SHARES_NAME / shares.SOCKET_NAME).is_socket(), 30
+    )
     pods = ["0b7c4a52-3333-4c3e-9d1a-6f2b8e0c1a03", "0b7c4a52-4444-4c3e-9d1a-6f2b8e0c1a04"]
-    index = None
+    groups = []
     for pod in pods:
         group = cgroups.child("memory")
         for part in ("kubepods", "besteffort", f"pod{pod}"):
             group = group / part
             group.mkdir()
             cgroups.made.append(group)
-        argv = [sys.executable, "-c", textwrap.dedent(ENGINE), str(pool_dir), "one-owner"]
+        groups.append(group)
+
+    def run(group: Path, argv: list[str]) -> str:
         proc = subprocess.Popen(in_cgroups([group], argv), stdout=subprocess.PIPE, text=True)
         env["engines"].append(proc)
         assert proc.stdout is not None
-        got = int(proc.stdout.readline())
-        assert index in (None, got)
-        index = got
+        return proc.stdout.readline().strip()
+
+    engine = [sys.executable, "-c", textwrap.dedent(ENGINE), str(pool_dir), "one-owner"]
+    index, other = int(run(groups[0], engine)), int(run(groups[1], engine))
+    assert index != other  # the node decided: the owner both named gave B nothing of A's
+    rogue = (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+        "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); time.sleep(600)"
+    )
+    lease = shares.share_dir(pool_dir, index) / "lease"
+    assert run(groups[1], [sys.executable, "-c", rogue, str(lease)]) == "held"
 
     def shown() -> Any:
         st = status(env, name)
         return next((s for s in st.get("shares", []) if s["index"] == index and s.get("pods") == pods), None)
 
     share = wait_for("both pods in the share's status", shown, timeout=30)
-    assert share["engines"] == 2 and share["holder"] == "one-owner", share
+    assert share["engines"] == 2 and share["holder"] == f"pod/{pods[0]}" and share["via"] == "HostPath", share
     core = client.CoreV1Api(env["custom"].api_client)
 
     def warned() -> Any:

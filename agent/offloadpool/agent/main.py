@@ -20,6 +20,7 @@ from offloadpool.agent import kube
 from offloadpool.agent.health import HealthServer
 from offloadpool.agent.loop import Agent
 from offloadpool.agent.metrics import AgentMetrics
+from offloadpool.agent.share_service import ShareService
 
 log = logging.getLogger("offloadpool.agent")
 #: Exit status when the API server no longer accepts the pod's token (``Credential.refused``).
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ).start()
     log.info("serving /healthz /readyz /metrics on %s port %d", cfg.http_address, server.port)
     agent.start()
+    ShareService(cfg.root, cfg.pool).start()  # hostPath engines ask it for their share
     while not stop.wait(1.0):
         if agent.thread is not None and not agent.thread.is_alive():
             if agent.credential_rejected:

@@ -402,7 +402,7 @@ def reserve_again(pool: PoolHandle) -> None:
     """The pool's share reservations as its kept records say: each record's share reserved
     for its pod (again, if a plugin was killed before it reserved or after it dropped it), and
     every reservation no record names dropped (a plugin killed between unreserving and
-    dropping, or between reserving and recording)."""
+    dropping, or between reserving and recording); a hostPath pod's is not the plugins'."""
     try:
         n = partitions(pool)
     except (RegionError, TypeError, ValueError):
@@ -412,6 +412,8 @@ def reserve_again(pool: PoolHandle) -> None:
     wanted = {p.share: p.pod_uid for p in published.load_all(pool) if p.share is not None}
     try:
         for index, pod in shares.reservations(pool, n).items():
+            if pod.startswith(shares.HOSTPATH_OWNER_PREFIX):
+                continue  # the node's, for a hostPath pod: the agent's share service keeps it
             if wanted.get(index) != pod:
                 shares.unreserve(pool, index, pod)
         for index, pod in sorted(wanted.items()):

@@ -501,8 +501,9 @@ def attach(
 
     Replicated: the one region. PerRank: region ``rank``. Interleaved: the one region, in
     which this rank's data is its slot of every row (see ``Attachment.row_geometry``).
-    A pool of several shares: this engine's share (see the module docstring); ``owner`` names
-    the engine (every worker of one engine must give the same; default
+    A pool of several shares: this engine's share (see the module docstring): the one the node
+    gives this process's pod where the pool's agent runs; else ``owner`` names the engine (every
+    worker of one engine must give the same; default
     ``offloadpool.region.holding.shares.default_owner()``, the pod).
     Raises ``ManifestError``/``AttachError`` (a subclass) before anything is mapped.
 

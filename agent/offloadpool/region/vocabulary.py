@@ -125,9 +125,11 @@ STATE_PHASES: Final = (ABSENT, PROVISIONING, POPULATING, SCRUBBING, READY, ORPHA
 MANIFEST_STATES: Final = (READY, DRAINING)
 
 # How a share of a partitioned pool is claimed (``region.holding.shares``): a csi volume's reservation
-# for a pod, a DRA claim's reservation (the same record, owner ``claim/<uid>``), or an engine's
-# flock on the share's lease.
-ShareViaName = Literal["CSI", "DRA", "Engine"]
+# for a pod, a DRA claim's reservation (the same record, owner ``claim/<uid>``), the node's
+# reservation for a hostPath pod (owner ``pod/<uid>``), or an engine's flock on the share's lease
+# alone (a pool made without an agent).
+ShareViaName = Literal["CSI", "DRA", "HostPath", "Engine"]
 VIA_CSI: Final = "CSI"
 VIA_DRA: Final = "DRA"
+VIA_HOSTPATH: Final = "HostPath"
 VIA_ENGINE: Final = "Engine"

@@ -1,9 +1,9 @@
 """Which pod a process on the node belongs to, from the cgroup the kubelet put it in.
 
-Why this exists: an engine claims a share of a partitioned pool under an owner it names itself
-(``OFFLOADPOOL_SHARE_OWNER``, else its pod's uid from the environment), so over hostPath an
-engine can join another pod's share by naming that pod. Over hostPath nothing on the node can
-stop it (every pod given the pool can open every share's files); the node can see it, though.
+Why this exists: what a pod says about itself (``OFFLOADPOOL_SHARE_OWNER``, its uid in its
+environment) is its own word. The node gives a hostPath pod its share by the pod it reads here
+for the process that asks (``agent.share_service``), and over hostPath, where every pod given
+the pool can still open every share's files, it sees which pods hold each share.
 The kubelet and the container runtime place every container's processes in a cgroup below the
 pod's, whose name carries the pod's uid:
 
@@ -23,6 +23,7 @@ namespace the whole path is visible. At most ``LIMIT`` bytes are read.
 
 from __future__ import annotations
 
+import os
 import re
 
 #: most bytes of ``/proc/<pid>/cgroup`` read (a path is at most a few hundred bytes)
@@ -56,3 +57,22 @@ def pod_of(pid: int, proc: str = "/proc") -> str | None:
         if uid is not None:
             return uid
     return None
+
+
+def live_pods(proc: str = "/proc") -> set[str]:
+    """The uids of every pod with a process on the node (one read of each ``/proc/<pid>/cgroup``).
+
+    Why processes and not the kubelet's cgroup directories: the agent's own cgroup namespace may
+    show only its container's subtree of ``/sys/fs/cgroup``, while ``/proc`` (hostPID) shows every
+    process's path. A pod's sandbox and sidecars live as long as the pod, so a pod is live here
+    from its first container's start until the kubelet has killed it."""
+    found: set[str] = set()
+    try:
+        pids = [int(n) for n in os.listdir(proc) if n.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        uid = pod_of(pid, proc)
+        if uid is not None:
+            found.add(uid)
+    return found

@@ -29,6 +29,18 @@ arbiter: a reservation is written while the node holds that lease exclusively, a
 reads the reservation only once it holds the lease (exclusively, and again once shared), so
 no share is given twice across the two deliveries; ``states`` reports it claimed by the pod.
 
+**The node decides over hostPath.** Where the pool's agent runs, the ``shares`` directory holds
+its socket (``SOCKET_NAME``, ``share_service``): an engine over hostPath asks it first, and the
+node, reading the pod from the kubelet's cgroup of the process that asked (never from what the
+pod says), reserves a share for that pod (owner ``pod/<uid>``, the same record and mutex as a
+csi volume's) and answers with it; the engine then claims that share alone, under the node's
+owner, reading leases only (no record written: a hostPath pool directory is mounted read-only
+in the pod). ``OFFLOADPOOL_SHARE_OWNER`` and ``owner`` no longer choose anything there. The
+reservation is dropped once no process of the pod is left on the node (``release_gone``). A
+pool made without an agent (on this machine, by the CLI) has no socket, and the node leaves a
+process in no pod (the host's own engine) to claim by its owner: such engines claim among
+themselves by their owners, as below.
+
 Shares separate engines' memory, not pods from each other: a pod that is given the pool can
 open every share's files, as it could open the whole pool's before (same uid, gid and mode).
 
@@ -42,6 +54,8 @@ import errno
 import fcntl
 import json
 import os
+import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,7 +66,14 @@ from offloadpool.region.files import beneath, bounded, places
 from offloadpool.region.files.handle import Pool, PoolHandle, given
 from offloadpool.region.files.manifest import LEASE_NAME, MANIFEST_NAME, MOUNT_NAME, Manifest, ManifestError
 from offloadpool.region.holding import pod_cgroup
-from offloadpool.region.vocabulary import ENV_POD_UID, VIA_CSI, VIA_DRA, VIA_ENGINE, ShareViaName
+from offloadpool.region.vocabulary import (
+    ENV_POD_UID,
+    VIA_CSI,
+    VIA_DRA,
+    VIA_ENGINE,
+    VIA_HOSTPATH,
+    ShareViaName,
+)
 
 SHARES_NAME = "shares"
 #: a share's reservation for a pod given it through a csi volume or a DRA claim (root's; see
@@ -61,6 +82,13 @@ RESERVATION_NAME = "csi"
 #: a reservation's owner when a DRA claim was given the share (``claim/<claim uid>``; the pod's
 #: engine claims it under the same owner, ``OWNER_ENV``); a csi volume's owner is its pod's uid
 CLAIM_OWNER_PREFIX = "claim/"
+#: a reservation's owner when the node gave the share to a pod over hostPath (``pod/<pod uid>``,
+#: the pod read from the kubelet's cgroup of the engine that asked: ``share_service``)
+HOSTPATH_OWNER_PREFIX = "pod/"
+#: the node's share service, in the ``shares`` directory: a socket only the pool's agent binds
+SOCKET_NAME = "node.sock"
+#: most bytes of a request or an answer on that socket
+MESSAGE_LIMIT = 1024
 #: where a share's ``mnt`` points: the pool's mount, two levels up, inside any bind mount
 LINK_TARGET = f"../../{MOUNT_NAME}"
 #: the environment variables an engine's owner is read from, in this order
@@ -80,6 +108,11 @@ class ShareRefused(RuntimeError):
 def claim_owner(claim_uid: str) -> str:
     """The owner a DRA claim reserves a share under."""
     return f"{CLAIM_OWNER_PREFIX}{claim_uid}"
+
+
+def hostpath_owner(pod_uid: str) -> str:
+    """The owner the node reserves a share under for a pod over hostPath."""
+    return f"{HOSTPATH_OWNER_PREFIX}{pod_uid}"
 
 
 def share_rel(index: int) -> str:
@@ -176,7 +209,7 @@ def remove(pool: PoolHandle, left: list[str]) -> None:
         if i.isdigit():
             rel = f"{SHARES_NAME}/{i}"
             names += [f"{rel}/{n}" for n in (MANIFEST_NAME, LEASE_NAME, MOUNT_NAME, RESERVATION_NAME)] + [rel]
-    _remove(pool, [*names, SHARES_NAME], left)
+    _remove(pool, [*names, f"{SHARES_NAME}/{SOCKET_NAME}", SHARES_NAME], left)
 
 
 def _remove(pool: PoolHandle, names: list[str], left: list[str]) -> None:
@@ -215,11 +248,20 @@ class ShareState:
 
     @property
     def via(self) -> ShareViaName | None:
-        """``VIA_CSI`` or ``VIA_DRA`` (a reservation for a pod's volume or a claim),
-        ``VIA_ENGINE``, or None when free."""
+        """``VIA_CSI``, ``VIA_DRA`` or ``VIA_HOSTPATH`` (a reservation for a pod's volume, a
+        claim, a hostPath pod), ``VIA_ENGINE``, or None when free."""
         if self.reserved_for:
-            return VIA_DRA if self.by_claim else VIA_CSI
+            if self.by_claim:
+                return VIA_DRA
+            return VIA_HOSTPATH if self.reserved_for.startswith(HOSTPATH_OWNER_PREFIX) else VIA_CSI
         return VIA_ENGINE if self.holders else None
+
+    @property
+    def reserved_pod(self) -> str:
+        """The pod the share is reserved for ("" when none, or a DRA claim's)."""
+        if self.by_claim:
+            return ""
+        return self.reserved_for.removeprefix(HOSTPATH_OWNER_PREFIX)
 
     @property
     def by_claim(self) -> bool:
@@ -233,16 +275,16 @@ class ShareState:
 
     def crossed(self) -> str | None:
         """Why the share is used across pods, or None: holders in two pods (an engine joined
-        another pod's share by naming its owner), or a holder in a pod other than the one a csi
-        volume reserved it for. A DRA claim's reservation names the claim, not a pod: only the
-        first rule applies to it."""
+        another pod's share by naming its owner, or by opening its files), or a holder in a pod
+        other than the one a csi volume or the node reserved it for. A DRA claim's reservation
+        names the claim, not a pod: only the first rule applies to it."""
         if len(self.pods) > 1:
             pods = ", ".join(self.pods)
             return f"share {self.index} is held by processes of {len(self.pods)} pods: {pods}"
-        if self.pods and self.reserved_for and not self.by_claim and self.pods[0] != self.reserved_for:
+        mine = self.reserved_pod
+        if self.pods and mine and self.pods[0] != mine:
             return (
-                f"share {self.index} is reserved for pod {self.reserved_for} but held by a process "
-                f"of pod {self.pods[0]}"
+                f"share {self.index} is reserved for pod {mine} but held by a process of pod {self.pods[0]}"
             )
         return None
 
@@ -303,6 +345,8 @@ def _reserved_by(index: int, who: str) -> str:
     """Who holds a reserved share, in words: a DRA claim (``claim_owner``) or a csi volume's pod."""
     if who.startswith(CLAIM_OWNER_PREFIX):
         return f"share {index} by DRA claim {who.removeprefix(CLAIM_OWNER_PREFIX)!r}"
+    if who.startswith(HOSTPATH_OWNER_PREFIX):
+        return f"share {index} by hostPath pod {who.removeprefix(HOSTPATH_OWNER_PREFIX)!r}"
     return f"share {index} by csi volume of pod {who!r}"
 
 
@@ -379,6 +423,31 @@ def reserve(
                 os.close(fd)  # drops the lease: an engine taking it now sees the reservation
 
 
+def release_gone(pool: Pool, shares: int, proc: str = "/proc") -> list[int]:
+    """Drop the node's reservations for hostPath pods that have no process left on the node
+    (``pod_cgroup.live_pods``) and whose share's lease nobody holds; return their indices.
+
+    A pod's share stays its own while the pod lives, across its engine's restarts (the engine
+    asks again and is given the same share); once the kubelet has ended the pod, the share is
+    free for the next. A share still held (by whatever process) keeps its reservation."""
+    from offloadpool.region.holding.holders import lease_lockers  # holders imports lease, not us
+
+    dropped: list[int] = []
+    with given(pool) as handle:
+        mine = {i: w for i, w in reservations(handle, shares).items() if w.startswith(HOSTPATH_OWNER_PREFIX)}
+        if not mine:
+            return dropped
+        alive = pod_cgroup.live_pods(proc)
+        for i, who in sorted(mine.items()):
+            if who.removeprefix(HOSTPATH_OWNER_PREFIX) in alive:
+                continue
+            if lease_lockers(_file_id(handle, f"{share_rel(i)}/{LEASE_NAME}"), proc):
+                continue
+            if unreserve(handle, i, who):
+                dropped.append(i)
+    return dropped
+
+
 def unreserve(pool: Pool, index: int, owner: str, *, timeout: float = 30.0) -> bool:
     """Drop share ``index``'s reservation if it is ``owner``'s; False when it was not."""
     try:
@@ -451,9 +520,9 @@ def default_owner() -> str:
     return f"{ns}/sid:{os.getsid(0)}"
 
 
-def _clip(text: str) -> str:
-    """At most OWNER_LIMIT printable characters: an owner is shown in messages and status."""
-    return "".join(c if c.isprintable() else "?" for c in text[:OWNER_LIMIT])
+def _clip(text: str, limit: int = OWNER_LIMIT) -> str:
+    """At most ``limit`` printable characters: an owner is shown in messages and status."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 def _claim_record(owner: str) -> bytes:
@@ -503,23 +572,32 @@ def claim(
     only: int | None = None,
     timeout: float = 30.0,
 ) -> Claim:
-    """Claim a share of the pool at ``pool_dir`` for ``owner`` (default ``default_owner()``):
-    the one its owner holds already, else a free one (one this owner held last first), or
-    share ``only``. Raises ShareRefused naming the holders when none can be had."""
+    """Claim a share of the pool at ``pool_dir``: the one the node gives this process's pod
+    where the pool's agent serves shares (``ask_node``; ``owner`` is then the node's, whatever
+    was passed), else, for ``owner`` (default ``default_owner()``), the one its owner holds
+    already, else a free one (one this owner held last first), or share ``only``. Raises
+    ShareRefused naming the holders when none can be had."""
     pool_dir = Path(pool_dir)
     owner = _clip(owner) if owner else default_owner()
+    given_by_node = ask_node(pool_dir, shares, only, timeout)
+    if given_by_node is not None:
+        only, owner = given_by_node
     wanted = range(shares) if only is None else [only]
+    # the node's claims: the record is the node's reservation, the lease only read (a hostPath
+    # pool directory is read-only in the pod)
+    lease_flags = os.O_RDONLY if given_by_node is not None else os.O_RDWR
     with _mutex(pool_dir, timeout) as mutex:  # closing it drops the mutex
         held: list[str] = []
         free: list[tuple[int, int, str]] = []  # (index, fd held exclusively, last owner)
         try:
             for i in wanted:
-                fd = beneath.open_file(mutex, f"{i}/{LEASE_NAME}", os.O_RDWR)
+                fd = beneath.open_file(mutex, f"{i}/{LEASE_NAME}", lease_flags)
                 record = _parse(os.pread(fd, RECORD_LIMIT, 0))
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    if record.get("owner") == owner:
+                    reserved = _reservation(mutex, i) if given_by_node is not None else ""
+                    if (reserved or record.get("owner")) == owner:
                         try:
                             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # join our own engine
                         except BlockingIOError:
@@ -528,7 +606,7 @@ def claim(
                             return Claim(pool_dir, i, fd, owner)
                     os.close(fd)
                     who = f"{record['owner']!r} (pid {record['pid']})" if record else "an unnamed holder"
-                    held.append(f"share {i} by {who}")
+                    held.append(_reserved_by(i, reserved) if reserved else f"share {i} by {who}")
                     continue
                 # read only now, holding the lease: a reservation is written under it
                 reserved = _reservation(mutex, i)
@@ -540,11 +618,9 @@ def claim(
             free.sort(key=lambda f: f[2] != owner)  # the share this owner held last, first
             while free:
                 i, fd, _ = free.pop(0)
-                data = json.dumps(
-                    {"owner": owner, "pid": os.getpid(), "since": round(time.time(), 3)}
-                ).encode()
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, data, 0)
+                if given_by_node is None:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, _claim_record(owner), 0)
                 fcntl.flock(fd, fcntl.LOCK_SH)  # others of this owner join; we still hold the mutex
                 # the change to shared may let a reservation in between: read it again
                 reserved = _reservation(mutex, i)
@@ -562,6 +638,79 @@ def claim(
         finally:
             for _, other, _ in free:
                 os.close(other)
+
+
+def ask_node(pool_dir: Path, shares: int, only: int | None, timeout: float) -> tuple[int, str] | None:
+    """The share the node gives this process's pod, and the owner it reserved it under; None
+    when the node serves no shares for this pool (no socket in ``shares``: a pool made
+    without an agent) or leaves this process its own claim (it runs in no pod). ShareRefused
+    with the node's words when it gives none, or when its socket does not answer within
+    ``timeout`` (the agent restarting: it binds again at start).
+
+    The socket is reached through the ``shares`` directory opened beneath the pool directory
+    (no link followed on the way) and must be a socket; the answer is hostile until checked
+    (bounded, a share of this pool, an owner of the node's kind)."""
+    sdir = _shares_dir(pool_dir)
+    try:
+        st = beneath.lstat(sdir, SOCKET_NAME)
+        if st is None:
+            return None
+        where = pool_dir / SHARES_NAME / SOCKET_NAME
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ShareRefused(f"{where} is {beneath.kind(st.st_mode)}, not the node's share service")
+        deadline = time.monotonic() + timeout
+        request = json.dumps({"only": only}).encode() + b"\n"
+        while True:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                    conn.settimeout(max(0.1, deadline - time.monotonic()))
+                    conn.connect(f"/proc/self/fd/{sdir}/{SOCKET_NAME}")
+                    conn.sendall(request)
+                    answer = _read_line(conn)
+                break
+            except (TimeoutError, ConnectionRefusedError, FileNotFoundError, ConnectionResetError) as exc:
+                if time.monotonic() >= deadline:
+                    raise ShareRefused(
+                        f"the node's share service at {where} did not answer in {timeout:g} s ({exc}): "
+                        "the pool's agent gives a hostPath pod its share; is it running?"
+                    ) from None
+                time.sleep(0.2)
+    finally:
+        os.close(sdir)
+    try:
+        reply = bounded.loads(answer, MESSAGE_LIMIT)
+    except bounded.Malformed as exc:
+        raise ShareRefused(f"the node's share service at {where} answered no share ({exc})") from None
+    if isinstance(reply, dict) and isinstance(reply.get("error"), str):
+        raise ShareRefused(_clip(reply["error"], MESSAGE_LIMIT))
+    if isinstance(reply, dict) and "share" in reply and reply["share"] is None:
+        return None  # not a pod's process: the node leaves the host's engines their own claim
+    index = reply.get("share") if isinstance(reply, dict) else None
+    given = reply.get("owner") if isinstance(reply, dict) else None
+    if (
+        not isinstance(index, int)
+        or isinstance(index, bool)
+        or not 0 <= index < shares
+        or (only is not None and index != only)
+        or not isinstance(given, str)
+        or not given.startswith(HOSTPATH_OWNER_PREFIX)
+    ):
+        said = _clip(answer.decode("utf-8", "replace"))
+        raise ShareRefused(f"the node's share service at {where} answered {said!r}")
+    return index, _clip(given)
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    """One line (without its newline) of at most ``MESSAGE_LIMIT`` bytes from ``conn``."""
+    data = b""
+    while b"\n" not in data:
+        chunk = conn.recv(MESSAGE_LIMIT + 1 - len(data))
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > MESSAGE_LIMIT:
+            raise ShareRefused(f"a share service message over {MESSAGE_LIMIT} bytes")
+    return data.split(b"\n", 1)[0]
 
 
 def _lock(fd: int, where: Path, timeout: float) -> None:
