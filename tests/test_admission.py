@@ -76,6 +76,7 @@ def test_a_labelled_pod_gets_volume_mounts_env_affinity_resource_and_sidecar() -
             "name": "offloadpool-kv",
             "mountPath": "/offloadpool/kv",
             "mountPropagation": "HostToContainer",
+            "readOnly": True,  # the directory is on the host's disk
         } in c["volumeMounts"]
         env = env_of(c)
         assert env[ENV_POOL_DIR] == "/offloadpool/kv"
@@ -352,8 +353,9 @@ def test_a_volume_under_the_pools_name_that_is_not_the_pools_is_refused_not_kept
 @pytest.mark.parametrize(
     "mount",
     [
-        {"mountPath": "/offloadpool/kv", "mountPropagation": "HostToContainer", "readOnly": True},
-        {"mountPath": "/offloadpool/kv", "mountPropagation": "Bidirectional"},
+        {"mountPath": "/offloadpool/kv", "mountPropagation": "HostToContainer"},  # writable
+        {"mountPath": "/offloadpool/kv", "mountPropagation": "HostToContainer", "readOnly": False},
+        {"mountPath": "/offloadpool/kv", "mountPropagation": "Bidirectional", "readOnly": True},
         {"mountPath": "/offloadpool/kv"},
         {"mountPath": "/elsewhere", "mountPropagation": "HostToContainer"},
         {"mountPath": "/offloadpool/kv", "mountPropagation": "HostToContainer", "subPath": "mnt"},
@@ -384,6 +386,7 @@ def test_an_init_container_under_the_sidecars_name_that_is_not_the_sidecar_is_re
                     "name": "offloadpool-kv",
                     "mountPath": "/offloadpool/kv",
                     "mountPropagation": "HostToContainer",
+                    "readOnly": True,
                 },
                 {"name": "x", "mountPath": "/x"},
             ]

@@ -1,5 +1,7 @@
-"""A compat (stock vLLM) HostPath pool's region file on the real node, against a root consumer
-that replaces vLLM's name with a link to a host file (issue 36, finding 1).
+"""HostPath pools on the real node against root consumers: a compat (stock vLLM) pool's region
+file, which a consumer replaces with a link to a host file (issue 36, finding 1); a partitioned
+pool, whose share the node gives each pod whatever the pods name, in a pool directory no pod
+can write (issue 36, items 4 and 6).
 
 Why real: the hole was the kubelet's ``stat`` of a hostPath ``File`` volume and runc's bind of
 its source, both following a link a pod left in the pool's tmpfs; the repair is the kubelet's
@@ -49,6 +51,8 @@ class Compat(ReleaseOnNode):
     consumers_ns: str
     pool: str
     seen: dict[str, Any] = field(default_factory=dict)
+    #: the project's image, as the node's containerd has it (the share engines run it)
+    image: str = ""
 
     def diagnostics(self) -> str:
         cp = self.cp
@@ -78,6 +82,7 @@ def compat(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) ->
         ns=f"offloadpool-compat-{suffix}",
         consumers_ns=f"compat-consumers-{suffix}",
         pool=f"compat-{suffix}",
+        image=image,
     )
     cp = real_node.control_plane
     try:
@@ -99,7 +104,7 @@ def compat(real_node: RealNode, crds_installed: Any, shared_agent_root: Path) ->
         )
         yield c
     finally:
-        remove_release(cp, RELEASE, c.ns, [c.pool], real_node.name, [c.consumers_ns])
+        remove_release(cp, RELEASE, c.ns, [c.pool, f"{c.pool}-shares"], real_node.name, [c.consumers_ns])
 
 
 #: The consumer's engine (busybox sh, as root). First start: write a token into the pool's memory
@@ -294,3 +299,105 @@ def test_a_root_consumer_that_links_vllms_name_to_a_host_file_never_gets_the_hos
     assert "SCRATCH-HOST-FILE" not in again, again
     assert pool_volume_name(c.pool) in {m["name"] for m in engine["volumeMounts"]}
     assert in_pod in {m["mountPath"] for m in engine["volumeMounts"]}
+
+
+#: A root engine over hostPath (the project's image): try to write the pool directory (the
+#: host's disk), attach (the node gives the share; both pods name one owner), write a token into
+#: its share's memory, say all that, hold.
+SHARE_ENGINE = """
+import errno, json, os, sys, time
+from offloadpool.pinning import attach
+pool = os.environ["OFFLOADPOOL_POOL_DIR"]
+tried = {}
+for rel in ("planted", "shares/planted", "shares/0/lease", "lease"):
+    try:
+        os.close(os.open(os.path.join(pool, rel), os.O_WRONLY | os.O_CREAT, 0o644))
+        tried[rel] = "written"
+    except OSError as exc:
+        tried[rel] = errno.errorcode[exc.errno]
+region = attach(pool, 0)
+view = region.memoryview()
+view[:32] = sys.argv[1].encode().ljust(32, b".")
+print(json.dumps({"share": region.share, "tried": tried, "uid": os.getuid()}), flush=True)
+time.sleep(3600)
+"""
+
+
+def _share_engine(c: Compat, pool: str, name: str, token: str) -> dict:
+    """A root pod with the pool's label and one owner it names itself (which decides nothing)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {POOL_NAME_LABEL: pool}},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "tolerations": [TOLERATION],
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": c.image,
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", SHARE_ENGINE, token],
+                    "env": [{"name": "OFFLOADPOOL_SHARE_OWNER", "value": "one-owner-for-both"}],
+                    "securityContext": {"runAsUser": 0, "runAsGroup": 0},
+                    "resources": {"limits": {"memory": "64Mi", "cpu": "100m"}},
+                }
+            ],
+        },
+    }
+
+
+def test_hostpath_pods_get_the_share_the_node_gives_in_a_directory_they_cannot_write(compat: Compat) -> None:
+    """A Ready 16Mi tmpfs pool of 2 partitions, HostPath; two root pods naming one share owner
+    in their environment. Each gets its own share (the agent reads each pod from the cgroup the
+    kubelet made; the env decides nothing), writes its token into its share's memory (on the
+    host, in that share's segment), and can create or write nothing in the pool directory
+    (``EROFS``: the webhook's mount of it is read-only, its memory mount below is not). The
+    OffloadPoolNode shows each share ``via: HostPath`` for its pod."""
+    c = compat
+    pool = f"{c.pool}-shares"
+    c.ready_memory_pool(pool, {"namespaces": [c.consumers_ns]}, partitions=2)
+    pool_dir = c.root / pool
+    tokens = {name: f"{name}-{uuid.uuid4().hex[:12]}" for name in ("share-a", "share-b")}
+    for name, token in tokens.items():
+        c.cp.kubectl(
+            "apply", "-n", c.consumers_ns, "-f", "-", input=json.dumps(_share_engine(c, pool, name, token))
+        )
+
+    def said(name: str) -> Any:
+        def read() -> dict | None:
+            out = c.cp.kubectl("logs", name, "-n", c.consumers_ns, "-c", "engine", check=False).stdout
+            line = next((ln for ln in out.splitlines() if ln.startswith("{")), None)
+            return json.loads(line) if line else None
+
+        return read
+
+    seen = {name: c.wait(f"{name} attached", said(name), 180) for name in tokens}
+    print(f"engines: {seen}")
+    assert {seen["share-a"]["share"], seen["share-b"]["share"]} == {0, 1}, seen
+    for what in seen.values():
+        assert what["uid"] == 0 and set(what["tried"].values()) == {"EROFS"}, what
+    assert not (pool_dir / "planted").exists() and not (pool_dir / "shares" / "planted").exists()
+
+    uids = {name: (c.get("pod", name, "-n", c.consumers_ns) or {})["metadata"]["uid"] for name in tokens}
+    for name, what in seen.items():
+        view = manifests.load(pool_dir / "shares" / str(what["share"]))
+        segment = view.regions[0].segments[0].file
+        with open(pool_dir / "shares" / str(what["share"]) / segment, "rb") as fh:
+            assert fh.read(32).rstrip(b".") == tokens[name].encode(), name
+
+    pool_node = f"{pool}.{c.node.name}"
+
+    def shown() -> list | None:
+        shares = ((c.get("offloadpoolnodes", pool_node) or {}).get("status") or {}).get("shares") or []
+        by_pod = {tuple(s.get("pods", [])): s for s in shares}
+        want = [(uids[name],) for name in tokens]
+        return shares if all(w in by_pod for w in want) else None
+
+    shares = c.wait("each share shown for its pod", shown, 90)
+    for share in shares:
+        pod = share["pods"][0]
+        assert share["via"] == "HostPath" and share["holder"] == f"pod/{pod}", share
+        assert seen[next(n for n, u in uids.items() if u == pod)]["share"] == share["index"], (share, seen)

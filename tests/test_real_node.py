@@ -657,7 +657,7 @@ def test_e2e_chart_labelled_consumer_pods_are_mutated_then_attach_write_and_pin_
         engine = spec["containers"][0]
         mount = {m["name"]: m for m in engine.get("volumeMounts", [])}.get(f"offloadpool-{pool}")
         assert mount is not None and mount["mountPath"] == f"/offloadpool/{pool}", engine.get("volumeMounts")
-        assert mount["mountPropagation"] == "HostToContainer", mount
+        assert mount["mountPropagation"] == "HostToContainer" and mount["readOnly"] is True, mount
         env = {e["name"]: e.get("value") for e in engine.get("env", [])}
         assert env.get("OFFLOADPOOL_POOL_DIR") == f"/offloadpool/{pool}", env
         assert env.get("OFFLOADPOOL_MEDIUM") == medium and env.get("OFFLOADPOOL_POOL") == pool, env

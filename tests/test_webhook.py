@@ -308,7 +308,12 @@ def test_a_labelled_pod_comes_back_mutated_exactly_as_specified(webhook: Webhook
     ]
     for i, container in enumerate(spec["containers"]):
         assert container["volumeMounts"] == [
-            {"name": volume, "mountPath": f"/offloadpool/{pool}", "mountPropagation": "HostToContainer"}
+            {
+                "name": volume,
+                "mountPath": f"/offloadpool/{pool}",
+                "mountPropagation": "HostToContainer",
+                "readOnly": True,
+            }
         ]
         assert container["env"] == [
             {"name": "HF_HOME", "value": "/cache"},
@@ -345,7 +350,12 @@ def test_a_labelled_pod_comes_back_mutated_exactly_as_specified(webhook: Webhook
         LEASE_READY_FILE,
     ]
     assert sidecar["volumeMounts"] == [
-        {"name": volume, "mountPath": f"/offloadpool/{pool}", "mountPropagation": "HostToContainer"}
+        {
+            "name": volume,
+            "mountPath": f"/offloadpool/{pool}",
+            "mountPropagation": "HostToContainer",
+            "readOnly": True,
+        }
     ]
     assert sidecar["resources"] == {
         "requests": {"cpu": "10m", "memory": "64Mi", f"offloadpool.io/{pool}": "1"},

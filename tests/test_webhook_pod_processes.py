@@ -53,6 +53,8 @@ def run_container(
         script += [make, f"mount --rbind {shlex.quote(source)} {shlex.quote(target)}"]
         if mount.get("mountPropagation") == "HostToContainer":
             script.append(f"mount --make-rslave {shlex.quote(target)}")
+        if mount.get("readOnly"):  # as runc: the bind itself read-only, the mounts below it not
+            script.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
     argv = [
         a.replace("/offloadpool/", f"{root}/offloadpool/").replace(
             LEASE_READY_FILE, f"{root}{LEASE_READY_FILE}"
@@ -74,6 +76,21 @@ region = mmap.mmap(fd, os.fstat(fd).st_size)
 region[:4096] = b"k" * 4096                # a KV block written into the pool's memory
 print("mapped", os.fstat(fd).st_size, flush=True)
 time.sleep(3600)
+"""
+
+
+WRITE_PROBE = """
+import errno, os, sys
+pool, memory = sys.argv[1], sys.argv[2]
+for rel in ("planted", "lease"):
+    try:
+        os.close(os.open(os.path.join(pool, rel), os.O_WRONLY | os.O_CREAT, 0o644))
+        print("written")
+    except OSError as exc:
+        print(errno.errorcode[exc.errno])
+fd = os.open(memory, os.O_RDWR)
+os.pwrite(fd, b"probe", 4096)
+print("wrote-memory")
 """
 
 
@@ -135,6 +152,25 @@ def test_a_mutated_pods_sidecar_holds_the_pool_from_its_own_mount_namespace(
         vllm.stderr.read() if vllm.poll() else ""
     )
     assert count_holders(lease) == 1
+
+    # a root process of the pod writes nothing in the pool directory (the host's disk), and
+    # still writes the pool's memory through vLLM's file
+    probe = run_container(
+        main_container,
+        spec,
+        root / "probe",
+        processes,
+        command=[
+            sys.executable,
+            "-c",
+            WRITE_PROBE,
+            f"/offloadpool/{name}/",  # as the container sees it (rewritten beneath its root)
+            f"{root / 'probe'}/dev/shm/vllm_offload_{engine}.mmap",
+        ],
+    )
+    assert probe.wait(30) == 0, probe.stderr.read()
+    assert probe.stdout.read().split() == ["EROFS", "EROFS", "wrote-memory"]
+    assert not (region_root / name / "planted").exists()
 
     held = cli("release", name, "--root", str(region_root), check=False)
     assert held.returncode == 3 and "in use" in held.stderr, held.stdout + held.stderr

@@ -6,9 +6,12 @@ the tests run these on their own output.
 
 A labelled pod gets:
 
-- the pool directory as a hostPath volume (``<host root>/<pool>``, type Directory) mounted in
-  every container at ``/offloadpool/<pool>`` with ``mountPropagation: HostToContainer``, so a
-  mount the agent makes inside it after the pod started (a re-provisioned pool) is seen;
+- the pool directory as a hostPath volume (``<host root>/<pool>``, type Directory) mounted
+  read-only in every container at ``/offloadpool/<pool>`` with ``mountPropagation:
+  HostToContainer``, so a mount the agent makes inside it after the pod started (a
+  re-provisioned pool) is seen; the directory is on the host's disk, so no pod writes a byte
+  there, while the pool's memory (``mnt/``, a mount of its own, which a read-only bind does not
+  make read-only) stays writable;
 - for a stock-vLLM compat pool, the region file mounted where vLLM looks for it
   (``/dev/shm/vllm_offload_<engineId>.mmap``) as a ``subPath`` mount of that volume
   (``mnt/<file>``): the kubelet resolves it beneath the pool directory without following a link
@@ -281,6 +284,10 @@ def mounts(pool: Pool) -> list[dict[str, Any]]:
     whole: dict[str, Any] = {"name": volume, "mountPath": pod_pool_dir(name)}
     if not csi_delivery(pool):
         whole["mountPropagation"] = "HostToContainer"
+        # the directory is on the host's disk: read-only, so nothing a pod writes lands there;
+        # the pool's memory, a mount of its own below it, stays writable (read-only is not
+        # recursive unless recursiveReadOnly asks for it)
+        whole["readOnly"] = True
     return [whole] + [{"name": volume, "mountPath": in_pod, "subPath": rel} for rel, in_pod in _compat(pool)]
 
 
