@@ -116,14 +116,7 @@ def test_agent_shows_a_share_held_from_two_pods_and_warns(
         "the share service", lambda: (pool_dir / shares.SHARES_NAME / shares.SOCKET_NAME).is_socket(), 30
     )
     pods = ["0b7c4a52-3333-4c3e-9d1a-6f2b8e0c1a03", "0b7c4a52-4444-4c3e-9d1a-6f2b8e0c1a04"]
-    groups = []
-    for pod in pods:
-        group = cgroups.child("memory")
-        for part in ("kubepods", "besteffort", f"pod{pod}"):
-            group = group / part
-            group.mkdir()
-            cgroups.made.append(group)
-        groups.append(group)
+    groups = [cgroups.pod(pod, "besteffort") for pod in pods]
 
     def run(group: Path, argv: list[str]) -> str:
         proc = subprocess.Popen(in_cgroups([group], argv), stdout=subprocess.PIPE, text=True)

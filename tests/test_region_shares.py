@@ -274,17 +274,6 @@ def test_a_reservation_and_an_engine_claim_racing_never_share_a_share(make_pool:
         held.close()
 
 
-def _pod_cgroup(cgroups: Cgroups, uid: str) -> Path:
-    """A cgroup named as the kubelet's cgroupfs driver names a Burstable pod's, below a scratch
-    cgroup of this test (removed afterwards)."""
-    path = cgroups.child("memory")
-    for part in ("kubepods", "burstable", f"pod{uid}"):
-        path = path / part
-        path.mkdir()
-        cgroups.made.append(path)
-    return path
-
-
 def test_an_engine_joining_another_pods_share_is_seen_by_the_node(
     make_pool: PoolFactory, cgroups: Cgroups
 ) -> None:
@@ -295,7 +284,7 @@ def test_an_engine_joining_another_pods_share_is_seen_by_the_node(
     alone is not."""
     pool = make_pool("kv", capacity=16 * MiB, partitions=2, min_segment=4 * MiB)
     pod_a, pod_b = "0b7c4a52-1111-4c3e-9d1a-6f2b8e0c1a01", "0b7c4a52-2222-4c3e-9d1a-6f2b8e0c1a02"
-    cg_a, cg_b = _pod_cgroup(cgroups, pod_a), _pod_cgroup(cgroups, pod_b)
+    cg_a, cg_b = cgroups.pod(pod_a), cgroups.pod(pod_b)
 
     def engine(group: Path, fill: int) -> subprocess.Popen[str]:
         argv = [sys.executable, "-c", textwrap.dedent(ENGINE), str(pool), "shared-owner", "0", str(fill)]

@@ -42,15 +42,6 @@ time.sleep(600)
 POD_A, POD_B, POD_C = (f"5e1d2c3b-{n}111-4a2b-8c3d-9e8f7a6b5c4d" for n in "abc")
 
 
-def _pod_cgroup(cgroups: Cgroups, uid: str) -> Path:
-    path = cgroups.child("memory")
-    for part in ("kubepods", "burstable", f"pod{uid}"):
-        path = path / part
-        path.mkdir()
-        cgroups.made.append(path)
-    return path
-
-
 @pytest.fixture
 def served(make_pool: PoolFactory) -> Iterator[tuple[Path, ShareService]]:
     """A pool of 3 shares (2 ranks each) and its share service, its socket bound."""
@@ -77,7 +68,7 @@ class Pods:
 
     def group(self, pod: str) -> Path:
         if pod not in self.groups:
-            self.groups[pod] = _pod_cgroup(self.cgroups, pod)
+            self.groups[pod] = self.cgroups.pod(pod)
         return self.groups[pod]
 
     def run(self, pod: str, argv: list[str]) -> subprocess.Popen[str]:
