@@ -274,14 +274,12 @@ def test_agent_lifecycle_on_one_node(env: dict[str, Any]) -> None:
     assert time.monotonic() - t0 < 15, "agent did not exit promptly on SIGTERM"
     assert mounts_under(pool_dir / "mnt") and (pool_dir / "manifest.json").exists()
 
-    # a new agent validates and keeps the region: nothing re-populated
-    beat = status(env, name)["heartbeat"]
+    # a new agent validates and keeps the region: nothing re-populated. Its write is told by
+    # the reason alone (the first agent's stays "Populated": it never provisions a Ready region
+    # again), not by the heartbeat, whose 1 s resolution both agents' writes can share
+    assert status(env, name)["reason"] == "Populated"
     agent2 = start_agent(env, pool, node)
-    st = wait_for(
-        "Reused",
-        lambda: (s := status(env, name)).get("reason") == "Reused" and s["heartbeat"] != beat and s,
-        timeout=60,
-    )
+    st = wait_for("Reused", lambda: (s := status(env, name)).get("reason") == "Reused" and s, timeout=60)
     assert st["phase"] == "Ready" and st["enginesAttached"] == 1
     assert "offloadpool_populated_bytes_total" in agent2.metrics()
     # GIB/S stays the rate measured when the region was made (the node's record), not blank

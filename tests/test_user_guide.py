@@ -282,11 +282,12 @@ def after(guide: Guide, block: str, printed: dict[str, str]) -> None:
         assert view["status"]["phase"] == "Ready" and view["status"]["totalBytes"] == 1536 << 20, view
     elif block == "shares":
         # The pod of a partitioned pool was admitted (the validating webhook found it as the
-        # mutation wrote it), told its own uid and one share's capacity, and saw both shares.
+        # mutation wrote it), told its own uid and one share's capacity, and saw both shares and
+        # the agent's share service.
         log = next(out for line, out in printed.items() if line.startswith("kubectl logs share-check"))
         uid = next(out for line, out in printed.items() if line.startswith("kubectl get pod share-check"))
         assert f"uid={uid.strip()} capacity={256 << 20}" in log and uid.strip(), (log, uid)
-        assert log.split()[-2:] == ["0", "1"], log
+        assert log.split()[-3:] == ["0", "1", "node.sock"], log
         assert guide.get("offloadpool", SHARES) is None, "kubectl delete returned with the pool there"
     elif block == "csi":
         # The pod in the `restricted` namespace was admitted with the inline csi volume and no
