@@ -171,10 +171,10 @@ class ShareService:
         tmp = f".{shares.SOCKET_NAME}.{secrets.token_hex(4)}"
         try:
             sock.bind(f"/proc/self/fd/{sfd}/{tmp}")
+            sock.listen(64)  # before the name is there: an engine that finds it can connect
+            sock.setblocking(False)
             os.chmod(tmp, SOCKET_MODE, dir_fd=sfd)  # root-only directory: nothing swapped it
             os.rename(tmp, shares.SOCKET_NAME, src_dir_fd=sfd, dst_dir_fd=sdir)
-            sock.listen(64)
-            sock.setblocking(False)
             st = os.stat(shares.SOCKET_NAME, dir_fd=sdir, follow_symlinks=False)
         except OSError as exc:
             sock.close()
