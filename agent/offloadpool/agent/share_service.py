@@ -215,7 +215,7 @@ class ShareService:
                 cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
                 pid, _, _ = _PEERCRED.unpack(cred)
                 try:
-                    line = shares._read_line(conn)
+                    line = shares.read_line(conn)
                 except shares.ShareRefused as exc:
                     answer: dict[str, Any] = {"error": str(exc)}
                 else:
@@ -238,16 +238,16 @@ class ShareService:
         pod = pod_cgroup.pod_of(pid, self.proc)
         if pod is None:  # the host's own engine (no pod can leave the cgroup the kubelet made)
             return {"share": None, "why": f"process {pid} runs in no pod: engines claim by their owners"}
-        n = self._partitions()
-        if n < 2:
-            return {"error": f"pool {self.pool_dir.name} has no shares on this node now"}
         owner = shares.hostpath_owner(pod)
         try:
             with open_pool(self.pool_dir, lock=True) as pool:
+                rec = records.load(pool)  # once, under the lock: what the shares are now
+                n = 1 if rec is None else rec.pool_request().partitions
+                if n < 2:
+                    return {"error": f"pool {pool.name} has no shares on this node now"}
                 if only is not None and not 0 <= only < n:
                     return {"error": f"pool {pool.name} has {n} shares, not share {only}"}
-                rec = records.load(pool)
-                why = "" if rec is None else rec.deleting or rec.orphaned
+                why = (rec.deleting or rec.orphaned) if rec is not None else ""
                 if why:
                     return {"error": f"pool {pool.name} is being taken apart ({why}): no share is given"}
                 index = shares.reserve(pool, n, owner, only=only, timeout=self.timeout_seconds)
@@ -258,7 +258,7 @@ class ShareService:
                     return {"error": str(exc)}
         except shares.ShareRefused as exc:
             return {"error": str(exc)}
-        except (OSError, RegionError, beneath.WrongEntry) as exc:
+        except (OSError, RegionError, beneath.WrongEntry, TypeError, ValueError) as exc:
             return {"error": f"pool {self.pool_dir.name}: {exc}"}
         log.info("share %d of %s given to pod %s (pid %d)", index, self.pool_dir.name, pod, pid)
         return {"share": index, "owner": owner}

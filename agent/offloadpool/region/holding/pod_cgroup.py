@@ -23,8 +23,9 @@ namespace the whole path is visible. At most ``LIMIT`` bytes are read.
 
 from __future__ import annotations
 
-import os
 import re
+
+from offloadpool.region.holding.views import process_ids
 
 #: most bytes of ``/proc/<pid>/cgroup`` read (a path is at most a few hundred bytes)
 LIMIT = 8192
@@ -66,13 +67,4 @@ def live_pods(proc: str = "/proc") -> set[str]:
     show only its container's subtree of ``/sys/fs/cgroup``, while ``/proc`` (hostPID) shows every
     process's path. A pod's sandbox and sidecars live as long as the pod, so a pod is live here
     from its first container's start until the kubelet has killed it."""
-    found: set[str] = set()
-    try:
-        pids = [int(n) for n in os.listdir(proc) if n.isdigit()]
-    except OSError:
-        return found
-    for pid in pids:
-        uid = pod_of(pid, proc)
-        if uid is not None:
-            found.add(uid)
-    return found
+    return {uid for pid in process_ids(proc) if (uid := pod_of(pid, proc)) is not None}

@@ -666,7 +666,7 @@ def ask_node(pool_dir: Path, shares: int, only: int | None, timeout: float) -> t
                     conn.settimeout(max(0.1, deadline - time.monotonic()))
                     conn.connect(f"/proc/self/fd/{sdir}/{SOCKET_NAME}")
                     conn.sendall(request)
-                    answer = _read_line(conn)
+                    answer = read_line(conn)
                 break
             except (TimeoutError, ConnectionRefusedError, FileNotFoundError, ConnectionResetError) as exc:
                 if time.monotonic() >= deadline:
@@ -700,7 +700,7 @@ def ask_node(pool_dir: Path, shares: int, only: int | None, timeout: float) -> t
     return index, _clip(given)
 
 
-def _read_line(conn: socket.socket) -> bytes:
+def read_line(conn: socket.socket) -> bytes:
     """One line (without its newline) of at most ``MESSAGE_LIMIT`` bytes from ``conn``."""
     data = b""
     while b"\n" not in data:
